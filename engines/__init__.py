@@ -1,0 +1,1 @@
+"""Engine bridges: the simulated engine, and (later) vLLM's token-only HTTP API."""

@@ -1,0 +1,171 @@
+"""The engine-bridge shell: binds any `Engine` to NATS.
+
+It registers the engine in `tw-engines` with heartbeats, takes work on
+`tw.engine.<id>.generate`, aborts on `tw.engine.<id>.abort`, numbers each attempt's
+deltas, and sends everything produced in one event-loop turn (one engine step) as one
+`TokenStep` message per owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from tokenway import bus
+from tokenway.config import Settings
+from tokenway.registry import heartbeat
+from tokenway.wire import (
+    EngineAbort,
+    EngineInfo,
+    EngineReply,
+    EngineWork,
+    FinishReason,
+    TokenDelta,
+    TokenStep,
+)
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[list[int], FinishReason | None, int | str | None], None]
+
+_work_decoder = msgspec.msgpack.Decoder(EngineWork)
+_abort_decoder = msgspec.msgpack.Decoder(EngineAbort)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class Engine(Protocol):
+    """One variation point: something that turns prompt token IDs into output token IDs."""
+
+    def info(self) -> EngineInfo:
+        """Identity, role and capacity, with current load."""
+        ...
+
+    async def generate(self, work: EngineWork, emit: Emit) -> None:
+        """Run one attempt, calling `emit` per step; cancelled on abort."""
+        ...
+
+
+class Bridge:
+    name = "engine"
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.id = engine.info().id
+        self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._outbox: dict[str, list[TokenDelta]] = {}
+        self._flush_pending = False
+        self._nc: NATS | None = None
+        self._group: asyncio.TaskGroup | None = None
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def run(self, nats_url: str, stop: asyncio.Event) -> None:
+        nc = self._nc = await bus.connect(nats_url, f"tokenway-engine-{self.id}")
+        kv = await bus.engines_kv(nc.jetstream(), self.settings)
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            await nc.subscribe(bus.engine_subject(self.id, "generate"), cb=self._on_generate)
+            await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
+            group.create_task(heartbeat(kv, self.engine.info, self.settings.engine_ttl, stop))
+            log.info(
+                "engine %s (%s) serving %s",
+                self.id,
+                self.engine.info().role,
+                self.engine.info().model,
+            )
+            await stop.wait()
+            for task in list(self.tasks.values()):
+                task.cancel()
+        await nc.drain()
+
+    async def _on_generate(self, msg: Msg) -> None:
+        try:
+            work = _work_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            await msg.respond(
+                _encoder.encode(EngineReply(accepted=False, error=f"bad work: {exc}"))
+            )
+            return
+        info = self.engine.info()
+        if info.running >= info.max_seqs:
+            reply = EngineReply(
+                accepted=False, error=f"engine {self.id} is full ({info.max_seqs} sequences)"
+            )
+            await msg.respond(_encoder.encode(reply))
+            return
+        assert self._group is not None
+        key = (work.rid, work.attempt)
+        self.tasks[key] = self._group.create_task(self._run(work))
+        self.idle.clear()
+        await msg.respond(_encoder.encode(EngineReply(accepted=True)))
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            abort = _abort_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("engine %s: undecodable abort ignored", self.id)
+            return
+        task = self.tasks.get((abort.rid, abort.attempt))
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, work: EngineWork) -> None:
+        seq = 0
+
+        def emit(
+            token_ids: list[int], finish: FinishReason | None, stop_reason: int | str | None
+        ) -> None:
+            nonlocal seq
+            delta = TokenDelta(
+                rid=work.rid,
+                attempt=work.attempt,
+                seq=seq,
+                token_ids=token_ids,
+                finish_reason=finish,
+                stop_reason=stop_reason,
+            )
+            seq += 1
+            self._queue(work.owner, delta)
+
+        try:
+            await self.engine.generate(work, emit)
+        except asyncio.CancelledError:
+            pass  # aborted: the owner asked, so it expects nothing more
+        except Exception as exc:  # the engine failed this attempt: tell the owner why
+            log.exception("engine %s failed %s", self.id, work.rid)
+            self._queue(
+                work.owner,
+                TokenDelta(
+                    rid=work.rid,
+                    attempt=work.attempt,
+                    seq=seq,
+                    finish_reason="error",
+                    error=f"engine {self.id}: {type(exc).__name__}: {exc}",
+                ),
+            )
+        finally:
+            self.tasks.pop((work.rid, work.attempt), None)
+            if not self.tasks:
+                self.idle.set()
+
+    def _queue(self, owner: str, delta: TokenDelta) -> None:
+        self._outbox.setdefault(owner, []).append(delta)
+        if not self._flush_pending:
+            self._flush_pending = True
+            # Everything emitted in this loop turn (one engine step) leaves as one message.
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        outbox, self._outbox = self._outbox, {}
+        assert self._nc is not None and self._group is not None
+        for owner, entries in outbox.items():
+            payload = _encoder.encode(TokenStep(engine=self.id, entries=entries))
+            self._group.create_task(self._nc.publish(bus.tok_subject(owner), payload))

@@ -1,0 +1,131 @@
+"""A simulated engine: real token IDs of the model's vocabulary, engine-like timing, no GPU.
+
+Output is deterministic: the sampling seed (or, without one, the prompt) picks sentences
+from a multilingual corpus, so detokenization meets CJK, emoji and combining marks. Every
+running sequence advances on one shared step clock, like a batch in a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import zlib
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+
+from tokenizers import Tokenizer
+
+from engines.bridge import Emit
+from tokenway.wire import EngineInfo, EngineWork, FinishReason, Role
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    id: str
+    model: str
+    eos_token_id: int
+    role: Role = "union"
+    max_seqs: int = 256
+    chunk_size: int = 1  # tokens per sequence per step
+    ttft: float = 0.02  # seconds before the first step of a sequence
+    itl: float = 0.01  # seconds per token
+    output_len: int = 200  # mean natural length before EOS
+
+
+def corpus_sentences(tokenizer: Tokenizer) -> list[list[int]]:
+    """The corpus, one token list per sentence, each led by a space so sentences join."""
+    text = resources.files("engines").joinpath("corpus.txt").read_text(encoding="utf-8")
+    return [
+        tokenizer.encode(" " + line, add_special_tokens=False).ids
+        for line in text.splitlines()
+        if line
+    ]
+
+
+def seed_of(work: EngineWork) -> int:
+    if work.sampling_params.seed is not None:
+        return work.sampling_params.seed
+    return zlib.crc32(array("I", work.token_ids).tobytes())
+
+
+def token_stream(sentences: list[list[int]], seed: int) -> Iterator[int]:
+    rng = random.Random(seed)
+    while True:
+        yield from sentences[rng.randrange(len(sentences))]
+
+
+def natural_length(seed: int, mean: int) -> int:
+    return random.Random(seed ^ 0x5EED).randint(max(1, mean // 2), max(1, mean * 3 // 2))
+
+
+class StepClock:
+    """One step for all running sequences: waiters of a step wake together."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._step: asyncio.Event | None = None
+
+    async def tick(self) -> None:
+        if self._step is None:
+            self._step = asyncio.Event()
+            asyncio.get_running_loop().call_later(self.interval, self._fire)
+        await self._step.wait()
+
+    def _fire(self) -> None:
+        step, self._step = self._step, None
+        assert step is not None
+        step.set()
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.sentences = corpus_sentences(tokenizer)
+        self.clock = StepClock(config.itl * config.chunk_size)
+        self.running = 0
+
+    def info(self) -> EngineInfo:
+        c = self.config
+        return EngineInfo(
+            id=c.id, model=c.model, role=c.role, max_seqs=c.max_seqs, running=self.running
+        )
+
+    async def generate(self, work: EngineWork, emit: Emit) -> None:
+        self.running += 1
+        try:
+            await self._generate(work, emit)
+        finally:
+            self.running -= 1
+
+    async def _generate(self, work: EngineWork, emit: Emit) -> None:
+        params = work.sampling_params
+        seed = seed_of(work)
+        tokens = token_stream(self.sentences, seed)
+        limit = params.max_tokens if params.max_tokens is not None else 1 << 30
+        natural = None if params.ignore_eos else natural_length(seed, self.config.output_len)
+        stop_ids = set(params.stop_token_ids)
+        made = 0
+        if self.config.ttft:
+            await asyncio.sleep(self.config.ttft)  # simulated prefill time
+        while True:
+            await self.clock.tick()
+            out: list[int] = []
+            finish: FinishReason | None = None
+            reason: int | str | None = None
+            for _ in range(self.config.chunk_size):
+                tid = self.config.eos_token_id if made == natural else next(tokens)
+                out.append(tid)
+                made += 1
+                if made > params.min_tokens and tid == self.config.eos_token_id:
+                    finish = "stop"
+                elif made > params.min_tokens and tid in stop_ids:
+                    finish, reason = "stop", tid
+                elif made >= limit:
+                    finish = "length"
+                if finish:
+                    break
+            emit(out, finish, reason)
+            if finish:
+                return

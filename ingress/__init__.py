@@ -1,0 +1,1 @@
+"""The OpenAI HTTP API in front of the bus."""

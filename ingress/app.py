@@ -1,0 +1,209 @@
+"""The OpenAI API: FastAPI routes that publish requests and stream their committed output."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError
+from nats.js.errors import APIError
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from ingress.router import Event, OutputRouter, Slot
+from tokenway import bus, ledger, sse
+from tokenway.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    StageUnavailable,
+    TokenwayError,
+    error_body,
+)
+from tokenway.protocol import ChatDecoder, CompletionDecoder
+from tokenway.registry import EngineRegistry
+from tokenway.wire import Api, RenderRequest
+from tokenway.worker import is_stream_full, overloaded
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass
+class IngressContext:
+    nc: NATS
+    router: OutputRouter
+    registry: EngineRegistry
+    model: str
+    model_root: str
+    context_length: int
+    request_timeout: float
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenway_requests", "Requests by API and HTTP status", ["api", "status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.active = Gauge("tokenway_active_streams", "Open SSE streams", registry=self.registry)
+
+
+def _error(exc: TokenwayError, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        error_body(exc.info()),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def create_app(ctx: IngressContext) -> FastAPI:
+    app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
+    metrics = Metrics()
+    js = ctx.nc.jetstream()
+
+    async def submit(api: Api, body: bytes, rid: str) -> None:
+        request = RenderRequest(
+            api=api, request_id=rid, body=body, created=int(time.time())
+        )
+        deadline = time.time() + ctx.request_timeout
+        try:
+            await js.publish(
+                bus.render_subject(ctx.model), _encoder.encode(request),
+                headers=ledger.request_headers(rid, ctx.router.ingress_id, deadline),
+            )  # fmt: skip
+        except APIError as exc:
+            if is_stream_full(exc):
+                raise overloaded("render") from exc
+            raise StageUnavailable(f"could not queue the request: {exc.description}") from exc
+        except MaxPayloadError as exc:
+            raise InvalidRequest(
+                f"request body of {len(body)} bytes exceeds the bus limit "
+                f"of {ctx.nc.max_payload} bytes"
+            ) from exc
+
+    async def first_event(slot: Slot) -> Event:
+        try:
+            return await asyncio.wait_for(slot.take_one(), ctx.request_timeout)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"no answer within {ctx.request_timeout:.0f}s") from exc
+
+    async def handle(api: Api, request: Request) -> Response:
+        body = await request.body()
+        try:
+            req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
+        except msgspec.ValidationError as exc:
+            return _error(InvalidRequest(f"invalid request: {exc}"))
+        except msgspec.DecodeError as exc:
+            return _error(InvalidRequest(f"request body is not valid JSON: {exc}"))
+        if req.model is not None and req.model != ctx.model:
+            return _error(
+                ModelNotFound(
+                    f"The model `{req.model}` does not exist.",
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        rid = secrets.token_hex(12)
+        slot = ctx.router.open(rid)
+        streaming = False
+        first: Event | None = None
+        try:
+            await submit(api, body, rid)
+            first = await first_event(slot)
+            if first.kind == "error":
+                metrics.requests.labels(api, first.status).inc()
+                return Response(
+                    first.payload, status_code=first.status, media_type="application/json"
+                )
+            if not req.stream:
+                metrics.requests.labels(api, 200).inc()
+                return Response(first.payload, media_type="application/json")
+            streaming = True
+            metrics.requests.labels(api, 200).inc()
+            return StreamingResponse(
+                stream(rid, slot, first), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )  # fmt: skip
+        except TokenwayError as exc:
+            metrics.requests.labels(api, exc.status).inc()
+            headers = {"Retry-After": "1"} if exc.status == 429 else None
+            return _error(exc, headers)
+        finally:
+            if not streaming:
+                ctx.router.close(rid)
+                if first is None or not first.terminal:
+                    ctx.router.cancel(rid)
+
+    async def stream(rid: str, slot: Slot, first: Event) -> AsyncIterator[bytes]:
+        metrics.active.inc()
+        events, done = [first], False
+        try:
+            while True:
+                out = []
+                for event in events:
+                    payload = sse.frame([event.payload]) if event.kind == "error" else event.payload
+                    out.append(sse.with_id(event.seq, payload))
+                    if event.terminal:
+                        out.append(sse.DONE)
+                        done = True
+                yield b"".join(out)
+                if done:
+                    return
+                events = await slot.take()
+        finally:
+            metrics.active.dec()
+            ctx.router.close(rid)
+            if not done:
+                ctx.router.cancel(rid)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle("completion", request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {"id": ctx.model, "object": "model", "created": 0, "owned_by": "tokenway",
+                "root": ctx.model_root, "max_model_len": ctx.context_length}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        checks = {
+            "nats": ctx.nc.is_connected,
+            "streams": True,
+            "engines": len(ctx.registry.alive()),
+        }
+        ok = checks["nats"] and checks["engines"] > 0
+        return JSONResponse({"ready": ok, **checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        return _error(TokenwayError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    return app

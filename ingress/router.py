@@ -1,0 +1,123 @@
+"""SSE reassembly: one wildcard subscription per ingress, chunks routed to requests by id.
+
+`TW_OUT` republishes what it stored to `tw.sse.<ingress>.<rid>`; this process subscribes
+once to `tw.sse.<ingress>.*` and drops each message into the request's slot. A slot is a
+small queue plus an event; a writer that fell behind takes everything queued at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from tokenway import bus
+from tokenway import headers as h
+
+log = logging.getLogger(__name__)
+
+TERMINAL = {h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR}
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int
+    kind: str
+    payload: bytes
+    status: int = 200
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in TERMINAL
+
+
+class Slot:
+    def __init__(self) -> None:
+        self.events: deque[Event] = deque()
+        self.arrived = asyncio.Event()
+        self.last_seq = 0
+
+    def put(self, event: Event) -> None:
+        if event.seq <= self.last_seq:
+            return  # a duplicate delivery of something already queued
+        if event.seq != self.last_seq + 1:
+            log.warning("gap in output: seq %d after %d", event.seq, self.last_seq)
+        self.last_seq = event.seq
+        self.events.append(event)
+        self.arrived.set()
+
+    async def _wait(self) -> None:
+        while not self.events:
+            self.arrived.clear()
+            await self.arrived.wait()
+
+    async def take_one(self) -> Event:
+        await self._wait()
+        return self.events.popleft()
+
+    async def take(self) -> list[Event]:
+        """Everything queued, waiting for at least one."""
+        await self._wait()
+        batch = list(self.events)
+        self.events.clear()
+        return batch
+
+
+class OutputRouter:
+    def __init__(self, nc: NATS, ingress_id: str) -> None:
+        self.nc = nc
+        self.ingress_id = ingress_id
+        self.slots: dict[str, Slot] = {}
+        self.idle = asyncio.Event()  # set while no request is open
+        self.idle.set()
+        self._sub = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(bus.sse_subject(self.ingress_id), cb=self._on_msg)
+        # A subscription is only surely known to the server after a round trip.
+        await self.nc.flush()
+        await self.nc.flush()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    def open(self, rid: str) -> Slot:
+        slot = self.slots[rid] = Slot()
+        self.idle.clear()
+        return slot
+
+    def close(self, rid: str) -> None:
+        self.slots.pop(rid, None)
+        if not self.slots:
+            self.idle.set()
+
+    def cancel(self, rid: str) -> None:
+        """Tell the request's owner the client left (safe to call from a finalizer)."""
+        task = asyncio.get_running_loop().create_task(self.nc.publish(bus.cancel_subject(rid), b""))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        slot = self.slots.get(bus.rid_of(msg.subject))
+        if slot is None:
+            return  # the client already left
+        hdrs = msg.headers or {}
+        try:
+            event = Event(
+                seq=int(hdrs[h.SEQ]),
+                kind=hdrs.get(h.KIND, h.KIND_CHUNK),
+                payload=msg.data,
+                status=int(hdrs.get(h.STATUS, 200)),
+            )
+        except (KeyError, ValueError):
+            log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
+            return
+        slot.put(event)

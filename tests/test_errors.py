@@ -1,0 +1,94 @@
+"""Bad input gets an OpenAI error body with the right status; a full queue answers 429."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+import nats
+import openai
+import pytest
+
+from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tokenway import bus
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def assert_error(resp: httpx.Response, status: int, *needles: str) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in error["message"]
+    return error
+
+
+async def post(stack: Stack, path: str, **kwargs) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.post(f"{stack.url}{path}", **kwargs)
+
+
+async def test_malformed_json_is_400(stack: Stack) -> None:
+    resp = await post(stack, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(resp, 400, "not valid JSON")
+
+
+async def test_schema_violation_is_400_naming_the_field(stack: Stack) -> None:
+    resp = await post(stack, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
+    assert_error(resp, 400, "temperature")
+    resp = await post(stack, "/v1/chat/completions", json={"messages": []})
+    assert_error(resp, 400, "messages")
+
+
+async def test_unknown_model_is_404(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert "no-such-model" in str(info.value)
+
+
+async def test_prompt_longer_than_context_is_400_with_numbers(stack: Stack) -> None:
+    context = stack.ingress.model.context_length
+    resp = await post(stack, "/v1/completions", json={"prompt": [100] * (context + 1), "max_tokens": 1})
+    assert_error(resp, 400, str(context), str(context + 1))
+
+
+async def test_prompt_plus_max_tokens_over_context_is_400(stack: Stack) -> None:
+    context = stack.ingress.model.context_length
+    resp = await post(
+        stack, "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": context},
+    )  # fmt: skip
+    error = assert_error(resp, 400, str(context))
+    assert error["param"] == "max_tokens"
+
+
+async def test_streaming_request_errors_before_the_stream_starts(stack: Stack) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 3}
+    resp = await post(stack, "/v1/chat/completions", json=body)
+    assert_error(resp, 400, "n=3")
+
+
+async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:
+    """No render worker drains the queue; once it holds its limit, the next request is refused."""
+    async with nats_server(tmp_path / "nats") as server:
+        settings = make_settings(tmp_path / "data", queue_max_msgs=2, request_timeout=30)
+        stack = await start_stack(server.url, settings, ["ingress"])
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient(timeout=30) as http:
+            waiting = [asyncio.create_task(http.post(f"{stack.url}/v1/chat/completions", json=body)) for _ in range(2)]
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            queued = (await js.subscribe(bus.render_subject("deepseek-v4"), stream=bus.RENDER_STREAM, manual_ack=True))
+            # The two requests are stored once the stream shows them; wait on their delivery.
+            for _ in range(2):
+                await queued.next_msg(timeout=10)
+            resp = await http.post(f"{stack.url}/v1/chat/completions", json=body)
+            assert_error(resp, 429, "queue is full")
+            assert resp.headers["retry-after"] == "1"
+            for task in waiting:
+                task.cancel()
+            await nc.close()
+        await stack.close()

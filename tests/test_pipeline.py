@@ -1,0 +1,110 @@
+"""End to end through the openai SDK: `tokenway up`'s stages against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CHAT = [{"role": "user", "content": "Tell me about token streams."}]
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_chat_non_stream_returns_text_and_usage(client: openai.AsyncOpenAI) -> None:
+    resp = await client.chat.completions.create(model="deepseek-v4", messages=CHAT, max_tokens=12)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens <= 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.id.startswith("chatcmpl-")
+
+
+async def test_chat_stream_assembles_to_the_non_stream_text(client: openai.AsyncOpenAI) -> None:
+    kwargs = dict(model="deepseek-v4", messages=CHAT, max_tokens=30, seed=7)
+    full = await client.chat.completions.create(**kwargs)
+    stream = await client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    parts, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+async def test_completion_non_stream_and_stream_agree(client: openai.AsyncOpenAI) -> None:
+    kwargs = dict(model="deepseek-v4", prompt="Once upon a time", max_tokens=25, seed=3)
+    full = await client.completions.create(**kwargs)
+    text = ""
+    async for chunk in await client.completions.create(**kwargs, stream=True):
+        text += "".join(c.text for c in chunk.choices)
+    assert text == full.choices[0].text
+    assert full.object == "text_completion"
+    assert full.usage.completion_tokens <= 25
+
+
+async def test_max_tokens_ends_with_length(client: openai.AsyncOpenAI) -> None:
+    resp = await client.completions.create(
+        model="deepseek-v4", prompt="x", max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 5
+
+
+async def test_sse_framing_ids_and_one_done(stack: Stack) -> None:
+    body = {"messages": CHAT, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient() as http:
+        async with http.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert raw.count("data: [DONE]") == 1
+    ids = [int(line[4:]) for e in events for line in e.splitlines() if line.startswith("id: ")]
+    assert ids == list(range(1, len(ids) + 1))
+    docs = [json.loads(e.split("data: ", 1)[1]) for e in events[:-1]]
+    assert docs[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] <= 8
+
+
+async def test_fifty_concurrent_streams_complete_once_with_matching_usage(stack: Stack) -> None:
+    async def one(i: int, http: httpx.AsyncClient) -> None:
+        body = {
+            "messages": [{"role": "user", "content": f"stream number {i}"}],
+            "max_tokens": 40,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with http.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as resp:
+            raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
+        assert raw.count("data: [DONE]") == 1 and raw.endswith("data: [DONE]\n\n")
+        docs = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+        docs += [json.loads(e.split("\ndata: ", 1)[1]) for e in raw.split("\n\n") if e.startswith("id: ")]
+        tokens = sum(len(c["token_ids"]) for d in docs for c in d["choices"] if c.get("token_ids"))
+        usage = next(d["usage"] for d in docs if d.get("usage"))
+        assert usage["completion_tokens"] == tokens
+
+    limits = httpx.Limits(max_connections=60)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+        await asyncio.gather(*(one(i, http) for i in range(50)))

@@ -1,0 +1,30 @@
+"""Small asyncio pieces the shells share."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class Signal:
+    """A broadcast 'something changed': every waiter wakes on the next `fire`, none clears it."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def waiter(self) -> asyncio.Event:
+        """Take before checking the condition, so a fire in between is not missed."""
+        return self._event
+
+
+async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
+    """Until one of `events` is set or `timeout` passes."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

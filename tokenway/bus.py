@@ -1,0 +1,266 @@
+"""The bus in one table: every subject, its stream, the durable consumer that drains it.
+
+This module is the only place that spells subject, stream and consumer names. The table
+provisions JetStream idempotently at start-up and doubles as the contract for direct
+publishers (batch/RL jobs): publish a `RenderRequest` to `render_subject(model)` or a
+`GenerateRequest` to `sched_subject(model)` with the `Tw-Rid`/`Tw-Reply` headers, and read
+results from `out_subject(reply, rid)` (or live from `sse_subject`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import BadRequestError
+from nats.js.kv import KeyValue
+
+from tokenway.config import Settings
+
+log = logging.getLogger(__name__)
+
+RENDER_STREAM = "TW_RENDER"
+SCHED_STREAM = "TW_SCHED"
+OUT_STREAM = "TW_OUT"
+DLQ_STREAM = "TW_DLQ"
+ADVISORY_STREAM = "TW_ADVISORIES"
+ENGINES_BUCKET = "tw-engines"
+
+DERENDER_QUEUE = "derender"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def token(name: str) -> str:
+    """A model or id as one subject token (also valid in consumer names)."""
+    return _UNSAFE.sub("_", name) or "_"
+
+
+def render_subject(model: str) -> str:
+    return f"tw.render.{token(model)}"
+
+
+def sched_subject(model: str) -> str:
+    return f"tw.sched.{token(model)}"
+
+
+def out_subject(reply: str, rid: str) -> str:
+    return f"tw.out.{reply}.{rid}"
+
+
+def sse_subject(reply: str, rid: str = "*") -> str:
+    return f"tw.sse.{reply}.{rid}"
+
+
+def tok_subject(owner: str) -> str:
+    return f"tw.tok.{owner}"
+
+
+def engine_subject(engine_id: str, verb: str) -> str:
+    return f"tw.engine.{token(engine_id)}.{verb}"
+
+
+def derender_subject(model: str) -> str:
+    return f"tw.derender.{token(model)}"
+
+
+def cancel_subject(rid: str = "*") -> str:
+    return f"tw.cancel.{rid}"
+
+
+def dlq_subject(stage: str) -> str:
+    return f"tw.dlq.{stage}"
+
+
+def rid_of(subject: str) -> str:
+    """The request id is the last token of per-request subjects."""
+    return subject.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    config: jsapi.StreamConfig
+    carries: str
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    stream: str
+    durable: str
+    filter_subject: str
+    handler: str  # the stage that drains it (documentation for operators)
+    ack_wait: float
+    max_deliver: int
+    max_ack_pending: int
+
+
+def streams(s: Settings) -> list[StreamSpec]:
+    """Every stream is bounded by age and bytes/messages with an explicit discard policy."""
+    file = jsapi.StorageType.FILE
+    return [
+        # Created first so that max-deliveries advisories of later consumers are kept.
+        StreamSpec(
+            jsapi.StreamConfig(
+                name=ADVISORY_STREAM,
+                subjects=[
+                    "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>",
+                    "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>",
+                ],
+                retention=jsapi.RetentionPolicy.LIMITS,
+                max_age=s.dlq_max_age,
+                max_msgs=100_000,
+                max_bytes=64 << 20,
+                discard=jsapi.DiscardPolicy.OLD,
+                storage=file,
+            ),
+            "what feeds the dead-letter mover",
+        ),
+        StreamSpec(
+            jsapi.StreamConfig(
+                name=RENDER_STREAM,
+                subjects=["tw.render.>"],
+                retention=jsapi.RetentionPolicy.WORK_QUEUE,
+                max_msgs=s.queue_max_msgs,
+                max_bytes=s.queue_max_bytes,
+                max_age=s.queue_max_age,
+                discard=jsapi.DiscardPolicy.NEW,  # full → publish fails → 429
+                duplicate_window=120.0,
+                storage=file,
+            ),
+            "OpenAI request bodies",
+        ),
+        StreamSpec(
+            jsapi.StreamConfig(
+                name=SCHED_STREAM,
+                subjects=["tw.sched.>"],
+                retention=jsapi.RetentionPolicy.WORK_QUEUE,
+                max_msgs=s.queue_max_msgs,
+                max_bytes=s.queue_max_bytes,
+                max_age=s.queue_max_age,
+                discard=jsapi.DiscardPolicy.NEW,
+                duplicate_window=120.0,
+                storage=file,
+            ),
+            "tokenized requests",
+        ),
+        StreamSpec(
+            jsapi.StreamConfig(
+                name=OUT_STREAM,
+                subjects=["tw.out.>"],
+                retention=jsapi.RetentionPolicy.LIMITS,
+                max_age=s.out_max_age,
+                max_bytes=s.out_max_bytes,
+                discard=jsapi.DiscardPolicy.OLD,
+                # Dedupe ids live in server memory: keep the window short on the hot stream.
+                duplicate_window=30.0,
+                republish=jsapi.RePublish(src="tw.out.>", dest="tw.sse.>"),
+                storage=file,
+            ),
+            "committed client-visible chunks: the ledger",
+        ),
+        StreamSpec(
+            jsapi.StreamConfig(
+                name=DLQ_STREAM,
+                subjects=["tw.dlq.>"],
+                retention=jsapi.RetentionPolicy.LIMITS,
+                max_age=s.dlq_max_age,
+                max_bytes=s.dlq_max_bytes,
+                discard=jsapi.DiscardPolicy.OLD,
+                storage=file,
+            ),
+            "messages that could not be processed, with reason and provenance",
+        ),
+    ]
+
+
+def render_consumer(s: Settings, model: str) -> ConsumerSpec:
+    return ConsumerSpec(
+        stream=RENDER_STREAM,
+        durable=f"render-{token(model)}",
+        filter_subject=render_subject(model),
+        handler="workers.render.service",
+        ack_wait=s.ack_wait,
+        max_deliver=s.max_deliver,
+        max_ack_pending=s.max_inflight,
+    )
+
+
+def sched_consumer(s: Settings, model: str) -> ConsumerSpec:
+    return ConsumerSpec(
+        stream=SCHED_STREAM,
+        durable=f"schedule-{token(model)}",
+        filter_subject=sched_subject(model),
+        handler="workers.schedule.service",
+        ack_wait=s.ack_wait,
+        max_deliver=s.max_deliver,
+        max_ack_pending=s.max_inflight * 4,
+    )
+
+
+async def connect(url: str, name: str) -> NATS:
+    """A service connection: reconnect forever, notice a dead server within seconds."""
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        ping_interval=5,
+        max_outstanding_pings=3,
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except BadRequestError as exc:
+        if exc.err_code != 10058:  # stream name already in use with a different config
+            raise
+        log.info("updating stream %s to the configured limits", config.name)
+        await js.update_stream(config)
+
+
+async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
+    """Create or update every stream and the engine registry; safe to call from every process."""
+    for spec in streams(s):
+        await _ensure_stream(js, spec.config)
+    return await engines_kv(js, s)
+
+
+async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    # Limit markers make an expired heartbeat visible to watchers as a delete: no polling.
+    return await js.create_key_value(
+        jsapi.KeyValueConfig(
+            bucket=ENGINES_BUCKET,
+            history=1,
+            ttl=s.engine_ttl,
+            limit_marker_ttl=s.engine_ttl,
+            max_bytes=16 << 20,
+            storage=jsapi.StorageType.MEMORY,
+        )
+    )
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
+    await js.add_consumer(
+        spec.stream,
+        jsapi.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=jsapi.AckPolicy.EXPLICIT,
+            deliver_policy=jsapi.DeliverPolicy.ALL,
+            ack_wait=spec.ack_wait,
+            max_deliver=spec.max_deliver,
+            max_ack_pending=spec.max_ack_pending,
+            description=f"drained by {spec.handler}",
+        ),
+    )
+
+
+async def pull(js: JetStreamContext, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
+    await ensure_consumer(js, spec)
+    return await js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)

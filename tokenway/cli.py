@@ -1,0 +1,224 @@
+"""The `tokenway` command: `up` runs everything in one process; each stage also runs alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from tokenway import bus
+from tokenway.config import Settings, load_settings
+from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
+from tokenway.natsd import EmbeddedNats
+
+log = logging.getLogger("tokenway")
+
+
+class Stage(Protocol):
+    name: str
+
+    async def run(self, nats_url: str, stop: asyncio.Event) -> None: ...
+
+
+def resolve_model(s: Settings) -> tuple[ModelInfo, str]:
+    """The model directory (bundled default unless `--model-dir`) and its served name."""
+    if s.model_dir:
+        path = Path(s.model_dir).expanduser()
+        default_name = path.name
+    else:
+        path = default_model_dir(s.data_path)
+        default_name = DEFAULT_MODEL_NAME
+    try:
+        info = load_model_info(path, s.max_model_len)
+    except ValueError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
+    return info, s.served_model_name or default_name
+
+
+def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
+    """Stages by name; imported here so a single-stage process loads only what it runs."""
+    model, served = resolve_model(s)
+    stages: list[Stage] = []
+    for name in which:
+        if name == "ingress":
+            from ingress.service import IngressService
+
+            stages.append(IngressService(s, model, served))
+        elif name == "render":
+            from workers.render.service import RenderService
+
+            stages.append(RenderService(s, model, served))
+        elif name == "schedule":
+            from workers.schedule.service import ScheduleService
+
+            stages.append(ScheduleService(s, served))
+        elif name == "derender":
+            from workers.derender.service import DerenderService
+
+            stages.append(DerenderService(s, model.path, served))
+        elif name == "sim":
+            stages.extend(sim_engines(s, model, served))
+    return stages
+
+
+def sim_engines(s: Settings, model: ModelInfo, served: str) -> list[Stage]:
+    import secrets
+
+    from tokenizers import Tokenizer
+
+    from engines.bridge import Bridge
+    from engines.sim import SimConfig, SimEngine
+
+    tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
+    prefix = f"sim-{secrets.token_hex(3)}"
+    bridges: list[Stage] = []
+    for i in range(max(s.sim_engines, 1)):
+        config = SimConfig(
+            id=f"{prefix}-{i}",
+            model=served,
+            eos_token_id=model.eos_token_ids[0],
+            max_seqs=s.sim_max_seqs,
+            chunk_size=s.sim_chunk_size,
+            ttft=s.sim_ttft,
+            itl=s.sim_itl,
+            output_len=s.sim_output_len,
+        )
+        bridges.append(Bridge(s, SimEngine(config, tokenizer)))
+    return bridges
+
+
+async def serve(
+    s: Settings, stages: list[Stage], stop: asyncio.Event, announce: bool = False
+) -> None:
+    """Start NATS (embedded unless `--nats`), provision the bus, run stages until `stop`."""
+    natsd = None
+    url = s.nats
+    if url is None:
+        natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload)
+        url = await natsd.start()
+    try:
+        nc = await bus.connect(url, "tokenway-provision")
+        await bus.provision_streams(nc.jetstream(), s)
+        await nc.close()
+        async with asyncio.TaskGroup() as group:
+            for stage in stages:
+                group.create_task(stage.run(url, stop), name=stage.name)
+            if announce:
+                group.create_task(_announce(stages, url))
+    finally:
+        if natsd is not None:
+            natsd.stop()
+
+
+async def _announce(stages: list[Stage], nats_url: str) -> None:
+    for stage in stages:
+        started = getattr(stage, "started", None)
+        if started is not None:
+            await started.wait()
+            print(
+                f"tokenway serving the OpenAI API at {stage.url}/v1  (NATS {nats_url})", flush=True
+            )
+
+
+def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> None:
+    logging.basicConfig(
+        level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(s, build_stages(s, stage_names), stop, announce)
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+# -- argument parsing ------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("common")
+    g.add_argument("--nats", help="NATS server URL; omitted: start an embedded nats-server")
+    g.add_argument("--data-dir", help="state directory (JetStream store, model dir)")
+    g.add_argument(
+        "--model-dir",
+        help="a local Hugging Face model directory (default: bundled DeepSeek-V4 tokenizer)",
+    )
+    g.add_argument("--served-model-name", help="the model name clients use")
+    g.add_argument("--max-model-len", type=int, help="cap the context length, in tokens")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _http(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--ingress-id", help="this ingress's id on the bus (default: random)")
+
+
+def _sim(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated engine")
+    g.add_argument("--sim-engines", type=int, help="how many simulated engines (default 1)")
+    g.add_argument("--sim-max-seqs", type=int, help="concurrent sequences per engine (default 256)")
+    g.add_argument("--sim-chunk-size", type=int, help="tokens per sequence per step (default 1)")
+    g.add_argument("--sim-ttft", type=float, help="seconds to first token (default 0.02)")
+    g.add_argument("--sim-itl", type=float, help="seconds per token (default 0.01)")
+    g.add_argument("--sim-output-len", type=int, help="mean output length before EOS (default 200)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="tokenway",
+        description="OpenAI-compatible serving front for token-in/token-out engines, "
+        "over NATS JetStream.",
+    )
+    sub = root.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
+    _common(up), _http(up), _sim(up)
+    for name, text in [
+        ("ingress", "the OpenAI HTTP API"),
+        ("render", "chat template + tokenization workers"),
+        ("schedule", "request owners: flow control, dispatch, derender calls, commit"),
+        ("derender", "token IDs → OpenAI chunks (request-reply service)"),
+    ]:
+        p = sub.add_parser(name, help=f"run {text} against a shared NATS server")
+        _common(p)
+        if name == "ingress":
+            _http(p)
+    engine = sub.add_parser("engine", help="run an engine bridge")
+    kinds = engine.add_subparsers(dest="kind", required=True)
+    sim = kinds.add_parser("sim", help="simulated engines (real token IDs, no GPU)")
+    _common(sim), _sim(sim)
+    md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
+    md.add_argument("--data-dir", help="state directory")
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
+    settings = load_settings(flags)
+    if args.command == "model-dir":
+        print(default_model_dir(settings.data_path))
+        return
+    if args.command == "up":
+        _run(settings, ["ingress", "render", "schedule", "derender", "sim"], announce=True)
+    elif args.command == "engine":
+        _run(settings, [args.kind])
+    else:
+        _run(settings, [args.command])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

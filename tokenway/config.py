@@ -1,0 +1,91 @@
+"""One settings object, built once at start-up: CLI flags > `TOKENWAY_*` env vars > defaults."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+ENV_PREFIX = "TOKENWAY_"
+
+PositiveFloat = Annotated[float, Meta(gt=0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "tokenway")
+
+
+class Settings(msgspec.Struct, kw_only=True, frozen=True):
+    # where things are
+    nats: str | None = None  # nats://host:port; None starts the embedded server
+    data_dir: str = msgspec.field(default_factory=_default_data_dir)
+    model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
+    served_model_name: str | None = None
+    max_model_len: PositiveInt | None = None
+
+    # ingress
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    ingress_id: str | None = None
+
+    # bus sizing: every stream is bounded
+    queue_max_msgs: PositiveInt = 10_000
+    queue_max_bytes: PositiveInt = 1 << 30
+    queue_max_age: PositiveFloat = 3600.0
+    out_max_age: Annotated[float, Meta(ge=3600)] = 3600.0
+    out_max_bytes: PositiveInt = 1 << 30
+    dlq_max_age: PositiveFloat = 7 * 86400.0
+    dlq_max_bytes: PositiveInt = 1 << 30
+    max_payload: PositiveInt = 8 * 1024 * 1024  # embedded server's max_payload
+
+    # request lifecycle
+    request_timeout: PositiveFloat = 600.0  # default deadline (`Tw-Deadline`)
+    derender_timeout: PositiveFloat = 10.0
+    engine_timeout: PositiveFloat = 10.0  # bridge accept / abort replies
+    ack_wait: PositiveFloat = 30.0
+    max_deliver: PositiveInt = 5
+    max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
+    engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
+
+    # simulated engine
+    sim_engines: Annotated[int, Meta(ge=0)] = 1
+    sim_max_seqs: PositiveInt = 256
+    sim_chunk_size: PositiveInt = 1
+    sim_ttft: Annotated[float, Meta(ge=0)] = 0.02
+    sim_itl: Annotated[float, Meta(ge=0)] = 0.01
+    sim_output_len: PositiveInt = 200  # mean natural length before EOS
+
+    log_level: str = "info"
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    def resolved_ingress_id(self) -> str:
+        return self.ingress_id or f"i{secrets.token_hex(4)}"
+
+
+def load_settings(
+    flags: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Merge sources: a flag left at None falls through to `TOKENWAY_<NAME>`, then the default."""
+    env = os.environ if env is None else env
+    merged: dict[str, object] = {}
+    for name in Settings.__struct_fields__:
+        value = env.get(ENV_PREFIX + name.upper())
+        if value is not None and value != "":
+            merged[name] = value
+    for name, value in (flags or {}).items():
+        if value is not None and name in Settings.__struct_fields__:
+            merged[name] = value
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"tokenway: invalid setting: {exc}") from exc

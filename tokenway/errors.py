@@ -1,0 +1,96 @@
+"""Every failure as an OpenAI error: one place maps a failure class to its type and status."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenway.wire import ErrorInfo
+
+
+class TokenwayError(Exception):
+    """A failure with an OpenAI error type and HTTP status."""
+
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(
+            message=self.message,
+            type=self.type,
+            status=self.status,
+            param=self.param,
+            code=self.code,
+        )
+
+
+class InvalidRequest(TokenwayError):
+    status = 400
+    type = "BadRequestError"
+
+
+class ModelNotFound(TokenwayError):
+    status = 404
+    type = "NotFoundError"
+
+
+class DeadlineExceeded(TokenwayError):
+    status = 504
+    type = "TimeoutError"
+
+
+class Overloaded(TokenwayError):
+    status = 429
+    type = "RateLimitError"
+
+
+class StageUnavailable(TokenwayError):
+    status = 502
+    type = "ServiceUnavailableError"
+
+
+class EngineFailed(TokenwayError):
+    status = 502
+    type = "EngineError"
+
+
+class _Error(msgspec.Struct, omit_defaults=False):
+    message: str
+    type: str
+    param: str | None
+    code: int | str | None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _Error
+
+
+_json = msgspec.json.Encoder()
+
+
+def error_body(info: ErrorInfo) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it."""
+    return _json.encode(
+        _ErrorBody(
+            _Error(
+                message=info.message,
+                type=info.type,
+                param=info.param,
+                code=info.code if info.code is not None else info.status,
+            )
+        )
+    )
+
+
+def internal(exc: BaseException) -> ErrorInfo:
+    """A bug: say what broke, never swallow it."""
+    return ErrorInfo(
+        message=f"internal error: {type(exc).__name__}: {exc}",
+        type="InternalServerError",
+        status=500,
+    )

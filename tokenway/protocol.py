@@ -1,0 +1,140 @@
+"""OpenAI request bodies (plus vLLM's common extras) as msgspec structs.
+
+Decoding validates: the ingress answers 400 on a body that does not decode, and the render
+stage decodes the same bytes again to build the tokenized request. Unknown fields are
+ignored, as vLLM and OpenAI do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from tokenway.wire import TokenId
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(Struct, kw_only=True):
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class Message(Struct, kw_only=True, omit_defaults=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class StreamOptionsBody(Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Common(Struct, kw_only=True):
+    """Fields shared by chat and completions, with vLLM's extras."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptionsBody | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool | None = None
+    priority: int = 0
+    request_id: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    response_format: dict[str, Any] | None = None
+    # vLLM extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+
+
+# One prompt (text or token IDs) or several; msgspec allows one list type per union.
+PromptInput = str | list[str | TokenId | list[TokenId]]
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: PromptInput
+    max_tokens: NonNegInt | None = 16
+    echo: bool | None = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    suffix: str | None = None
+    best_of: PosInt | None = None
+    add_special_tokens: bool = True
+
+
+ChatDecoder = msgspec.json.Decoder(ChatCompletionRequest)
+CompletionDecoder = msgspec.json.Decoder(CompletionRequest)

@@ -1,0 +1,238 @@
+"""Every payload that crosses an internal subject, as msgspec structs (msgpack on the wire).
+
+New fields get defaults and go last, so old and new workers can talk during a rollout.
+`GenerateRequest` and `SamplingParams` mirror vLLM 0.33's token-in/token-out
+`GenerateRequest`, so a direct publisher can post the same body it would send to vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Api = Literal["chat", "completion"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+Role = Literal["union", "prefill", "decode"]
+
+# A prompt longer than this never fits any model we serve; it bounds decoding work.
+MAX_PROMPT_TOKENS = 4 * 1024 * 1024
+
+
+class SamplingParams(Struct, kw_only=True, omit_defaults=True):
+    """vLLM's sampling parameters, as its generate route accepts them."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+
+
+class StreamOptions(Struct, kw_only=True, omit_defaults=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class OutputContext(Struct, kw_only=True, omit_defaults=True):
+    """What derender needs from the original request to shape OpenAI output.
+
+    Fixed for the life of a request; it travels with every derender call so that
+    derender workers stay stateless.
+    """
+
+    api: Api = "completion"
+    response_id: str = ""
+    model: str = ""
+    created: int = 0
+    prompt_tokens: int = 0
+    # Last prompt tokens: seed the detokenizer so the first output token's
+    # leading space and multi-byte joins come out as a full decode would.
+    prompt_tail: list[TokenId] = []
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    echo_text: str | None = None  # completions `echo`: the prompt text to prepend
+    return_token_ids: bool = False
+    prompt_token_ids: list[TokenId] | None = None  # only when return_token_ids
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
+    """A tokenized request on `tw.sched.<model>`: vLLM's GenerateRequest + output context."""
+
+    request_id: str
+    token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    return_token_ids: bool | None = None
+    context: OutputContext = msgspec.field(default_factory=OutputContext)
+
+
+class RenderRequest(Struct, kw_only=True):
+    """An OpenAI request body (JSON bytes, as the client sent them) on `tw.render.<model>`."""
+
+    api: Api
+    request_id: str
+    body: bytes
+    created: int
+
+
+class EngineWork(Struct, kw_only=True, omit_defaults=True):
+    """Owner → bridge on `tw.engine.<id>.generate`: run one attempt of a request."""
+
+    rid: str
+    attempt: int
+    owner: str
+    token_ids: list[TokenId]
+    sampling_params: SamplingParams
+    priority: int = 0
+    kv_transfer_params: dict[str, object] | None = None
+
+
+class EngineReply(Struct, kw_only=True, omit_defaults=True):
+    """Bridge → owner: whether the engine took the work."""
+
+    accepted: bool
+    error: str | None = None
+
+
+class EngineAbort(Struct, kw_only=True):
+    rid: str
+    attempt: int
+
+
+class TokenDelta(Struct, kw_only=True, omit_defaults=True):
+    """One sequence's output of one engine step; `seq` counts deltas per attempt from 0."""
+
+    rid: str
+    attempt: int
+    seq: int
+    token_ids: list[TokenId] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, object] | None = None
+
+
+class TokenStep(Struct, kw_only=True):
+    """Bridge → owner on `tw.tok.<owner>`: everything one engine step made for one owner."""
+
+    engine: str
+    entries: list[TokenDelta]
+
+
+class EngineInfo(Struct, kw_only=True, omit_defaults=True):
+    """An engine's entry in the `tw-engines` KV registry, refreshed by heartbeats."""
+
+    id: str
+    model: str
+    role: Role = "union"
+    max_seqs: int = 256
+    max_tokens: int = 1 << 20
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float | None = None
+    updated: float = 0.0
+
+
+# -- derender request-reply ----------------------------------------------------------------
+
+
+class DetokState(Struct, array_like=True):
+    """The incremental detokenizer's bounded window (vLLM's prefix/read offsets)."""
+
+    tokens: list[int]
+    prefix_offset: int
+    read_offset: int
+
+
+class StreamState(Struct, array_like=True, omit_defaults=True):
+    """Everything a chunk needs from the past: small, bounded, in `Tw-Stream-State`."""
+
+    detok: DetokState
+    completion_tokens: int = 0
+    role_sent: bool = False
+    finished: bool = False
+
+
+class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
+    """One sequence's token delta to turn into OpenAI output.
+
+    `state` is None on a request's first chunk. A non-streaming request is one entry
+    with every output token and the finish reason.
+    """
+
+    context: OutputContext
+    state: StreamState | None = None
+    token_ids: list[TokenId] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class DerenderCall(Struct, kw_only=True):
+    entries: list[DerenderEntry]
+
+
+class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
+    """An OpenAI error, with the HTTP status it maps to."""
+
+    message: str
+    type: str = "BadRequestError"
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
+
+
+class DerenderResult(Struct, kw_only=True, omit_defaults=True):
+    """Per entry: OpenAI JSON documents (stream chunks, or one response) and the next state."""
+
+    chunks: list[bytes] = []
+    state: StreamState | None = None
+    error: ErrorInfo | None = None
+
+
+class DerenderReply(Struct, kw_only=True, omit_defaults=True):
+    results: list[DerenderResult] = []
+    error: ErrorInfo | None = None  # the call as a whole could not be decoded
+
+
+class Cancel(Struct, kw_only=True, omit_defaults=True):
+    rid: str
+    reason: str = "client disconnected"
+
+
+class DeadLetter(Struct, kw_only=True, omit_defaults=True):
+    """A message no worker could process, kept readable (JSON) in `TW_DLQ`."""
+
+    stage: str
+    subject: str
+    reason: str
+    delivered: int = 1
+    headers: dict[str, str] = {}
+    payload: bytes = b""
+    time: float = 0.0

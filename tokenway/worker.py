@@ -1,0 +1,59 @@
+"""The shared shell of pull-consumer stages: fetch while running, hand each message over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from tokenway import bus
+from tokenway.aio import Signal, wait_any
+from tokenway.errors import Overloaded
+
+log = logging.getLogger(__name__)
+
+# Stream-full answers from a `discard: new` stream.
+_FULL_CODES = {10077, 10047, 10028}
+
+
+def is_stream_full(exc: APIError) -> bool:
+    return exc.err_code in _FULL_CODES or "maximum" in (exc.description or "")
+
+
+def overloaded(stage: str) -> Overloaded:
+    return Overloaded(f"the {stage} queue is full; retry later", code="queue_full")
+
+
+async def consume(
+    js: JetStreamContext,
+    spec: bus.ConsumerSpec,
+    handle: Callable[[Msg], Awaitable[None]],
+    stop: asyncio.Event,
+    batch: Callable[[], int] = lambda: 32,
+    freed: Signal | None = None,
+    idle_timeout: float = 0.5,
+) -> None:
+    """Fetch from the stage's shared durable consumer until `stop`; a fetch timeout is idle.
+
+    `batch()` is asked before every fetch: a stage with no capacity returns 0 and the
+    loop waits for `freed` instead of pulling work it cannot start (pull-based backpressure).
+    """
+    sub = await bus.pull(js, spec)
+    while not stop.is_set():
+        waiter = freed.waiter() if freed else None
+        want = batch()
+        if want <= 0:
+            await wait_any(stop, *([waiter] if waiter else []), timeout=idle_timeout)
+            continue
+        try:
+            msgs = await sub.fetch(batch=want, timeout=idle_timeout)
+        except (TimeoutError, NatsTimeout):
+            continue
+        for msg in msgs:
+            await handle(msg)
+    await sub.unsubscribe()

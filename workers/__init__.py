@@ -1,0 +1,1 @@
+"""The pipeline's stages: render, schedule, derender."""

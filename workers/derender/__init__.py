@@ -1,0 +1,1 @@
+"""Derender: token IDs back into OpenAI output."""

@@ -1,0 +1,1 @@
+"""Render: chat template and tokenization."""

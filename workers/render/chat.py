@@ -1,0 +1,77 @@
+"""Where chat templates are applied: OpenAI messages → the prompt text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+import msgspec
+
+from tokenway.errors import InvalidRequest
+from tokenway.protocol import ChatCompletionRequest, Message
+
+# apply_chat_template's own arguments: a client may not smuggle them in as template kwargs.
+_RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+             "continue_final_message", "chat_template", "documents", "return_dict"}  # fmt: skip
+
+
+def _content(msg: Message, index: int) -> str | None:
+    """Content parts are joined with newlines, as vLLM does for string-content templates."""
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content
+    texts = []
+    for part in msg.content:
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(
+                f"content part of type {part.type!r} is not supported; only text parts are",
+                param=f"messages[{index}].content",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out = []
+    for i, msg in enumerate(req.messages):
+        item: dict[str, Any] = {
+            "role": "system" if msg.role == "developer" else msg.role,
+            "content": _content(msg, i),
+        }
+        if msg.tool_calls:
+            item["tool_calls"] = msgspec.to_builtins(msg.tool_calls)
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
+        if msg.name is not None:
+            item["name"] = msg.name
+        out.append(item)
+    return out
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = _RESERVED.intersection(kwargs)
+    if clash:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs"
+        )
+    return kwargs
+
+
+def apply_template(tokenizer: Any, req: ChatCompletionRequest) -> str:
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+    tools = msgspec.to_builtins(req.tools) if req.tools else None
+    try:
+        return tokenizer.apply_chat_template(
+            conversation(req),
+            tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tokenize=False,
+            **template_kwargs(req),
+        )
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc

@@ -1,0 +1,123 @@
+"""Render's pure core: an OpenAI request body → a tokenized `GenerateRequest`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+from transformers import AutoTokenizer
+
+from tokenway.errors import InvalidRequest, ModelNotFound
+from tokenway.model import ModelInfo
+from tokenway.protocol import (
+    ChatCompletionRequest,
+    ChatDecoder,
+    CompletionDecoder,
+    CompletionRequest,
+)
+from tokenway.wire import GenerateRequest, OutputContext, RenderRequest, StreamOptions
+from workers.derender.detok import SEED_TOKENS
+from workers.render.chat import apply_template
+from workers.render.sampling import (
+    budget,
+    reject_unsupported,
+    requested_max_tokens,
+    sampling_params,
+)
+
+
+def decode_body(api: str, body: bytes) -> ChatCompletionRequest | CompletionRequest:
+    """Validate an OpenAI body; a malformed one is the client's 400."""
+    try:
+        return (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
+    except msgspec.ValidationError as exc:
+        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
+        raise InvalidRequest(f"invalid request: {exc}", param=param) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+class Renderer:
+    def __init__(self, model: ModelInfo, served_model_name: str) -> None:
+        self.info = model
+        self.model = served_model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(str(Path(model.path)))
+        self.vocab_size = len(self.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model:
+            raise ModelNotFound(
+                f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def _prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) != 1:
+                raise InvalidRequest(
+                    "a list of several prompts is not supported yet", param="prompt"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            return ids, prompt
+        if not prompt:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        bad = next((t for t in prompt if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
+        return list(prompt), self.tokenizer.decode(prompt)
+
+    def render(self, request: RenderRequest) -> GenerateRequest:
+        req = decode_body(request.api, request.body)
+        self.check_model(req.model)
+        reject_unsupported(req)
+        echo_text = None
+        if isinstance(req, ChatCompletionRequest):
+            text = apply_template(self.tokenizer, req)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prefix = "chatcmpl"
+        else:
+            ids, prompt_text = self._prompt(req)
+            echo_text = prompt_text if req.echo else None
+            prefix = "cmpl"
+        if not ids:
+            raise InvalidRequest("the prompt is empty after rendering", param="messages")
+        max_tokens = budget(len(ids), requested_max_tokens(req), self.info.context_length)
+        params = sampling_params(req, max_tokens)
+        opts = req.stream_options
+        context = OutputContext(
+            api=request.api,
+            response_id=f"{prefix}-{req.request_id or request.request_id}",
+            model=self.model,
+            created=request.created,
+            prompt_tokens=len(ids),
+            prompt_tail=ids[-SEED_TOKENS:],
+            stream=bool(req.stream),
+            include_usage=bool(opts and opts.include_usage),
+            continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
+            echo_text=echo_text,
+            return_token_ids=bool(req.return_token_ids),
+            prompt_token_ids=ids if req.return_token_ids else None,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        return GenerateRequest(
+            request_id=request.request_id,
+            token_ids=ids,
+            sampling_params=params,
+            model=self.model,
+            stream=bool(req.stream),
+            stream_options=StreamOptions(
+                include_usage=context.include_usage,
+                continuous_usage_stats=context.continuous_usage_stats,
+            )
+            if opts
+            else None,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            kv_transfer_params=req.kv_transfer_params,
+            return_token_ids=req.return_token_ids,
+            context=context,
+        )

@@ -1,0 +1,84 @@
+"""OpenAI request fields → vLLM sampling parameters, and the context-length budget."""
+
+from __future__ import annotations
+
+from tokenway.errors import InvalidRequest
+from tokenway.protocol import ChatCompletionRequest, CompletionRequest
+from tokenway.wire import SamplingParams
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Features whose output stage is not built yet: refuse clearly rather than ignore."""
+    if req.n != 1:
+        raise InvalidRequest(f"n={req.n} is not supported yet; use n=1", param="n")
+    if _stops(req.stop):
+        raise InvalidRequest("stop strings are not supported yet", param="stop")
+    wants_logprobs = (
+        bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+    )
+    if wants_logprobs:
+        raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequest("best_of is not supported", param="best_of")
+
+
+def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        return req.max_completion_tokens or req.max_tokens
+    return req.max_tokens
+
+
+def budget(prompt_tokens: int, max_tokens: int | None, context_length: int) -> int:
+    """The output budget: what the client asked for, or what is left of the context."""
+    if prompt_tokens >= context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens, but the prompt "
+            f"has {prompt_tokens} tokens. Please shorten the prompt.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return context_length - prompt_tokens
+    if prompt_tokens + max_tokens > context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens, but "
+            f"{prompt_tokens + max_tokens} were requested ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int
+) -> SamplingParams:
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=_stops(req.stop),
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias,
+    )

@@ -1,0 +1,79 @@
+"""Render shell: drains `tw.render.<model>`, publishes tokenized requests to `tw.sched.<model>`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from tokenway import bus, ledger
+from tokenway.config import Settings
+from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, internal
+from tokenway.model import ModelInfo
+from tokenway.wire import RenderRequest
+from tokenway.worker import consume, is_stream_full, overloaded
+from workers.render.core import Renderer
+
+log = logging.getLogger(__name__)
+
+_decoder = msgspec.msgpack.Decoder(RenderRequest)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class RenderService:
+    name = "render"
+
+    def __init__(self, settings: Settings, model: ModelInfo, served_model_name: str) -> None:
+        self.settings = settings
+        self.model = served_model_name
+        self.renderer = Renderer(model, served_model_name)
+
+    async def run(self, nats_url: str, stop: asyncio.Event) -> None:
+        nc = await bus.connect(nats_url, f"tokenway-render-{self.model}")
+        js = nc.jetstream()
+        spec = bus.render_consumer(self.settings, self.model)
+        log.info("render serving %s", self.model)
+        await consume(js, spec, lambda msg: self.handle(js, msg), stop)
+        await nc.drain()
+
+    async def handle(self, js: JetStreamContext, msg: Msg) -> None:
+        try:
+            rid, reply, deadline = ledger.request_identity(msg)
+        except (KeyError, ValueError) as exc:
+            await ledger.dead_letter(js, "render", msg, f"no valid request headers: {exc!r}")
+            return
+        try:
+            request = _decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            reason = f"undecodable render request: {exc}"
+            await ledger.publish_error(js, reply, rid, 1, InvalidRequest(reason).info())
+            await ledger.dead_letter(js, "render", msg, reason)
+            return
+        try:
+            if deadline is not None and time.time() > deadline:
+                raise DeadlineExceeded("the request's deadline passed before it was rendered")
+            generate = self.renderer.render(request)
+            await self._forward(js, rid, reply, deadline, generate)
+        except TokenwayError as exc:
+            await ledger.publish_error(js, reply, rid, 1, exc.info())
+        except Exception as exc:  # a bug: the client still hears about it
+            log.exception("render failed for %s", rid)
+            await ledger.publish_error(js, reply, rid, 1, internal(exc))
+        await msg.ack()
+
+    async def _forward(self, js, rid, reply, deadline, generate) -> None:
+        try:
+            await js.publish(
+                bus.sched_subject(self.model),
+                _encoder.encode(generate),
+                headers=ledger.request_headers(rid, reply, deadline),
+            )
+        except APIError as exc:
+            if is_stream_full(exc):
+                raise overloaded("schedule") from exc
+            raise

@@ -1,0 +1,1 @@
+"""Schedule: the request owner."""

@@ -1,0 +1,339 @@
+"""Schedule shell: the request owner.
+
+Pulls `tw.sched.<model>` only while engines have room, dispatches to an engine, turns the
+engine's token steps into derender calls (one call per batch of ready requests), commits the
+results to `TW_OUT`, and holds the request's message un-acked, with in-progress acks, until
+the request ends. Every path (done, error, cancel, deadline) ends in one `_finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+
+from tokenway import bus, ledger
+from tokenway import headers as h
+from tokenway.aio import Signal, wait_any
+from tokenway.config import Settings
+from tokenway.errors import DeadlineExceeded, EngineFailed, StageUnavailable
+from tokenway.registry import EngineRegistry
+from tokenway.sse import frame
+from tokenway.wire import (
+    DerenderCall,
+    DerenderEntry,
+    DerenderReply,
+    DerenderResult,
+    EngineAbort,
+    EngineReply,
+    EngineWork,
+    GenerateRequest,
+    TokenStep,
+)
+from tokenway.worker import consume
+from workers.schedule import routing
+from workers.schedule.owned import Owned
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+_step_decoder = msgspec.msgpack.Decoder(TokenStep)
+_reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
+_engine_reply_decoder = msgspec.msgpack.Decoder(EngineReply)
+
+# Cancels for requests not (yet) owned here are remembered this long, in count.
+_CANCEL_MEMORY = 10_000
+_DISPATCH_TRIES = 3
+_COMMIT_TIMEOUT = 5.0
+_SHUTDOWN_GRACE = 10.0
+
+
+class ScheduleService:
+    name = "schedule"
+
+    def __init__(self, settings: Settings, model: str) -> None:
+        self.settings = settings
+        self.model = model
+        self.owner_id = f"s{secrets.token_hex(4)}"
+        self.requests: dict[str, Owned] = {}
+        self.ours: Counter[str] = Counter()  # requests we run per engine
+        self.freed = Signal()
+        self.empty = asyncio.Event()
+        self.empty.set()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._group: asyncio.TaskGroup | None = None
+        self.registry: EngineRegistry | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def run(self, nats_url: str, stop: asyncio.Event) -> None:
+        nc = self._nc = await bus.connect(nats_url, f"tokenway-schedule-{self.owner_id}")
+        js = self._js = nc.jetstream()
+        kv = await bus.engines_kv(js, self.settings)
+        self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
+        self.registry.on_removed.append(self._engine_gone)
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            group.create_task(self.registry.run(stop))
+            await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
+            await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
+            group.create_task(self._keepalive(stop))
+            log.info("schedule %s owning %s", self.owner_id, self.model)
+            await consume(
+                js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
+                batch=self._capacity, freed=self.freed,
+            )  # fmt: skip
+            await self._shutdown()
+        await nc.drain()
+
+    async def _shutdown(self) -> None:
+        """Stop fetching (done by now), let owned requests finish, then end the stragglers."""
+        try:
+            await asyncio.wait_for(self.empty.wait(), _SHUTDOWN_GRACE)
+        except TimeoutError:
+            for r in list(self.requests.values()):
+                r.fail(StageUnavailable("the schedule worker shut down").info())
+            await self.empty.wait()
+
+    def _capacity(self) -> int:
+        if self.registry is None:
+            return 0
+        room = self.settings.max_inflight - len(self.requests)
+        return min(room, routing.free_slots(self.registry.alive(), self.ours), 64)
+
+    async def _keepalive(self, stop: asyncio.Event) -> None:
+        """In-progress acks keep our messages ours while requests run longer than ack_wait."""
+        while not stop.is_set():
+            await wait_any(stop, timeout=self.settings.ack_wait / 3)
+            for r in list(self.requests.values()):
+                await r.msg.in_progress()
+
+    # -- intake ---------------------------------------------------------------------------
+
+    async def _on_request(self, msg: Msg) -> None:
+        assert self._js is not None and self._group is not None
+        try:
+            rid, reply, deadline = ledger.request_identity(msg)
+            request = _request_decoder.decode(msg.data)
+        except (KeyError, ValueError, msgspec.DecodeError) as exc:
+            await ledger.dead_letter(self._js, "schedule", msg, f"undecodable request: {exc!r}")
+            return
+        if rid in self.requests:  # redelivered while we still own it: keep the newest handle
+            self.requests[rid].msg = msg
+            return
+        if rid in self._cancelled:
+            await msg.ack()
+            return
+        if deadline is None:
+            deadline = time.time() + self.settings.request_timeout
+        r = Owned(rid=rid, reply=reply, request=request, deadline=deadline, msg=msg)
+        self.requests[rid] = r
+        self.empty.clear()
+        self._group.create_task(self._own(r))
+
+    async def _own(self, r: Owned) -> None:
+        try:
+            await self._dispatch(r)
+            await asyncio.wait_for(r.ended.wait(), max(r.deadline - time.time(), 0))
+        except TimeoutError:
+            r.fail(DeadlineExceeded(
+                f"request {r.rid} passed its deadline after {r.out_seq} chunks"
+            ).info())  # fmt: skip
+        except (EngineFailed, StageUnavailable, DeadlineExceeded) as exc:
+            r.fail(exc.info())
+        finally:
+            await self._finish(r)
+
+    async def _dispatch(self, r: Owned) -> None:
+        """Hand the request to an engine; wait for room until the deadline."""
+        assert self._nc is not None and self.registry is not None
+        tried: set[str] = set()
+        while True:
+            changed = self.registry.changed.waiter()
+            engines = [e for e in self.registry.alive() if e.id not in tried]
+            engine = routing.pick(engines, self.ours)
+            if engine is None:
+                if len(tried) >= _DISPATCH_TRIES:
+                    raise EngineFailed(f"no engine accepted the request (tried {sorted(tried)})")
+                remaining = r.deadline - time.time()
+                if remaining <= 0:
+                    raise DeadlineExceeded("no engine had room before the request's deadline")
+                await wait_any(changed, self.freed.waiter(), r.ended, timeout=remaining)
+                if r.ended.is_set():
+                    return
+                continue
+            tried.add(engine.id)
+            r.engine = engine.id
+            self.ours[engine.id] += 1
+            if await self._start_attempt(r):
+                log.debug("request %s → engine %s", r.rid, engine.id)
+                return
+            self.ours[engine.id] -= 1
+            r.engine = None
+
+    async def _start_attempt(self, r: Owned) -> bool:
+        assert self._nc is not None and r.engine is not None
+        r.attempt += 1
+        r.next_delta = 0
+        work = EngineWork(
+            rid=r.rid,
+            attempt=r.attempt,
+            owner=self.owner_id,
+            token_ids=r.request.token_ids,
+            sampling_params=r.request.sampling_params,
+            priority=r.request.priority,
+            kv_transfer_params=r.request.kv_transfer_params,
+        )
+        try:
+            msg = await self._nc.request(
+                bus.engine_subject(r.engine, "generate"), _encoder.encode(work),
+                timeout=self.settings.engine_timeout,
+            )  # fmt: skip
+            reply = _engine_reply_decoder.decode(msg.data)
+        except (NatsTimeout, NoRespondersError, msgspec.DecodeError) as exc:
+            log.warning("engine %s did not take %s: %r", r.engine, r.rid, exc)
+            return False
+        if not reply.accepted:
+            log.info("engine %s declined %s: %s", r.engine, r.rid, reply.error)
+        return reply.accepted
+
+    async def _finish(self, r: Owned) -> None:
+        """The one exit of every request: abort leftovers, tell the client, free, ack."""
+        assert self._js is not None and self._nc is not None
+        if r.engine is not None and not r.engine_done:
+            abort = EngineAbort(rid=r.rid, attempt=r.attempt)
+            await self._nc.publish(bus.engine_subject(r.engine, "abort"), _encoder.encode(abort))
+        if r.error is not None and not r.cancelled:
+            try:
+                await ledger.publish_error(self._js, r.reply, r.rid, r.out_seq + 1, r.error)
+            except Exception:
+                log.exception("could not deliver the error of %s", r.rid)
+        self.requests.pop(r.rid, None)
+        if r.engine is not None:
+            self.ours[r.engine] -= 1
+            if self.ours[r.engine] <= 0:
+                del self.ours[r.engine]
+        await r.msg.ack()
+        self.freed.fire()
+        if not self.requests:
+            self.empty.set()
+
+    # -- cancellation and engine loss --------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        rid = bus.rid_of(msg.subject)
+        r = self.requests.get(rid)
+        if r is not None:
+            log.info("request %s cancelled", rid)
+            r.cancel()
+            return
+        self._cancelled[rid] = None
+        if len(self._cancelled) > _CANCEL_MEMORY:
+            self._cancelled.popitem(last=False)
+
+    def _engine_gone(self, engine_id: str) -> None:
+        for r in self.requests.values():
+            if r.engine == bus.token(engine_id) or r.engine == engine_id:
+                r.engine_done = True  # nothing left there to abort
+                r.fail(EngineFailed(f"engine {engine_id} stopped heartbeating").info())
+
+    # -- the token path -------------------------------------------------------------------
+
+    async def _on_tokens(self, msg: Msg) -> None:
+        try:
+            step = _step_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.error("undecodable token step on %s: %s", msg.subject, exc)
+            return
+        touched = []
+        for delta in step.entries:
+            r = self.requests.get(delta.rid)
+            if r is not None and r.accept(delta):
+                touched.append(r)
+        self._kick(touched)
+
+    def _kick(self, candidates: list[Owned]) -> None:
+        ready = [r for r in candidates if r.ready()]
+        if ready:
+            assert self._group is not None
+            self._group.create_task(self._derender_and_commit(ready, [r.take() for r in ready]))
+
+    async def _derender_and_commit(self, batch: list[Owned], entries: list[DerenderEntry]) -> None:
+        try:
+            results = await self._derender(entries)
+            await self._commit(batch, entries, results)
+        except StageUnavailable as exc:
+            for r in batch:
+                r.fail(exc.info())
+        finally:
+            for r in batch:
+                r.busy = False
+        self._kick(batch)  # tokens that arrived meanwhile
+
+    async def _derender(self, entries: list[DerenderEntry]) -> list[DerenderResult]:
+        assert self._nc is not None
+        try:
+            msg = await self._nc.request(
+                bus.derender_subject(self.model), _encoder.encode(DerenderCall(entries=entries)),
+                timeout=self.settings.derender_timeout,
+            )  # fmt: skip
+            reply = _reply_decoder.decode(msg.data)
+        except (NatsTimeout, NoRespondersError) as exc:
+            raise StageUnavailable(f"derender unavailable: {type(exc).__name__}") from exc
+        except msgspec.DecodeError as exc:
+            raise StageUnavailable(f"derender answered garbage: {exc}") from exc
+        if reply.error is not None:
+            raise StageUnavailable(f"derender rejected the call: {reply.error.message}")
+        if len(reply.results) != len(entries):
+            raise StageUnavailable("derender answered a different number of entries")
+        return reply.results
+
+    async def _commit(
+        self, batch: list[Owned], entries: list[DerenderEntry], results: list[DerenderResult]
+    ) -> None:
+        """Publish each result to TW_OUT; the state advances only once the stream stored it."""
+        assert self._js is not None
+        acks = []
+        for r, entry, res in zip(batch, entries, results, strict=True):
+            if r.ended.is_set():
+                continue
+            if res.error is not None:
+                r.fail(res.error)
+                continue
+            last = entry.finish_reason is not None
+            if not res.chunks and not last:
+                r.hold_back(entry)
+                continue
+            if r.stream:
+                kind, payload = (h.KIND_END if last else h.KIND_CHUNK), frame(res.chunks)
+            else:
+                kind, payload = h.KIND_RESPONSE, res.chunks[0]
+            r.out_seq += 1
+            hdrs = ledger.out_headers(
+                r.rid, r.out_seq, kind, attempt=r.attempt, state=res.state, tokens=entry.token_ids
+            )
+            ack = await self._js.publish_async(
+                bus.out_subject(r.reply, r.rid), payload, headers=hdrs
+            )
+            acks.append((r, res, last, ack))
+        for r, res, last, ack in acks:
+            try:
+                await asyncio.wait_for(ack, _COMMIT_TIMEOUT)  # nats.py#985: may never resolve
+            except Exception as exc:
+                r.fail(StageUnavailable(f"could not commit output to the ledger: {exc!r}").info())
+                continue
+            r.state = res.state
+            if last:
+                r.ended.set()
