@@ -1,6 +1,6 @@
 """Stream a chat completion from tokenway with the openai SDK.
 
-    TOKENWAY_URL=http://127.0.0.1:8000/v1 python examples/chat_stream.py
+TOKENWAY_URL=http://127.0.0.1:8000/v1 python examples/chat_stream.py
 """
 
 import os

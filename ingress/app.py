@@ -76,9 +76,7 @@ def create_app(ctx: IngressContext) -> FastAPI:
     js = ctx.nc.jetstream()
 
     async def submit(api: Api, body: bytes, rid: str) -> None:
-        request = RenderRequest(
-            api=api, request_id=rid, body=body, created=int(time.time())
-        )
+        request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
         deadline = time.time() + ctx.request_timeout
         try:
             await js.publish(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import msgspec
 import nats
 import openai
 import pytest
@@ -31,12 +30,21 @@ async def post(stack: Stack, path: str, **kwargs) -> httpx.Response:
 
 
 async def test_malformed_json_is_400(stack: Stack) -> None:
-    resp = await post(stack, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    resp = await post(
+        stack,
+        "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert_error(resp, 400, "not valid JSON")
 
 
 async def test_schema_violation_is_400_naming_the_field(stack: Stack) -> None:
-    resp = await post(stack, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
+    resp = await post(
+        stack,
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+    )
     assert_error(resp, 400, "temperature")
     resp = await post(stack, "/v1/chat/completions", json={"messages": []})
     assert_error(resp, 400, "messages")
@@ -45,13 +53,17 @@ async def test_schema_violation_is_400_naming_the_field(stack: Stack) -> None:
 async def test_unknown_model_is_404(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as info:
-        await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+        await client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
     assert "no-such-model" in str(info.value)
 
 
 async def test_prompt_longer_than_context_is_400_with_numbers(stack: Stack) -> None:
     context = stack.ingress.model.context_length
-    resp = await post(stack, "/v1/completions", json={"prompt": [100] * (context + 1), "max_tokens": 1})
+    resp = await post(
+        stack, "/v1/completions", json={"prompt": [100] * (context + 1), "max_tokens": 1}
+    )
     assert_error(resp, 400, str(context), str(context + 1))
 
 
@@ -78,10 +90,15 @@ async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:
         stack = await start_stack(server.url, settings, ["ingress"])
         body = {"messages": [{"role": "user", "content": "hi"}]}
         async with httpx.AsyncClient(timeout=30) as http:
-            waiting = [asyncio.create_task(http.post(f"{stack.url}/v1/chat/completions", json=body)) for _ in range(2)]
+            waiting = [
+                asyncio.create_task(http.post(f"{stack.url}/v1/chat/completions", json=body))
+                for _ in range(2)
+            ]
             nc = await nats.connect(server.url)
             js = nc.jetstream()
-            queued = (await js.subscribe(bus.render_subject("deepseek-v4"), stream=bus.RENDER_STREAM, manual_ack=True))
+            queued = await js.subscribe(
+                bus.render_subject("deepseek-v4"), stream=bus.RENDER_STREAM, manual_ack=True
+            )
             # The two requests are stored once the stream shows them; wait on their delivery.
             for _ in range(2):
                 await queued.next_msg(timeout=10)

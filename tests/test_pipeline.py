@@ -71,7 +71,12 @@ async def test_max_tokens_ends_with_length(client: openai.AsyncOpenAI) -> None:
 
 
 async def test_sse_framing_ids_and_one_done(stack: Stack) -> None:
-    body = {"messages": CHAT, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": CHAT,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with httpx.AsyncClient() as http:
         async with http.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -100,7 +105,9 @@ async def test_fifty_concurrent_streams_complete_once_with_matching_usage(stack:
             raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
         assert raw.count("data: [DONE]") == 1 and raw.endswith("data: [DONE]\n\n")
         docs = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
-        docs += [json.loads(e.split("\ndata: ", 1)[1]) for e in raw.split("\n\n") if e.startswith("id: ")]
+        docs += [
+            json.loads(e.split("\ndata: ", 1)[1]) for e in raw.split("\n\n") if e.startswith("id: ")
+        ]
         tokens = sum(len(c["token_ids"]) for d in docs for c in d["choices"] if c.get("token_ids"))
         usage = next(d["usage"] for d in docs if d.get("usage"))
         assert usage["completion_tokens"] == tokens
