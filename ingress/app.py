@@ -12,6 +12,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from nats.js.errors import APIError
 from prometheus_client import (
@@ -92,6 +93,14 @@ def create_app(ctx: IngressContext) -> FastAPI:
                 f"request body of {len(body)} bytes exceeds the bus limit "
                 f"of {ctx.nc.max_payload} bytes"
             ) from exc
+
+    async def streams_present() -> bool:
+        try:
+            for name in (bus.RENDER_STREAM, bus.OUT_STREAM):
+                await js.stream_info(name)
+        except (TimeoutError, NatsError):
+            return False
+        return True
 
     async def first_event(slot: Slot) -> Event:
         try:
@@ -190,10 +199,10 @@ def create_app(ctx: IngressContext) -> FastAPI:
     async def ready() -> JSONResponse:
         checks = {
             "nats": ctx.nc.is_connected,
-            "streams": True,
+            "streams": await streams_present(),
             "engines": len(ctx.registry.alive()),
         }
-        ok = checks["nats"] and checks["engines"] > 0
+        ok = checks["nats"] and checks["streams"] and checks["engines"] > 0
         return JSONResponse({"ready": ok, **checks}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -117,6 +117,7 @@ def streams(s: Settings) -> list[StreamSpec]:
                 max_bytes=64 << 20,
                 discard=jsapi.DiscardPolicy.OLD,
                 storage=file,
+                num_replicas=s.replicas,
             ),
             "what feeds the dead-letter mover",
         ),
@@ -131,6 +132,7 @@ def streams(s: Settings) -> list[StreamSpec]:
                 discard=jsapi.DiscardPolicy.NEW,  # full → publish fails → 429
                 duplicate_window=120.0,
                 storage=file,
+                num_replicas=s.replicas,
             ),
             "OpenAI request bodies",
         ),
@@ -145,6 +147,7 @@ def streams(s: Settings) -> list[StreamSpec]:
                 discard=jsapi.DiscardPolicy.NEW,
                 duplicate_window=120.0,
                 storage=file,
+                num_replicas=s.replicas,
             ),
             "tokenized requests",
         ),
@@ -160,6 +163,7 @@ def streams(s: Settings) -> list[StreamSpec]:
                 duplicate_window=30.0,
                 republish=jsapi.RePublish(src="tw.out.>", dest="tw.sse.>"),
                 storage=file,
+                num_replicas=s.replicas,
             ),
             "committed client-visible chunks: the ledger",
         ),
@@ -172,6 +176,7 @@ def streams(s: Settings) -> list[StreamSpec]:
                 max_bytes=s.dlq_max_bytes,
                 discard=jsapi.DiscardPolicy.OLD,
                 storage=file,
+                num_replicas=s.replicas,
             ),
             "messages that could not be processed, with reason and provenance",
         ),
@@ -241,6 +246,7 @@ async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
             limit_marker_ttl=s.engine_ttl,
             max_bytes=16 << 20,
             storage=jsapi.StorageType.MEMORY,
+            replicas=s.replicas,
         )
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -206,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # We only use transformers' tokenizers; its "PyTorch was not found" advice is noise here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
     settings = load_settings(flags)

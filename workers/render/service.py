@@ -8,6 +8,7 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -15,7 +16,7 @@ from tokenway import bus, ledger
 from tokenway.config import Settings
 from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, internal
 from tokenway.model import ModelInfo
-from tokenway.wire import RenderRequest
+from tokenway.wire import GenerateRequest, RenderRequest
 from tokenway.worker import consume, is_stream_full, overloaded
 from workers.render.core import Renderer
 
@@ -32,9 +33,11 @@ class RenderService:
         self.settings = settings
         self.model = served_model_name
         self.renderer = Renderer(model, served_model_name)
+        self.max_payload = 0  # the server's, known once connected
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = await bus.connect(nats_url, f"tokenway-render-{self.model}")
+        self.max_payload = nc.max_payload
         js = nc.jetstream()
         spec = bus.render_consumer(self.settings, self.model)
         log.info("render serving %s", self.model)
@@ -66,13 +69,26 @@ class RenderService:
             await ledger.publish_error(js, reply, rid, 1, internal(exc))
         await msg.ack()
 
-    async def _forward(self, js, rid, reply, deadline, generate) -> None:
+    async def _forward(
+        self,
+        js: JetStreamContext,
+        rid: str,
+        reply: str,
+        deadline: float | None,
+        generate: GenerateRequest,
+    ) -> None:
+        payload = _encoder.encode(generate)
         try:
             await js.publish(
                 bus.sched_subject(self.model),
-                _encoder.encode(generate),
+                payload,
                 headers=ledger.request_headers(rid, reply, deadline),
             )
+        except MaxPayloadError as exc:
+            raise InvalidRequest(
+                f"the tokenized request ({len(generate.token_ids)} tokens, {len(payload)} bytes) "
+                f"exceeds the bus payload limit of {self.max_payload} bytes"
+            ) from exc
         except APIError as exc:
             if is_stream_full(exc):
                 raise overloaded("schedule") from exc

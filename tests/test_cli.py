@@ -1,0 +1,135 @@
+"""The `tokenway` command as users run it: `up` in one process, or every stage on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import openai
+import pytest
+
+from tests.conftest import nats_server, wait_engines
+from tokenway import bus
+from tokenway.config import Settings
+from tokenway.registry import EngineRegistry
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TOKENWAY = [sys.executable, "-m", "tokenway.cli"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_TTFT": "0", "TOKENWAY_SIM_ITL": "0.001"}
+
+
+async def spawn(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *TOKENWAY, *args, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+
+
+async def stop(proc: asyncio.subprocess.Process, sig: int = signal.SIGINT) -> int:
+    if proc.returncode is None:
+        proc.send_signal(sig)
+    try:
+        return await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
+async def stream_text(base_url: str) -> str:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="deepseek-v4", messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+        stream=True,
+    )  # fmt: skip
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+async def announced_url(proc: asyncio.subprocess.Process) -> str:
+    """`tokenway up` prints the URL once the ingress listens."""
+    assert proc.stdout is not None
+    while line := await asyncio.wait_for(proc.stdout.readline(), 60):
+        if match := re.search(r"at (http://\S+/v1)", line.decode()):
+            return match.group(1)
+    assert proc.stderr is not None
+    raise AssertionError((await proc.stderr.read()).decode())
+
+
+@pytest.fixture
+async def up(tmp_path: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    proc = await spawn("up", "--data-dir", str(tmp_path), "--port", "0")
+    try:
+        yield proc, await announced_url(proc)
+    finally:
+        await stop(proc, signal.SIGKILL)
+
+
+async def test_up_serves_a_stream_and_stops_cleanly_on_ctrl_c(up) -> None:
+    proc, url = up
+    assert await stream_text(url)
+    assert await stop(proc) == 0
+
+
+async def test_each_stage_runs_as_its_own_process(tmp_path: Path) -> None:
+    async with nats_server(tmp_path / "nats") as server:
+        common = ["--nats", server.url, "--data-dir", str(tmp_path / "data")]
+        port = str(_free_port())
+        procs = [
+            await spawn("ingress", *common, "--port", port),
+            await spawn("render", *common),
+            await spawn("schedule", *common),
+            await spawn("derender", *common),
+            await spawn("engine", "sim", *common),
+        ]
+        try:
+            await _wait_ready(server.url, procs[0])
+            assert await stream_text(f"http://127.0.0.1:{port}/v1")
+        finally:
+            codes = [await stop(p, signal.SIGTERM) for p in procs]
+        assert codes == [0] * len(procs)
+
+
+async def test_model_dir_prints_a_loadable_directory(tmp_path: Path) -> None:
+    proc = await spawn("model-dir", "--data-dir", str(tmp_path))
+    out, _ = await proc.communicate()
+    path = Path(out.decode().strip())
+    assert proc.returncode == 0
+    assert (path / "tokenizer.json").exists() and (path / "tokenizer_config.json").exists()
+
+
+async def test_help_lists_the_stages() -> None:
+    proc = await spawn("--help")
+    out, _ = await proc.communicate()
+    for stage in ("up", "ingress", "render", "schedule", "derender", "engine", "model-dir"):
+        assert stage in out.decode()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _wait_ready(nats_url: str, ingress: asyncio.subprocess.Process) -> None:
+    """Until the ingress logs that it listens and an engine is in the registry."""
+    assert ingress.stderr is not None
+    async with asyncio.timeout(60):
+        while b"listening on" not in (line := await ingress.stderr.readline()):
+            assert line, "the ingress exited before listening"
+        nc = await nats.connect(nats_url)
+        try:
+            registry = EngineRegistry(await bus.engines_kv(nc.jetstream(), Settings()), None, 5.0)
+            stop_watch = asyncio.Event()
+            watch = asyncio.create_task(registry.run(stop_watch))
+            await wait_engines(registry, 1)
+            stop_watch.set()
+            await watch
+        finally:
+            await nc.close()
