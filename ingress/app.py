@@ -39,6 +39,7 @@ from tokenway.wire import Api, RenderRequest
 from tokenway.worker import is_stream_full, overloaded
 
 _encoder = msgspec.msgpack.Encoder()
+CLIENT_CLOSED = 499  # nginx's "client closed request"
 
 
 @dataclass
@@ -60,6 +61,12 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self.active = Gauge("tokenway_active_streams", "Open SSE streams", registry=self.registry)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (its body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error(exc: TokenwayError, headers: dict[str, str] | None = None) -> Response:
@@ -102,11 +109,22 @@ def create_app(ctx: IngressContext) -> FastAPI:
             return False
         return True
 
-    async def first_event(slot: Slot) -> Event:
+    async def first_event(slot: Slot, request: Request) -> Event | None:
+        """The request's first output event, or None when the client left before it."""
+        answer = asyncio.ensure_future(slot.take_one())
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            return await asyncio.wait_for(slot.take_one(), ctx.request_timeout)
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"no answer within {ctx.request_timeout:.0f}s") from exc
+            await asyncio.wait(
+                {answer, gone}, timeout=ctx.request_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            answer.cancel()
+            gone.cancel()
+        if answer.done() and not answer.cancelled():
+            return answer.result()
+        if gone.done() and not gone.cancelled():
+            return None
+        raise DeadlineExceeded(f"no answer within {ctx.request_timeout:.0f}s")
 
     async def handle(api: Api, request: Request) -> Response:
         body = await request.body()
@@ -130,7 +148,9 @@ def create_app(ctx: IngressContext) -> FastAPI:
         first: Event | None = None
         try:
             await submit(api, body, rid)
-            first = await first_event(slot)
+            first = await first_event(slot, request)
+            if first is None:
+                return Response(status_code=CLIENT_CLOSED)  # nobody reads it; the cancel matters
             if first.kind == "error":
                 metrics.requests.labels(api, first.status).inc()
                 return Response(

@@ -51,3 +51,21 @@ async def test_disconnect_mid_stream_cancels_everything(stack: Stack, nats_url: 
     assert all(not e.tasks for e in engines)
     assert len(router.nc._subs) == subs_before
     assert await consumer_names(nats_url) == consumers_before
+
+
+async def test_client_leaving_a_non_stream_request_cancels_it(stack: Stack, nats_url: str) -> None:
+    schedule = stack.by_name["schedule"][0]
+    body = {"messages": [{"role": "user", "content": "a very long answer"}],
+            "max_tokens": 100_000, "ignore_eos": True}  # fmt: skip
+    nc = await nats.connect(nats_url)
+    dispatched = await nc.subscribe(bus.engine_subject("*", "generate"))
+    async with httpx.AsyncClient() as http:
+        request = asyncio.create_task(http.post(f"{stack.url}/v1/chat/completions", json=body))
+        await dispatched.next_msg(timeout=10)  # an engine is generating for it now
+        request.cancel()  # the client gives up and closes its connection
+    await nc.close()
+    async with asyncio.timeout(10):
+        await schedule.empty.wait()
+        for engine in stack.by_name["engine"]:
+            await engine.idle.wait()
+        await stack.ingress.router.idle.wait()

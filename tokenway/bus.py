@@ -62,7 +62,8 @@ def tok_subject(owner: str) -> str:
 
 
 def engine_subject(engine_id: str, verb: str) -> str:
-    return f"tw.engine.{token(engine_id)}.{verb}"
+    """Engine ids are subject tokens by construction (`*` listens to every engine)."""
+    return f"tw.engine.{engine_id}.{verb}"
 
 
 def derender_subject(model: str) -> str:
