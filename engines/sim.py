@@ -104,7 +104,12 @@ class SimEngine:
         seed = seed_of(work)
         tokens = token_stream(self.sentences, seed)
         limit = params.max_tokens if params.max_tokens is not None else 1 << 30
-        natural = None if params.ignore_eos else natural_length(seed, self.config.output_len)
+        # Like a real engine, EOS is masked until min_tokens.
+        natural = (
+            None
+            if params.ignore_eos
+            else max(natural_length(seed, self.config.output_len), params.min_tokens)
+        )
         stop_ids = set(params.stop_token_ids)
         made = 0
         if self.config.ttft:

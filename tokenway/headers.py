@@ -45,14 +45,31 @@ def encode_state(state: StreamState) -> str:
     return base64.urlsafe_b64encode(_state_encoder.encode(state)).rstrip(b"=").decode()
 
 
+def state_problem(state: StreamState) -> str | None:
+    """What makes a decoded state impossible (offsets outside the window, negative values)."""
+    d = state.detok
+    if not 0 <= d.prefix_offset <= d.read_offset <= len(d.tokens):
+        return (
+            f"stream_state offsets {d.prefix_offset}/{d.read_offset} do not fit a window of "
+            f"{len(d.tokens)} tokens"
+        )
+    if any(t < 0 for t in d.tokens) or state.completion_tokens < 0:
+        return "stream_state holds negative values"
+    return None
+
+
 def decode_state(text: str) -> StreamState:
     if len(text) > MAX_STATE_BYTES:
         raise StateError(f"stream_state is {len(text)} bytes, over the {MAX_STATE_BYTES} limit")
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-        return _state_decoder.decode(raw)
+        state = _state_decoder.decode(raw)
     except (binascii.Error, msgspec.DecodeError) as exc:
         raise StateError(f"malformed stream_state: {exc}") from exc
+    problem = state_problem(state)
+    if problem:
+        raise StateError(problem)
+    return state
 
 
 def encode_tokens(token_ids: list[int]) -> str:

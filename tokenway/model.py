@@ -44,7 +44,6 @@ class ModelInfo:
     eos_token_ids: list[int]
     bos_token_id: int | None
     vocab_size: int
-    add_bos_token: bool = False  # tokenizer_config's flag: raw prompts should start with BOS
 
 
 def default_model_dir(data_dir: Path) -> Path:
@@ -121,7 +120,6 @@ def load_model_info(model_dir: Path, max_model_len: int | None = None) -> ModelI
         eos_token_ids=[int(eos)] if isinstance(eos, int) else [int(i) for i in eos],
         bos_token_id=None if bos is None else int(bos),
         vocab_size=int(vocab_size),
-        add_bos_token=bool(tokenizer_config.get("add_bos_token", False)),
     )
 
 
@@ -204,14 +202,11 @@ def _default_model_files() -> dict[str, bytes]:
         "eos_token": _token_content(package_config["eos_token"]),
         "pad_token": _token_content(package_config["pad_token"]),
         "unk_token": None,
-        # True, as DeepSeek-V3.1's own tokenizer_config.json has it: every sequence the model
-        # saw in training starts with BOS, and served with vLLM on transformers 4
-        # (LlamaTokenizerFast) a raw /v1/completions prompt gets BOS prepended. Chat prompts
-        # are not affected: the template writes `bos_token` itself and chat text is tokenized
-        # with add_special_tokens=False (vLLM, apply_chat_template), so BOS appears once.
-        # transformers 5 ignores this flag when tokenizer.json exists (its ByteLevel
-        # post-processor adds nothing), so the render stage reads it via ModelInfo.add_bos_token.
-        "add_bos_token": True,
+        # False, as the package ships it and as tokenizer.json's post-processor behaves:
+        # transformers 5 ignores this flag when tokenizer.json exists while transformers 4
+        # obeys it, so True would make HF versions (and vLLM builds) disagree on raw
+        # completion prompts. Chat prompts get their BOS from the template (`bos_token`).
+        "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": DEFAULT_CONTEXT_LENGTH,

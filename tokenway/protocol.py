@@ -128,7 +128,7 @@ PromptInput = str | list[str | TokenId | list[TokenId]]
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: PromptInput
-    max_tokens: NonNegInt | None = 16
+    max_tokens: PosInt | None = 16
     echo: bool | None = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None

@@ -69,9 +69,8 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     stream: bool = False
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    echo_text: str | None = None  # completions `echo`: the prompt text to prepend
+    echo: bool = False  # completions: the prompt text leads the output
     return_token_ids: bool = False
-    prompt_token_ids: list[TokenId] | None = None  # only when return_token_ids
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -190,6 +189,9 @@ class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
     context: OutputContext
     state: StreamState | None = None
     token_ids: list[TokenId] = []
+    # Only on a request's first derender (state None), and only for `echo`/`return_token_ids`:
+    # the prompt never rides along with later chunks.
+    prompt_token_ids: list[TokenId] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 

@@ -305,7 +305,6 @@ def test_load_model_info_reads_the_default_directory(model_dir: Path) -> None:
         eos_token_ids=[EOS],
         bos_token_id=BOS,
         vocab_size=129280,
-        add_bos_token=True,
     )
     assert load_model_info(model_dir, max_model_len=4096).context_length == 4096
     with pytest.raises(

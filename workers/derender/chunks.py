@@ -38,21 +38,22 @@ class CompletionChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | None = None
 
 
-class ChatChunk(Struct, kw_only=True):
+class ChatChunk(Struct, kw_only=True, omit_defaults=True):
     id: str
+    object: str
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    object: str = "chat.completion.chunk"
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk, with return_token_ids
 
 
-class CompletionChunk(Struct, kw_only=True):
+class CompletionChunk(Struct, kw_only=True, omit_defaults=True):
     id: str
+    object: str
     created: int
     model: str
     choices: list[CompletionChoice]
-    object: str = "text_completion"
     usage: Usage | None = None
 
 
@@ -93,6 +94,9 @@ class CompletionResponse(Struct, kw_only=True):
 
 _json = msgspec.json.Encoder()
 
+CHAT_CHUNK = "chat.completion.chunk"
+COMPLETION = "text_completion"
+
 
 def usage(ctx: OutputContext, completion_tokens: int) -> Usage:
     return Usage(
@@ -110,6 +114,7 @@ def stream_chunk(
     finish_reason: str | None,
     stop_reason: int | str | None,
     token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None,
     usage_: Usage | None,
 ) -> bytes:
     if ctx.api == "chat":
@@ -124,26 +129,29 @@ def stream_chunk(
         return _json.encode(
             ChatChunk(
                 id=ctx.response_id,
+                object=CHAT_CHUNK,
                 created=ctx.created,
                 model=ctx.model,
                 choices=[choice],
                 usage=usage_,
+                prompt_token_ids=prompt_token_ids,
             )
         )
+    choice = CompletionChoice(
+        index=0,
+        text=text,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        token_ids=token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
     return _json.encode(
         CompletionChunk(
             id=ctx.response_id,
+            object=COMPLETION,
             created=ctx.created,
             model=ctx.model,
-            choices=[
-                CompletionChoice(
-                    index=0,
-                    text=text,
-                    finish_reason=finish_reason,
-                    stop_reason=stop_reason,
-                    token_ids=token_ids,
-                )
-            ],
+            choices=[choice],
             usage=usage_,
         )
     )
@@ -151,10 +159,11 @@ def stream_chunk(
 
 def usage_chunk(ctx: OutputContext, completion_tokens: int) -> bytes:
     """The final `stream_options.include_usage` chunk: empty choices, usage set."""
-    cls = ChatChunk if ctx.api == "chat" else CompletionChunk
+    cls, obj = (ChatChunk, CHAT_CHUNK) if ctx.api == "chat" else (CompletionChunk, COMPLETION)
     return _json.encode(
         cls(
             id=ctx.response_id,
+            object=obj,
             created=ctx.created,
             model=ctx.model,
             choices=[],
@@ -170,6 +179,7 @@ def response(
     finish_reason: str | None,
     stop_reason: int | str | None,
     token_ids: list[int],
+    prompt_token_ids: list[int] | None,
 ) -> bytes:
     """A complete non-streaming response."""
     u = usage(ctx, len(token_ids))
@@ -190,16 +200,16 @@ def response(
                 model=ctx.model,
                 choices=[choice],
                 usage=u,
-                prompt_token_ids=ctx.prompt_token_ids,
+                prompt_token_ids=prompt_token_ids,
             )
         )
     choice = CompletionChoice(
         index=0,
-        text=(ctx.echo_text or "") + text,
+        text=text,
         finish_reason=finish_reason,
         stop_reason=stop_reason,
         token_ids=ids,
-        prompt_token_ids=ctx.prompt_token_ids,
+        prompt_token_ids=prompt_token_ids,
     )
     return _json.encode(
         CompletionResponse(

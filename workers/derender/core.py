@@ -7,6 +7,7 @@ delta holding every output token and the finish reason.
 from __future__ import annotations
 
 from tokenway.errors import InvalidRequest
+from tokenway.headers import state_problem
 from tokenway.wire import DerenderEntry, DerenderResult, StreamState
 from workers.derender import chunks
 from workers.derender.detok import Detokenizer, seed
@@ -21,20 +22,42 @@ def _stop_terminated(entry: DerenderEntry) -> bool:
     return entry.finish_reason == "stop" and not isinstance(entry.stop_reason, str)
 
 
+def check_state(state: StreamState, vocab_size: int) -> None:
+    """A state comes from the wire: refuse one that no derender could have produced."""
+    d = state.detok
+    if state.finished:
+        raise InvalidRequest("stream_state belongs to a finished stream", param="stream_state")
+    if len(d.tokens) > MAX_WINDOW_TOKENS:
+        raise InvalidRequest(
+            f"stream_state window of {len(d.tokens)} tokens is over {MAX_WINDOW_TOKENS}",
+            param="stream_state",
+        )
+    problem = state_problem(state)
+    if problem is None and any(t >= vocab_size for t in d.tokens):
+        problem = "stream_state holds token ids outside the vocabulary"
+    if problem:
+        raise InvalidRequest(problem, param="stream_state")
+
+
 def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     ctx = entry.context
     ids = entry.token_ids
     if len(ids) > MAX_DELTA_TOKENS:
         raise InvalidRequest(f"{len(ids)} tokens in one chunk, over the {MAX_DELTA_TOKENS} limit")
-    state = entry.state
-    if state is None:
+    first = entry.state is None
+    if entry.state is None:
         state = StreamState(detok=seed(ctx.prompt_tail))
-    elif state.finished:
-        raise InvalidRequest("stream_state belongs to a finished stream")
-    elif len(state.detok.tokens) > MAX_WINDOW_TOKENS:
-        raise InvalidRequest(
-            f"stream_state window of {len(state.detok.tokens)} tokens is too large"
-        )
+    else:
+        state = entry.state
+        check_state(state, detok.vocab_size)
+
+    # The prompt shows on the first chunk only: echoed text, and its ids when asked.
+    prompt_ids = entry.prompt_token_ids if first else None
+    if first and (ctx.echo or ctx.return_token_ids) and prompt_ids is None:
+        raise InvalidRequest("the first chunk of this request needs its prompt_token_ids")
+    echo = detok.decode(prompt_ids, False) if ctx.echo and prompt_ids is not None else ""
+    if not ctx.return_token_ids:
+        prompt_ids = None
 
     visible = ids
     if ids and _stop_terminated(entry) and not ctx.include_stop_str_in_output:
@@ -43,6 +66,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         text, window = detok.step(state.detok, visible, ctx.skip_special_tokens)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="token_ids") from exc
+    text = echo + text
 
     completion_tokens = state.completion_tokens + len(ids)
     finished = entry.finish_reason is not None
@@ -61,6 +85,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
             finish_reason=entry.finish_reason,
             stop_reason=entry.stop_reason,
             token_ids=list(ids),
+            prompt_token_ids=prompt_ids,
         )
         return DerenderResult(chunks=[doc], state=next_state)
 
@@ -76,6 +101,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
                 finish_reason=entry.finish_reason,
                 stop_reason=entry.stop_reason,
                 token_ids=list(ids) if ctx.return_token_ids else None,
+                prompt_token_ids=prompt_ids,
                 usage_=chunks.usage(ctx, completion_tokens) if continuous else None,
             )
         )

@@ -32,7 +32,10 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
-        self._vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # Decoding with skip_special_tokens drops these wherever they stand, so a skipped
+        # one can stay out of the window: a run of them then cannot grow it.
+        self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def step(
         self, state: DetokState, new_ids: Sequence[int], skip_special_tokens: bool = True
@@ -43,8 +46,12 @@ class Detokenizer:
         out: list[str] = []
         prefix_text: str | None = None
         for tid in new_ids:
-            if not 0 <= tid < self._vocab:
-                raise ValueError(f"token id {tid} is outside the vocabulary (0..{self._vocab - 1})")
+            if not 0 <= tid < self.vocab_size:
+                raise ValueError(
+                    f"token id {tid} is outside the vocabulary (0..{self.vocab_size - 1})"
+                )
+            if skip_special_tokens and tid in self._special:
+                continue
             tokens.append(tid)
             if prefix_text is None:
                 prefix_text = decode(tokens[prefix:read], skip_special_tokens=skip_special_tokens)

@@ -50,7 +50,7 @@ class Renderer:
                 f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
 
-    def _prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
+    def _prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
@@ -59,30 +59,27 @@ class Renderer:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-            return ids, prompt
+            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
         if not prompt:
             raise InvalidRequest("prompt is empty", param="prompt")
         bad = next((t for t in prompt if t >= self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
-        return list(prompt), self.tokenizer.decode(prompt)
+        return list(prompt)
 
     def render(self, request: RenderRequest) -> GenerateRequest:
         req = decode_body(request.api, request.body)
         self.check_model(req.model)
         reject_unsupported(req)
-        echo_text = None
         if isinstance(req, ChatCompletionRequest):
             text = apply_template(self.tokenizer, req)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prefix = "chatcmpl"
+            prefix, field = "chatcmpl", "messages"
         else:
-            ids, prompt_text = self._prompt(req)
-            echo_text = prompt_text if req.echo else None
-            prefix = "cmpl"
+            ids = self._prompt(req)
+            prefix, field = "cmpl", "prompt"
         if not ids:
-            raise InvalidRequest("the prompt is empty after rendering", param="messages")
+            raise InvalidRequest("the prompt is empty after rendering", param=field)
         max_tokens = budget(len(ids), requested_max_tokens(req), self.info.context_length)
         params = sampling_params(req, max_tokens)
         opts = req.stream_options
@@ -96,9 +93,8 @@ class Renderer:
             stream=bool(req.stream),
             include_usage=bool(opts and opts.include_usage),
             continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
-            echo_text=echo_text,
+            echo=isinstance(req, CompletionRequest) and bool(req.echo),
             return_token_ids=bool(req.return_token_ids),
-            prompt_token_ids=ids if req.return_token_ids else None,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,

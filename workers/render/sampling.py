@@ -24,6 +24,8 @@ def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     )
     if wants_logprobs:
         raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.echo:
+        raise InvalidRequest("echo is not supported for chat yet", param="echo")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")

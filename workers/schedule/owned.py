@@ -90,12 +90,15 @@ class Owned:
     def take(self) -> DerenderEntry:
         tokens, self.pending = self.pending, []
         self.busy = True
+        ctx = self.request.context
+        needs_prompt = self.state is None and (ctx.echo or ctx.return_token_ids)
         return DerenderEntry(
-            context=self.request.context,
+            context=ctx,
             state=self.state,
             token_ids=tokens,
             finish_reason=self.finish,
             stop_reason=self.stop_reason,
+            prompt_token_ids=self.request.token_ids if needs_prompt else None,
         )
 
     def hold_back(self, entry: DerenderEntry) -> None:

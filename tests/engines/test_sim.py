@@ -1,0 +1,263 @@
+"""The simulated engine: deterministic real token IDs, engine-like finishes, one step clock."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from engines.sim import (
+    SimConfig,
+    SimEngine,
+    StepClock,
+    corpus_sentences,
+    natural_length,
+    seed_of,
+    token_stream,
+)
+from tokenway.model import default_model_dir
+from tokenway.wire import EngineWork, FinishReason, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+EOS = 1
+OUTPUT_LEN = 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    model_dir: Path = default_model_dir(tmp_path_factory.mktemp("sim-model"))
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def make_engine(
+    tokenizer: Tokenizer, chunk_size: int = 1, output_len: int = OUTPUT_LEN
+) -> SimEngine:
+    config = SimConfig(
+        id="sim-0",
+        model="deepseek-v4",
+        eos_token_id=EOS,
+        chunk_size=chunk_size,
+        ttft=0.0,
+        itl=0.0,
+        output_len=output_len,
+    )
+    return SimEngine(config, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer: Tokenizer) -> SimEngine:
+    return make_engine(tokenizer)
+
+
+class Emits:
+    """A list-collecting `Emit`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], FinishReason | None, int | str | None]] = []
+
+    def __call__(
+        self, token_ids: list[int], finish: FinishReason | None, stop_reason: int | str | None
+    ) -> None:
+        self.calls.append((list(token_ids), finish, stop_reason))
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for ids, _, _ in self.calls for t in ids]
+
+    @property
+    def finish(self) -> tuple[FinishReason | None, int | str | None]:
+        _, finish, reason = self.calls[-1]
+        return finish, reason
+
+
+def work(rid: str = "r1", prompt: list[int] | None = None, **params: object) -> EngineWork:
+    return EngineWork(
+        rid=rid,
+        attempt=0,
+        owner="o1",
+        token_ids=prompt or [0, 6366],
+        sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
+    )
+
+
+async def run(engine: SimEngine, w: EngineWork) -> Emits:
+    emits = Emits()
+    await engine.generate(w, emits)
+    assert all(f is None for _, f, _ in emits.calls[:-1])  # only the last emit finishes
+    return emits
+
+
+async def test_the_same_seed_gives_the_same_tokens(engine: SimEngine) -> None:
+    a = await run(engine, work(seed=7, max_tokens=30, ignore_eos=True))
+    b = await run(engine, work("r2", prompt=[5, 6, 7], seed=7, max_tokens=30, ignore_eos=True))
+    c = await run(engine, work(seed=8, max_tokens=30, ignore_eos=True))
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+async def test_without_a_seed_the_prompt_picks_the_output(engine: SimEngine) -> None:
+    a = await run(engine, work(prompt=[0, 6366], max_tokens=30, ignore_eos=True))
+    b = await run(engine, work("r2", prompt=[0, 6366], max_tokens=30, ignore_eos=True))
+    c = await run(engine, work(prompt=[0, 6367], max_tokens=30, ignore_eos=True))
+    assert a.tokens == b.tokens != c.tokens
+    assert seed_of(work(prompt=[0, 6366])) != seed_of(work(prompt=[0, 6367]))
+    assert seed_of(work(seed=3)) == 3
+
+
+async def test_output_is_corpus_sentences_in_vocabulary(
+    engine: SimEngine, tokenizer: Tokenizer
+) -> None:
+    emits = await run(engine, work(seed=1, max_tokens=200, ignore_eos=True))
+    stream = token_stream(corpus_sentences(tokenizer), 1)
+    assert emits.tokens == list(itertools.islice(stream, 200))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    assert all(0 <= t < vocab for t in emits.tokens)
+    corpus = resources.files("engines").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = tokenizer.decode(emits.tokens)
+    assert any(text.startswith(" " + line) for line in corpus.splitlines() if line)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 50])
+async def test_max_tokens_finishes_with_length_after_exactly_max_tokens(
+    engine: SimEngine, max_tokens: int
+) -> None:
+    emits = await run(engine, work(seed=3, max_tokens=max_tokens, ignore_eos=True))
+    assert len(emits.tokens) == max_tokens
+    assert emits.finish == ("length", None)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+async def test_eos_comes_at_the_natural_length(engine: SimEngine, seed: int) -> None:
+    natural = natural_length(seed, OUTPUT_LEN)
+    assert OUTPUT_LEN // 2 <= natural <= OUTPUT_LEN * 3 // 2
+    emits = await run(engine, work(seed=seed, max_tokens=1000))
+    assert len(emits.tokens) == natural + 1
+    assert emits.tokens[-1] == EOS and EOS not in emits.tokens[:-1]
+    assert emits.finish == ("stop", None)
+
+
+async def test_ignore_eos_runs_past_the_natural_length(engine: SimEngine) -> None:
+    limit = 3 * OUTPUT_LEN
+    emits = await run(engine, work(seed=0, max_tokens=limit, ignore_eos=True))
+    assert len(emits.tokens) == limit and EOS not in emits.tokens
+    assert emits.finish == ("length", None)
+
+
+async def test_max_tokens_before_the_natural_length_wins(engine: SimEngine) -> None:
+    emits = await run(engine, work(seed=0, max_tokens=3))
+    assert len(emits.tokens) == 3 and EOS not in emits.tokens
+    assert emits.finish == ("length", None)
+
+
+def _repeated_token(tokens: list[int]) -> tuple[int, int, int]:
+    """A token with two occurrences: (token, first index, second index)."""
+    seen: dict[int, int] = {}
+    for i, t in enumerate(tokens):
+        if t in seen:
+            return t, seen[t], i
+        seen[t] = i
+    raise AssertionError("no token repeats")
+
+
+async def test_a_stop_token_id_finishes_with_it_as_the_stop_reason(engine: SimEngine) -> None:
+    free = await run(engine, work(seed=5, max_tokens=200, ignore_eos=True))
+    stop, first, second = _repeated_token(free.tokens)
+    emits = await run(engine, work(seed=5, max_tokens=200, ignore_eos=True, stop_token_ids=[stop]))
+    assert emits.tokens == free.tokens[: first + 1]
+    assert emits.finish == ("stop", stop)
+    # Within min_tokens the stop token does not count: the next occurrence ends the sequence.
+    emits = await run(
+        engine,
+        work(seed=5, max_tokens=200, ignore_eos=True, stop_token_ids=[stop], min_tokens=first + 1),
+    )
+    assert emits.tokens == free.tokens[: second + 1]
+    assert emits.finish == ("stop", stop)
+
+
+async def test_eos_does_not_finish_before_min_tokens(engine: SimEngine) -> None:
+    natural = natural_length(0, OUTPUT_LEN)
+    min_tokens = natural + 5
+    emits = await run(engine, work(seed=0, max_tokens=natural + 10, min_tokens=min_tokens))
+    assert len(emits.tokens) > min_tokens
+    assert emits.finish[1] is None and emits.finish[0] in ("stop", "length")
+
+
+async def test_eos_is_never_emitted_before_min_tokens(engine: SimEngine) -> None:
+    natural = natural_length(0, OUTPUT_LEN)
+    emits = await run(engine, work(seed=0, max_tokens=natural + 20, min_tokens=natural + 5))
+    assert EOS not in emits.tokens[: natural + 5]
+    assert emits.finish == ("stop", None)
+
+
+@pytest.mark.parametrize(("chunk_size", "sizes"), [(4, [4, 4, 2]), (5, [5, 5]), (16, [10])])
+async def test_each_emit_carries_chunk_size_tokens(
+    tokenizer: Tokenizer, chunk_size: int, sizes: list[int]
+) -> None:
+    engine = make_engine(tokenizer, chunk_size=chunk_size)
+    emits = await run(engine, work(seed=2, max_tokens=10, ignore_eos=True))
+    assert [len(ids) for ids, _, _ in emits.calls] == sizes
+    one_by_one = await run(make_engine(tokenizer), work(seed=2, max_tokens=10, ignore_eos=True))
+    assert emits.tokens == one_by_one.tokens
+
+
+async def test_a_chunk_stops_at_eos(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer, chunk_size=4)
+    natural = natural_length(9, OUTPUT_LEN)
+    emits = await run(engine, work(seed=9, max_tokens=1000))
+    assert len(emits.tokens) == natural + 1 and emits.tokens[-1] == EOS
+    assert all(len(ids) == 4 for ids, _, _ in emits.calls[:-1])
+
+
+async def test_running_counts_the_sequences_in_flight(engine: SimEngine) -> None:
+    seen: list[int] = []
+
+    def emit(ids: list[int], finish: FinishReason | None, reason: int | str | None) -> None:
+        seen.append(engine.info().running)
+
+    await asyncio.gather(
+        engine.generate(work("a", seed=1, max_tokens=5, ignore_eos=True), emit),
+        engine.generate(work("b", seed=2, max_tokens=5, ignore_eos=True), emit),
+    )
+    assert seen[0] == 2
+    assert engine.running == 0 and engine.info().running == 0
+    info = engine.info()
+    assert (info.id, info.model, info.role, info.max_seqs) == ("sim-0", "deepseek-v4", "union", 256)
+
+
+async def test_the_step_clock_wakes_all_waiters_of_a_step_together() -> None:
+    clock = StepClock(0.0)
+    log: list[tuple[int, str]] = []
+
+    async def sequence(name: str, steps: int) -> None:
+        for step in range(steps):
+            await clock.tick()
+            log.append((step, name))
+
+    await asyncio.gather(sequence("a", 5), sequence("b", 5), sequence("c", 5))
+    # Lockstep, like a batch: every waiter finishes step k before anyone sees step k + 1.
+    assert [step for step, _ in log] == [s for s in range(5) for _ in range(3)]
+    assert all({name for step, name in log if step == s} == {"a", "b", "c"} for s in range(5))
+
+
+async def test_concurrent_sequences_advance_in_lockstep(engine: SimEngine) -> None:
+    order: list[str] = []
+
+    def emitter(rid: str):
+        def emit(ids: list[int], finish: FinishReason | None, reason: int | str | None) -> None:
+            order.append(rid)
+
+        return emit
+
+    await asyncio.gather(
+        *(
+            engine.generate(work(rid, seed=i, max_tokens=6, ignore_eos=True), emitter(rid))
+            for i, rid in enumerate("xyz")
+        )
+    )
+    steps = [order[i : i + 3] for i in range(0, len(order), 3)]
+    assert len(steps) == 6 and all(sorted(step) == ["x", "y", "z"] for step in steps)

@@ -1,0 +1,342 @@
+"""Render's pure core: an OpenAI body → the token IDs and output context the engine gets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from tokenway.errors import InvalidRequest, ModelNotFound
+from tokenway.model import DEFAULT_CONTEXT_LENGTH, load_model_info
+from tokenway.protocol import ChatCompletionRequest, CompletionRequest
+from tokenway.wire import Api, GenerateRequest, RenderRequest
+from workers.derender.detok import SEED_TOKENS
+from workers.render.core import Renderer, decode_body
+
+BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 128803, 128804, 128821, 128822
+VOCAB = 129280
+SMALL_CONTEXT = 32
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> Any:
+    """An independent transformers tokenizer: the reference render is compared against."""
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def small(model_dir: Path) -> Renderer:
+    return Renderer(load_model_info(model_dir, max_model_len=SMALL_CONTEXT), "deepseek-v4")
+
+
+def request(api: Api = "chat", **body: Any) -> RenderRequest:
+    if api == "chat":
+        body.setdefault("messages", [{"role": "user", "content": "Hello!"}])
+    return RenderRequest(api=api, request_id="r1", body=json.dumps(body).encode(), created=1)
+
+
+def render(renderer: Renderer, api: Api = "chat", **body: Any) -> GenerateRequest:
+    return renderer.render(request(api, **body))
+
+
+def rejected(renderer: Renderer, api: Api = "chat", **body: Any) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        render(renderer, api, **body)
+    assert info.value.status == 400
+    return info.value
+
+
+def templated(hf: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    kwargs.setdefault("add_generation_prompt", True)
+    text = hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    return hf.encode(text, add_special_tokens=False)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "另一个？ 🎨"},
+]
+
+
+# -- chat ----------------------------------------------------------------------------------
+
+
+def test_a_chat_request_renders_to_the_templated_prompt_tokens(renderer: Renderer, hf: Any) -> None:
+    generate = render(renderer, messages=CONVERSATION)
+    assert generate.token_ids == templated(hf, CONVERSATION)
+    assert generate.token_ids[0] == BOS and generate.token_ids.count(BOS) == 1
+    assert generate.token_ids.count(USER) == 2
+
+
+def test_a_rendered_chat_request_carries_its_identity_and_output_context(
+    renderer: Renderer,
+) -> None:
+    generate = render(
+        renderer,
+        model="deepseek-v4",
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        return_token_ids=True,
+        skip_special_tokens=False,
+    )
+    ctx = generate.context
+    assert (generate.request_id, generate.model, generate.stream) == ("r1", "deepseek-v4", True)
+    assert (ctx.api, ctx.response_id, ctx.model, ctx.created) == (
+        "chat",
+        "chatcmpl-r1",
+        "deepseek-v4",
+        1,
+    )
+    assert ctx.prompt_tokens == len(generate.token_ids)
+    assert ctx.stream and ctx.include_usage and ctx.continuous_usage_stats
+    assert ctx.return_token_ids
+    assert not ctx.skip_special_tokens and not generate.sampling_params.skip_special_tokens
+    assert generate.stream_options is not None and generate.stream_options.include_usage
+
+
+def test_the_client_request_id_names_the_response(renderer: Renderer) -> None:
+    assert render(renderer, request_id="mine").context.response_id == "chatcmpl-mine"
+
+
+def test_content_parts_are_joined_with_newlines(renderer: Renderer, hf: Any) -> None:
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second 二"}]
+    generate = render(renderer, messages=[{"role": "user", "content": parts}])
+    joined = [{"role": "user", "content": "first\nsecond 二"}]
+    assert generate.token_ids == templated(hf, joined)
+
+
+def test_an_image_part_is_invalid_request_naming_the_message(renderer: Renderer) -> None:
+    parts = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    error = rejected(renderer, messages=messages)
+    assert error.param == "messages[1].content"
+    assert "image_url" in error.message
+
+
+def test_the_generation_prompt_ends_with_end_think_by_default(renderer: Renderer) -> None:
+    assert render(renderer).token_ids[-2:] == [ASSISTANT, END_THINK]
+
+
+@pytest.mark.parametrize("flag", ["thinking", "enable_thinking"])
+def test_thinking_in_chat_template_kwargs_ends_the_prompt_with_think(
+    renderer: Renderer, flag: str
+) -> None:
+    ids = render(renderer, chat_template_kwargs={flag: True}).token_ids
+    assert ids[-2:] == [ASSISTANT, THINK]
+    off = render(renderer, chat_template_kwargs={flag: False}).token_ids
+    assert off[-2:] == [ASSISTANT, END_THINK]
+
+
+def test_continue_final_message_continues_the_assistant_text(renderer: Renderer, hf: Any) -> None:
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One,"}]
+    generate = render(
+        renderer, messages=messages, add_generation_prompt=False, continue_final_message=True
+    )
+    expected = templated(hf, messages, add_generation_prompt=False, continue_final_message=True)
+    assert generate.token_ids == expected
+    assert EOS not in generate.token_ids
+    assert hf.decode(generate.token_ids).endswith("One,")
+
+
+def test_continue_final_message_with_add_generation_prompt_is_400(renderer: Renderer) -> None:
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One,"}]
+    error = rejected(renderer, messages=messages, continue_final_message=True)
+    assert error.param == "continue_final_message"
+
+
+@pytest.mark.parametrize("name", ["tools", "tokenize", "messages", "add_generation_prompt"])
+def test_reserved_chat_template_kwargs_are_400(renderer: Renderer, name: str) -> None:
+    error = rejected(renderer, chat_template_kwargs={name: None, "thinking": True})
+    assert error.param == "chat_template_kwargs"
+    assert name in error.message
+
+
+def test_a_wrong_model_name_is_model_not_found(renderer: Renderer) -> None:
+    with pytest.raises(ModelNotFound) as info:
+        render(renderer, model="gpt-4o")
+    assert info.value.status == 404
+    assert info.value.param == "model" and info.value.code == "model_not_found"
+    assert "gpt-4o" in info.value.message
+
+
+# -- completions ---------------------------------------------------------------------------
+
+
+def test_a_completion_string_prompt_renders_to_its_tokens(renderer: Renderer, hf: Any) -> None:
+    prompt = "Once upon a time, 从前"
+    generate = render(renderer, "completion", prompt=prompt, add_special_tokens=False)
+    assert generate.token_ids == hf.encode(prompt, add_special_tokens=False)
+    assert generate.context.response_id == "cmpl-r1"
+    assert not generate.context.echo
+
+
+def test_a_completion_string_prompt_is_tokenized_as_the_tokenizer_does(
+    renderer: Renderer, hf: Any
+) -> None:
+    """No BOS of our own: every HF tool (and vLLM) loading the model dir gets these ids."""
+    generate = render(renderer, "completion", prompt="Once upon a time")
+    assert generate.token_ids == hf.encode("Once upon a time")
+    assert generate.token_ids[0] != BOS
+
+
+def test_a_completion_token_prompt_is_passed_through(renderer: Renderer, hf: Any) -> None:
+    ids = hf.encode("Hello there", add_special_tokens=False)
+    generate = render(renderer, "completion", prompt=ids, echo=True)
+    assert generate.token_ids == ids
+    assert generate.context.echo
+
+
+@pytest.mark.parametrize("single", [["Hello there"], "token-list"])
+def test_a_single_element_prompt_list_is_the_prompt_itself(
+    renderer: Renderer, hf: Any, single: Any
+) -> None:
+    ids = hf.encode("Hello there", add_special_tokens=False)
+    prompt = [ids] if single == "token-list" else single
+    generate = render(renderer, "completion", prompt=prompt, add_special_tokens=False)
+    assert generate.token_ids == ids
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], ["a", 5], [], [[]]])
+def test_several_or_empty_prompts_are_400(renderer: Renderer, prompt: Any) -> None:
+    assert rejected(renderer, "completion", prompt=prompt).param == "prompt"
+
+
+@pytest.mark.parametrize("bad", [VOCAB, 10**6])
+def test_a_prompt_token_id_outside_the_vocabulary_is_400(renderer: Renderer, bad: int) -> None:
+    error = rejected(renderer, "completion", prompt=[6366, bad])
+    assert error.param == "prompt" and str(bad) in error.message
+
+
+def test_a_negative_prompt_token_id_is_400(renderer: Renderer) -> None:
+    rejected(renderer, "completion", prompt=[6366, -1])
+
+
+def test_an_empty_completion_prompt_is_400_naming_the_prompt(renderer: Renderer) -> None:
+    error = rejected(renderer, "completion", prompt="", add_special_tokens=False)
+    assert error.param == "prompt"
+
+
+def test_the_output_context_prompt_tail_is_the_last_prompt_tokens(renderer: Renderer) -> None:
+    generate = render(renderer, "completion", prompt="The quick brown fox jumps over the dog.")
+    assert len(generate.token_ids) > SEED_TOKENS
+    assert generate.context.prompt_tail == generate.token_ids[-SEED_TOKENS:]
+    chat = render(renderer, messages=CONVERSATION)
+    assert chat.context.prompt_tail == chat.token_ids[-SEED_TOKENS:]
+    assert chat.context.prompt_tail[-2:] == [ASSISTANT, END_THINK]
+
+
+# -- budget and unsupported features -------------------------------------------------------
+
+
+def test_without_max_tokens_the_budget_is_the_rest_of_the_context(renderer: Renderer) -> None:
+    generate = render(renderer)
+    rest = DEFAULT_CONTEXT_LENGTH - len(generate.token_ids)
+    assert generate.sampling_params.max_tokens == rest
+    assert render(renderer, max_tokens=10).sampling_params.max_tokens == 10
+    assert render(renderer, max_completion_tokens=12).sampling_params.max_tokens == 12
+    assert render(renderer, "completion", prompt="Hi").sampling_params.max_tokens == 16
+
+
+def test_a_prompt_as_long_as_the_context_is_400_naming_both_numbers(small: Renderer) -> None:
+    ids = [6366] * SMALL_CONTEXT
+    error = rejected(small, "completion", prompt=ids, max_tokens=None)
+    assert str(SMALL_CONTEXT) in error.message
+    assert str(len(ids)) in error.message
+    assert error.code == "context_length_exceeded"
+    long_text = "word " * 100
+    error = rejected(small, messages=[{"role": "user", "content": long_text}])
+    assert str(SMALL_CONTEXT) in error.message
+    assert "prompt" in error.message
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400_on_max_tokens(small: Renderer) -> None:
+    ids = [6366] * 10
+    error = rejected(small, "completion", prompt=ids, max_tokens=SMALL_CONTEXT - 9)
+    assert error.param == "max_tokens"
+    assert str(SMALL_CONTEXT + 1) in error.message
+    fits = render(small, "completion", prompt=ids, max_tokens=SMALL_CONTEXT - 10)
+    assert fits.sampling_params.max_tokens == SMALL_CONTEXT - 10
+
+
+@pytest.mark.parametrize(
+    ("api", "field", "value"),
+    [
+        ("chat", "n", 2),
+        ("completion", "n", 3),
+        ("chat", "stop", "\n"),
+        ("chat", "stop", ["END"]),
+        ("completion", "stop", "."),
+        ("chat", "logprobs", True),
+        ("completion", "logprobs", 1),
+        ("completion", "suffix", "tail"),
+        ("completion", "best_of", 2),
+    ],
+)
+def test_features_not_built_yet_are_400_naming_the_param(
+    renderer: Renderer, api: Api, field: str, value: Any
+) -> None:
+    body: dict[str, Any] = {field: value}
+    if api == "completion":
+        body["prompt"] = "Hi"
+    error = rejected(renderer, api, **body)
+    assert error.param == field
+
+
+def test_unset_or_empty_optional_features_are_accepted(renderer: Renderer) -> None:
+    generate = render(renderer, n=1, stop=[], logprobs=False)
+    assert generate.sampling_params.stop == [] and generate.sampling_params.n == 1
+
+
+def test_request_fields_become_sampling_params(renderer: Renderer) -> None:
+    params = render(
+        renderer,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=40,
+        seed=7,
+        min_tokens=3,
+        stop_token_ids=[6366],
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+    ).sampling_params
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.0, 0.5, 40, 7)
+    assert (params.min_tokens, params.stop_token_ids, params.ignore_eos) == (3, [6366], True)
+    assert params.include_stop_str_in_output
+    defaults = render(renderer).sampling_params
+    assert (defaults.temperature, defaults.top_p, defaults.repetition_penalty) == (1.0, 1.0, 1.0)
+
+
+# -- decode_body ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b'{"messages": [}'])
+def test_decode_body_on_malformed_json_is_invalid_request(body: bytes) -> None:
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        decode_body("chat", body)
+
+
+def test_decode_body_on_a_schema_violation_names_the_field() -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
+    with pytest.raises(InvalidRequest) as info:
+        decode_body("chat", body.encode())
+    assert info.value.param == "temperature"
+    with pytest.raises(InvalidRequest) as info:
+        decode_body("chat", b'{"messages": [{"role": "robot", "content": "hi"}]}')
+    assert info.value.param == "messages[0].role"
+
+
+def test_decode_body_picks_the_api_schema() -> None:
+    chat = decode_body("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert isinstance(chat, ChatCompletionRequest)
+    completion = decode_body("completion", b'{"prompt": "hi"}')
+    assert isinstance(completion, CompletionRequest)
+    with pytest.raises(InvalidRequest):
+        decode_body("completion", b'{"messages": [{"role": "user", "content": "hi"}]}')

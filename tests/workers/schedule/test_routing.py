@@ -1,0 +1,79 @@
+"""Engine choice: the least-loaded union engine with a free slot, by fraction of capacity."""
+
+from __future__ import annotations
+
+from tokenway.wire import EngineInfo, Role
+from workers.schedule.routing import free_slots, load, pick
+
+
+def engine(
+    id: str, max_seqs: int = 10, running: int = 0, waiting: int = 0, role: Role = "union"
+) -> EngineInfo:
+    return EngineInfo(
+        id=id, model="m", role=role, max_seqs=max_seqs, running=running, waiting=waiting
+    )
+
+
+def test_pick_prefers_the_least_loaded_engine_by_fraction_not_by_count() -> None:
+    big = engine("big", max_seqs=100, running=40)  # 40 % full
+    small = engine("small", max_seqs=4, running=1)  # 25 % full, fewer free slots
+    assert pick([big, small], {}) is small
+    assert pick([small, big], {}) is small
+
+
+def test_pick_counts_waiting_sequences_as_load() -> None:
+    queued = engine("a", running=1, waiting=5)
+    idle = engine("b", running=3)
+    assert pick([queued, idle], {}) is idle
+
+
+def test_pick_skips_full_engines() -> None:
+    full = engine("full", max_seqs=4, running=4)
+    overfull = engine("over", max_seqs=4, running=2, waiting=3)
+    busy = engine("busy", max_seqs=4, running=3)
+    assert pick([full, overfull, busy], {}) is busy
+    assert pick([full, overfull], {}) is None
+    assert pick([], {}) is None
+
+
+def test_pick_skips_prefill_and_decode_engines() -> None:
+    prefill = engine("p", role="prefill")
+    decode = engine("d", role="decode")
+    union = engine("u", running=9)
+    assert pick([prefill, decode, union], {}) is union
+    assert pick([prefill, decode], {}) is None
+
+
+def test_pick_skips_engines_without_capacity() -> None:
+    assert pick([engine("zero", max_seqs=0)], {}) is None
+
+
+def test_pick_counts_our_own_in_flight_when_above_the_heartbeat() -> None:
+    a = engine("a", running=1)
+    b = engine("b", running=3)
+    assert pick([a, b], {}) is a
+    assert pick([a, b], {"a": 5}) is b  # the beat is older than the 5 we just sent
+    assert pick([a, b], {"a": 1, "b": 2}) is a  # the beat already counts ours
+    assert pick([a], {"a": 10}) is None
+
+
+def test_ties_go_to_the_lowest_engine_id() -> None:
+    assert pick([engine("b"), engine("a"), engine("c")], {}).id == "a"
+
+
+def test_load_is_the_larger_running_count_plus_waiting() -> None:
+    e = engine("a", running=3, waiting=2)
+    assert load(e, 0) == 5
+    assert load(e, 7) == 9
+
+
+def test_free_slots_sums_free_capacity_of_union_engines() -> None:
+    engines = [
+        engine("a", max_seqs=10, running=4),  # 6 free
+        engine("b", max_seqs=8, running=2, waiting=1),  # 5 free
+        engine("c", max_seqs=4, running=6),  # over capacity: 0, not -2
+        engine("p", max_seqs=50, role="prefill"),  # not ours to fill
+    ]
+    assert free_slots(engines, {}) == 11
+    assert free_slots(engines, {"a": 9}) == 6  # 1 + 5
+    assert free_slots([], {}) == 0
