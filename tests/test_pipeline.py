@@ -115,3 +115,21 @@ async def test_fifty_concurrent_streams_complete_once_with_matching_usage(stack:
     limits = httpx.Limits(max_connections=60)
     async with httpx.AsyncClient(limits=limits, timeout=60) as http:
         await asyncio.gather(*(one(i, http) for i in range(50)))
+
+
+async def test_streamed_completion_echoes_the_prompt_and_its_ids_once(stack: Stack) -> None:
+    body = {"prompt": "Echo me:", "max_tokens": 6, "echo": True, "return_token_ids": True,
+            "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+            raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
+        full = await http.post(f"{stack.url}/v1/completions", json={**body, "stream": False})
+    docs = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if "data: {" in e]
+    choices = [d["choices"][0] for d in docs]
+    assert choices[0]["text"].startswith("Echo me:")
+    assert choices[0]["prompt_token_ids"] and all(
+        c["prompt_token_ids"] is None for c in choices[1:]
+    )
+    whole = full.json()["choices"][0]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert whole["prompt_token_ids"] == choices[0]["prompt_token_ids"]

@@ -17,15 +17,15 @@ PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 
 
-def _default_data_dir() -> str:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def _default_data_dir(env: Mapping[str, str]) -> str:
+    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return str(Path(base) / "tokenway")
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # where things are
     nats: str | None = None  # nats://host:port; None starts the embedded server
-    data_dir: str = msgspec.field(default_factory=_default_data_dir)
+    data_dir: str = msgspec.field(default_factory=lambda: _default_data_dir(os.environ))
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None
     max_model_len: PositiveInt | None = None
@@ -78,7 +78,7 @@ def load_settings(
 ) -> Settings:
     """Merge sources: a flag left at None falls through to `TOKENWAY_<NAME>`, then the default."""
     env = os.environ if env is None else env
-    merged: dict[str, object] = {}
+    merged: dict[str, object] = {"data_dir": _default_data_dir(env)}
     for name in Settings.__struct_fields__:
         value = env.get(ENV_PREFIX + name.upper())
         if value is not None and value != "":
