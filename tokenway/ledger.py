@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.errors import error_body
-from tokenway.wire import DeadLetter, ErrorInfo, StreamState
+from tokenway.wire import DeadLetter, ErrorInfo
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def out_headers(
     kind: str,
     *,
     attempt: int | None = None,
-    state: StreamState | None = None,
+    state: bytes | None = None,
     tokens: list[int] | None = None,
     status: int | None = None,
 ) -> dict[str, str]:

@@ -162,23 +162,6 @@ class EngineInfo(Struct, kw_only=True, omit_defaults=True):
 # -- derender request-reply ----------------------------------------------------------------
 
 
-class DetokState(Struct, array_like=True):
-    """The incremental detokenizer's bounded window (vLLM's prefix/read offsets)."""
-
-    tokens: list[int]
-    prefix_offset: int
-    read_offset: int
-
-
-class StreamState(Struct, array_like=True, omit_defaults=True):
-    """Everything a chunk needs from the past: small, bounded, in `Tw-Stream-State`."""
-
-    detok: DetokState
-    completion_tokens: int = 0
-    role_sent: bool = False
-    finished: bool = False
-
-
 class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
     """One sequence's token delta to turn into OpenAI output.
 
@@ -187,7 +170,7 @@ class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
     """
 
     context: OutputContext
-    state: StreamState | None = None
+    state: bytes | None = None  # opaque to all but derender
     token_ids: list[TokenId] = []
     # Only on a request's first derender (state None), and only for `echo`/`return_token_ids`:
     # the prompt never rides along with later chunks.
@@ -214,7 +197,7 @@ class DerenderResult(Struct, kw_only=True, omit_defaults=True):
     """Per entry: OpenAI JSON documents (stream chunks, or one response) and the next state."""
 
     chunks: list[bytes] = []
-    state: StreamState | None = None
+    state: bytes | None = None
     error: ErrorInfo | None = None
 
 

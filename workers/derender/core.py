@@ -7,36 +7,19 @@ delta holding every output token and the finish reason.
 from __future__ import annotations
 
 from tokenway.errors import InvalidRequest
-from tokenway.headers import state_problem
-from tokenway.wire import DerenderEntry, DerenderResult, StreamState
+from tokenway.wire import DerenderEntry, DerenderResult
 from workers.derender import chunks
+from workers.derender import state as states
 from workers.derender.detok import Detokenizer, seed
+from workers.derender.state import StreamState
 
 # Bounds that keep one bad entry from costing the worker more than a normal chunk.
 MAX_DELTA_TOKENS = 1 << 20
-MAX_WINDOW_TOKENS = 512
 
 
 def _stop_terminated(entry: DerenderEntry) -> bool:
     """EOS or a stop token ended the sequence (a stop *string* is reported as str)."""
     return entry.finish_reason == "stop" and not isinstance(entry.stop_reason, str)
-
-
-def check_state(state: StreamState, vocab_size: int) -> None:
-    """A state comes from the wire: refuse one that no derender could have produced."""
-    d = state.detok
-    if state.finished:
-        raise InvalidRequest("stream_state belongs to a finished stream", param="stream_state")
-    if len(d.tokens) > MAX_WINDOW_TOKENS:
-        raise InvalidRequest(
-            f"stream_state window of {len(d.tokens)} tokens is over {MAX_WINDOW_TOKENS}",
-            param="stream_state",
-        )
-    problem = state_problem(state)
-    if problem is None and any(t >= vocab_size for t in d.tokens):
-        problem = "stream_state holds token ids outside the vocabulary"
-    if problem:
-        raise InvalidRequest(problem, param="stream_state")
 
 
 def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
@@ -48,8 +31,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     if entry.state is None:
         state = StreamState(detok=seed(ctx.prompt_tail))
     else:
-        state = entry.state
-        check_state(state, detok.vocab_size)
+        state = states.decode(entry.state, detok.vocab_size)
 
     # The prompt shows on the first chunk only: echoed text, and its ids when asked.
     prompt_ids = entry.prompt_token_ids if first else None
@@ -87,7 +69,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
             token_ids=list(ids),
             prompt_token_ids=prompt_ids,
         )
-        return DerenderResult(chunks=[doc], state=next_state)
+        return DerenderResult(chunks=[doc], state=states.encode(next_state))
 
     docs: list[bytes] = []
     first_chat = ctx.api == "chat" and not state.role_sent
@@ -107,4 +89,4 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         )
     if finished and ctx.include_usage:
         docs.append(chunks.usage_chunk(ctx, completion_tokens))
-    return DerenderResult(chunks=docs, state=next_state)
+    return DerenderResult(chunks=docs, state=states.encode(next_state))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from tokenway.wire import DetokState
+from workers.derender.state import DetokState
 
 # vLLM seeds from the prompt's last tokens so the first output token decodes in context.
 SEED_TOKENS = 7

@@ -15,7 +15,6 @@ from tokenway.wire import (
     ErrorInfo,
     FinishReason,
     GenerateRequest,
-    StreamState,
     TokenDelta,
 )
 
@@ -31,7 +30,7 @@ class Owned:
     attempt: int = 0
     next_delta: int = 0  # the per-attempt seq expected next from the engine
     out_seq: int = 0  # last per-request output sequence published to TW_OUT
-    state: StreamState | None = None  # last committed stream_state
+    state: bytes | None = None  # last committed stream_state (opaque: derender's)
     pending: list[int] = field(default_factory=list)  # engine tokens not yet derendered
     finish: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -23,13 +24,13 @@ from tokenway.errors import InvalidRequest
 from tokenway.wire import (
     Api,
     DerenderEntry,
-    DetokState,
     FinishReason,
     OutputContext,
-    StreamState,
 )
-from workers.derender.core import MAX_WINDOW_TOKENS, derender
+from workers.derender import state as states
+from workers.derender.core import derender
 from workers.derender.detok import SEED_TOKENS, Detokenizer
+from workers.derender.state import MAX_WINDOW_TOKENS, DetokState, StreamState
 
 EOS_TEXT = "<｜end▁of▁sentence｜>"
 PROMPT = [0, 128803, 6366, 128804, 128822]  # BOS <｜User｜>hi<｜Assistant｜></think>
@@ -75,7 +76,7 @@ def stream(
         docs += [json.loads(doc) for doc in result.chunks]
         state = result.state
     assert state is not None
-    return docs, state
+    return docs, msgspec.msgpack.decode(state, type=StreamState)
 
 
 def whole(
@@ -195,7 +196,8 @@ def test_a_completion_chunk_without_visible_text_is_not_sent(
     ctx = context("completion", stream=True)
     result = derender(detok, DerenderEntry(context=ctx, token_ids=partial))
     assert result.chunks == []
-    assert result.state is not None and result.state.completion_tokens == 1
+    assert result.state is not None
+    assert msgspec.msgpack.decode(result.state, type=StreamState).completion_tokens == 1
 
 
 @pytest.mark.parametrize("api", ["chat", "completion"])
@@ -356,7 +358,7 @@ def test_a_finished_state_fed_again_is_invalid_request(
     _, state = stream(detok, ctx, [encode(tokenizer, ["Hi"])], "length")
     assert state.finished
     with pytest.raises(InvalidRequest, match="finished"):
-        derender(detok, DerenderEntry(context=ctx, state=state, token_ids=[6366]))
+        derender(detok, DerenderEntry(context=ctx, state=states.encode(state), token_ids=[6366]))
 
 
 def test_a_non_stream_entry_without_finish_is_invalid_request(
@@ -382,7 +384,9 @@ def test_a_token_id_outside_the_vocabulary_is_invalid_request(
 
 def test_a_state_window_over_the_limit_is_invalid_request(detok: Detokenizer) -> None:
     big = MAX_WINDOW_TOKENS + 1
-    state = StreamState(detok=DetokState(tokens=[6366] * big, prefix_offset=0, read_offset=big))
+    state = states.encode(
+        StreamState(detok=DetokState(tokens=[6366] * big, prefix_offset=0, read_offset=big))
+    )
     with pytest.raises(InvalidRequest, match=str(big)):
         derender(detok, DerenderEntry(context=context(stream=True), state=state, token_ids=[6366]))
 
@@ -409,7 +413,9 @@ def test_an_out_of_bounds_stream_state_is_invalid_request(
     detok: Detokenizer, window: DetokState
 ) -> None:
     entry = DerenderEntry(
-        context=context(stream=True), state=StreamState(detok=window), token_ids=[6366]
+        context=context(stream=True),
+        state=states.encode(StreamState(detok=window)),
+        token_ids=[6366],
     )
     with pytest.raises(InvalidRequest):
         derender(detok, entry)

@@ -17,8 +17,8 @@ from tests.workers.derender.texts import (
     segments,
     split,
 )
-from tokenway.wire import DetokState
 from workers.derender.detok import SEED_PREFIX, SEED_TOKENS, Detokenizer, seed
+from workers.derender.state import DetokState
 
 WINDOW_BOUND = 16
 

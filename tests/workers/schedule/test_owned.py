@@ -5,11 +5,9 @@ from __future__ import annotations
 from tokenway.errors import EngineFailed
 from tokenway.wire import (
     DerenderEntry,
-    DetokState,
     FinishReason,
     GenerateRequest,
     OutputContext,
-    StreamState,
     TokenDelta,
 )
 from workers.schedule.owned import Owned
@@ -160,7 +158,7 @@ def test_a_non_stream_request_is_ready_only_at_the_finish() -> None:
 
 def test_take_clears_pending_and_sets_busy() -> None:
     r = owned()
-    r.state = StreamState(detok=DetokState(tokens=[9], prefix_offset=0, read_offset=1))
+    r.state = b"opaque derender state"
     r.accept(delta(0, [1, 2], finish="stop", stop_reason=2))
     entry = r.take()
     assert entry == DerenderEntry(
