@@ -43,12 +43,37 @@ class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    stop: list[str] = []  # stop strings: matched by derender on the output text
+    min_tokens: int = 0  # no stop string counts before this many output tokens
+    n: int = 1
+    # chat: top_logprobs when logprobs is true (0 = only the sampled token); completions:
+    # the `logprobs` number. None: no logprobs.
+    logprobs: int | None = None
+    parse: ParseContext | None = None  # chat only
     logit_bias: dict[str, float] | None = None
 
 
 class StreamOptions(Struct, kw_only=True, omit_defaults=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+ReasoningStart = Literal["off", "open", "closed"]
+ToolChoice = Literal["none", "auto", "required", "named"]
+
+
+class ParseContext(Struct, kw_only=True, omit_defaults=True):
+    """How derender parses a chat output: decided by render from the flags and the request."""
+
+    reasoning_parser: str | None = None  # --reasoning-parser
+    # "off": no reasoning parsing (all content); "open": the prompt leaves a reasoning block
+    # open (its last marker starts one); "closed": output starts as content.
+    reasoning_start: ReasoningStart = "off"
+    include_reasoning: bool = True
+    tool_parser: str | None = None  # --tool-call-parser, used for tool_choice "auto"
+    tool_choice: ToolChoice = "none"
+    tool_name: str | None = None  # the forced function for tool_choice "named"
+    parallel_tool_calls: bool = True
 
 
 class OutputContext(Struct, kw_only=True, omit_defaults=True):
@@ -125,6 +150,23 @@ class EngineAbort(Struct, kw_only=True):
     attempt: int
 
 
+class TokenLogprob(Struct, array_like=True, omit_defaults=True):
+    """vLLM 0.33's generate logprob: integer token id, no text (the engine has no tokenizer)."""
+
+    token_id: TokenId
+    logprob: float
+    rank: int | None = None
+
+
+class LogprobEntry(Struct, array_like=True, omit_defaults=True):
+    """One output token's logprob and its top candidates (sampled first, then by rank)."""
+
+    token_id: TokenId
+    logprob: float
+    rank: int | None = None
+    top: list[TokenLogprob] = []
+
+
 class TokenDelta(Struct, kw_only=True, omit_defaults=True):
     """One sequence's output of one engine step; `seq` counts deltas per attempt from 0."""
 
@@ -136,6 +178,8 @@ class TokenDelta(Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     error: str | None = None
     kv_transfer_params: dict[str, object] | None = None
+    index: int = 0  # the choice, for n > 1
+    logprobs: list[LogprobEntry] | None = None  # one per token in token_ids
 
 
 class TokenStep(Struct, kw_only=True):
@@ -175,6 +219,8 @@ class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
     # Only on a request's first derender (state None), and only for `echo`/`return_token_ids`:
     # the prompt never rides along with later chunks.
     prompt_token_ids: list[TokenId] | None = None
+    index: int = 0  # the choice, for n > 1
+    logprobs: list[LogprobEntry] | None = None  # one per token in token_ids
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
