@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -26,13 +25,25 @@ from tokenway.wire import (
     EngineReply,
     EngineWork,
     FinishReason,
+    LogprobEntry,
     TokenDelta,
     TokenStep,
 )
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[list[int], FinishReason | None, int | str | None], None]
+
+class Emit(Protocol):
+    """How an engine reports one step of one sequence."""
+
+    def __call__(
+        self,
+        token_ids: list[int],
+        finish: FinishReason | None,
+        stop_reason: int | str | None,
+        logprobs: list[LogprobEntry] | None = None,
+    ) -> None: ...
+
 
 _work_decoder = msgspec.msgpack.Decoder(EngineWork)
 _abort_decoder = msgspec.msgpack.Decoder(EngineAbort)
@@ -120,7 +131,10 @@ class Bridge:
         seq = 0
 
         def emit(
-            token_ids: list[int], finish: FinishReason | None, stop_reason: int | str | None
+            token_ids: list[int],
+            finish: FinishReason | None,
+            stop_reason: int | str | None,
+            logprobs: list[LogprobEntry] | None = None,
         ) -> None:
             nonlocal seq
             delta = TokenDelta(
@@ -130,6 +144,7 @@ class Bridge:
                 token_ids=token_ids,
                 finish_reason=finish,
                 stop_reason=stop_reason,
+                logprobs=logprobs,
             )
             seq += 1
             self._queue(work.owner, delta)

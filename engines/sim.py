@@ -18,7 +18,14 @@ from importlib import resources
 from tokenizers import Tokenizer
 
 from engines.bridge import Emit
-from tokenway.wire import EngineInfo, EngineWork, FinishReason, Role
+from tokenway.wire import (
+    EngineInfo,
+    EngineWork,
+    FinishReason,
+    LogprobEntry,
+    Role,
+    TokenLogprob,
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class SimEngine:
     def __init__(self, config: SimConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.sentences = corpus_sentences(tokenizer)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
 
@@ -131,6 +139,23 @@ class SimEngine:
                     finish = "length"
                 if finish:
                     break
-            emit(out, finish, reason)
+            emit(out, finish, reason, self._logprobs(out, params.logprobs))
             if finish:
                 return
+
+    def _logprobs(self, ids: list[int], top: int | None) -> list[LogprobEntry] | None:
+        """Made-up but well-formed: the sampled token first, then `top` candidates by rank."""
+        if top is None:
+            return None
+        out = []
+        for tid in ids:
+            lp = -0.25 - (tid % 7) / 8
+            alts = [
+                TokenLogprob(
+                    token_id=(tid + k * 7919) % self.vocab_size, logprob=lp - k, rank=k + 1
+                )
+                for k in range(1, top + 1)
+            ]
+            head = TokenLogprob(token_id=tid, logprob=lp, rank=1)
+            out.append(LogprobEntry(token_id=tid, logprob=lp, rank=1, top=[head, *alts]))
+        return out

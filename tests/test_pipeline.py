@@ -133,3 +133,39 @@ async def test_streamed_completion_echoes_the_prompt_and_its_ids_once(stack: Sta
     whole = full.json()["choices"][0]
     assert "".join(c["text"] for c in choices) == whole["text"]
     assert whole["prompt_token_ids"] == choices[0]["prompt_token_ids"]
+
+
+async def test_stop_string_ends_the_stream_where_it_starts(client: openai.AsyncOpenAI) -> None:
+    base = dict(model="deepseek-v4", prompt="Tell a story", max_tokens=60, seed=11)
+    free = (await client.completions.create(**base, extra_body={"ignore_eos": True})).choices[0]
+    stop = free.text[20:26]  # a stop string the engine will certainly produce
+    cut = free.text[: free.text.index(stop)]
+    full = await client.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+    text = ""
+    async for chunk in await client.completions.create(
+        **base, stop=[stop], stream=True, extra_body={"ignore_eos": True}
+    ):
+        text += "".join(c.text for c in chunk.choices)
+    assert full.choices[0].text == text == cut
+    assert full.choices[0].finish_reason == "stop"
+    assert full.usage.completion_tokens < 60
+
+
+async def test_logprobs_arrive_per_token(client: openai.AsyncOpenAI) -> None:
+    resp = await client.chat.completions.create(
+        model="deepseek-v4", messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens  # EOS has its logprob too, as in vLLM
+    assert all(len(t.top_logprobs) == 2 for t in content)
+
+
+async def test_thinking_output_arrives_as_reasoning(client: openai.AsyncOpenAI) -> None:
+    """The sim never closes </think>: with thinking on, everything is reasoning."""
+    kwargs = dict(model="deepseek-v4", messages=CHAT, max_tokens=10)
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    resp = await client.chat.completions.create(**kwargs, extra_body=thinking)
+    message = resp.choices[0].message
+    assert message.reasoning and not message.content
+    plain = (await client.chat.completions.create(**kwargs)).choices[0].message
+    assert plain.content and not getattr(plain, "reasoning", None)

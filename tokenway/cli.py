@@ -16,6 +16,7 @@ from tokenway import bus
 from tokenway.config import Settings, load_settings
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import EmbeddedNats
+from workers.render.parse import ParserFlags
 
 log = logging.getLogger("tokenway")
 
@@ -24,6 +25,28 @@ class Stage(Protocol):
     name: str
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None: ...
+
+
+# The bundled DeepSeek-V4 tokenizer's template speaks DeepSeek-V3.1's formats.
+DEFAULT_PARSERS = ParserFlags(
+    reasoning_parser="deepseek_v3", tool_call_parser="deepseek_v31", enable_auto_tool_choice=True
+)
+
+
+def parser_flags(s: Settings) -> ParserFlags:
+    """The flags as given; for the bundled model, its defaults fill what was not given."""
+    base = ParserFlags() if s.model_dir else DEFAULT_PARSERS
+    auto = s.enable_auto_tool_choice
+    flags = ParserFlags(
+        reasoning_parser=s.reasoning_parser or base.reasoning_parser,
+        tool_call_parser=s.tool_call_parser or base.tool_call_parser,
+        enable_auto_tool_choice=base.enable_auto_tool_choice if auto is None else auto,
+    )
+    try:
+        flags.check()
+    except ValueError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
+    return flags
 
 
 def resolve_model(s: Settings) -> tuple[ModelInfo, str]:
@@ -53,7 +76,7 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
         elif name == "render":
             from workers.render.service import RenderService
 
-            stages.append(RenderService(s, model, served))
+            stages.append(RenderService(s, model, served, parser_flags(s)))
         elif name == "schedule":
             from workers.schedule.service import ScheduleService
 
@@ -61,6 +84,7 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
         elif name == "derender":
             from workers.derender.service import DerenderService
 
+            parser_flags(s)  # refuse unknown parser names here too
             stages.append(DerenderService(s, model.path, served))
         elif name == "sim":
             stages.extend(sim_engines(s, model, served))
@@ -140,10 +164,10 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
 
     try:
         import uvloop
-
-        uvloop.run(main())
     except ImportError:
         asyncio.run(main())
+    else:
+        uvloop.run(main())
 
 
 # -- argument parsing ------------------------------------------------------------------------
@@ -160,6 +184,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="the model name clients use")
     g.add_argument("--max-model-len", type=int, help="cap the context length, in tokens")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _parsers(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output parsing (as `vllm serve` names it)")
+    g.add_argument(
+        "--reasoning-parser",
+        help="deepseek_r1, deepseek_v3 or qwen3 (bundled model: deepseek_v3)",
+    )
+    g.add_argument(
+        "--tool-call-parser", help="deepseek_v31 or hermes (bundled model: deepseek_v31)"
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=None,
+        help='parse tool calls for tool_choice "auto" (bundled model: on)',
+    )
 
 
 def _http(p: argparse.ArgumentParser) -> None:
@@ -186,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
-    _common(up), _http(up), _sim(up)
+    _common(up), _http(up), _parsers(up), _sim(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -197,6 +238,8 @@ def parser() -> argparse.ArgumentParser:
         _common(p)
         if name == "ingress":
             _http(p)
+        if name in ("render", "derender"):
+            _parsers(p)
     engine = sub.add_parser("engine", help="run an engine bridge")
     kinds = engine.add_subparsers(dest="kind", required=True)
     sim = kinds.add_parser("sim", help="simulated engines (real token IDs, no GPU)")

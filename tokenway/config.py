@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +13,8 @@ import msgspec
 from msgspec import Meta
 
 ENV_PREFIX = "TOKENWAY_"
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
@@ -29,6 +32,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None
     max_model_len: PositiveInt | None = None
+    # output parsing, named as `vllm serve` names it; None: the bundled model's defaults
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool | None = None
 
     # ingress
     host: str = "127.0.0.1"
@@ -79,10 +86,13 @@ def load_settings(
     """Merge sources: a flag left at None falls through to `TOKENWAY_<NAME>`, then the default."""
     env = os.environ if env is None else env
     merged: dict[str, object] = {"data_dir": _default_data_dir(env)}
+    hints = typing.get_type_hints(Settings)
     for name in Settings.__struct_fields__:
         value = env.get(ENV_PREFIX + name.upper())
         if value is not None and value != "":
-            merged[name] = value
+            # msgspec reads "true" as a bool only where the type is plain bool.
+            is_bool = bool in typing.get_args(hints[name]) and value.lower() in _BOOLS
+            merged[name] = _BOOLS[value.lower()] if is_bool else value
     for name, value in (flags or {}).items():
         if value is not None and name in Settings.__struct_fields__:
             merged[name] = value

@@ -29,6 +29,7 @@ KIND_ERROR = "error"  # an OpenAI error body; `Tw-Status` holds the HTTP status
 # A state is a few hundred bytes; anything far above that is tampering or a bug.
 MAX_STATE_BYTES = 16 * 1024
 
+
 class StateError(ValueError):
     """A `Tw-Stream-State` that cannot be decoded or is out of bounds."""
 

@@ -29,7 +29,10 @@ def out_headers(
     tokens: list[int] | None = None,
     status: int | None = None,
 ) -> dict[str, str]:
-    hdrs = {h.MSG_ID: f"{rid}:{seq}", h.RID: rid, h.SEQ: str(seq), h.KIND: kind}
+    # Lean: every header costs the ingress parsing time, and the subject names the rid.
+    hdrs = {h.MSG_ID: f"{rid}:{seq}", h.SEQ: str(seq)}
+    if kind != h.KIND_CHUNK:
+        hdrs[h.KIND] = kind
     if attempt is not None:
         hdrs[h.ATTEMPT] = str(attempt)
     if state is not None:

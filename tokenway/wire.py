@@ -43,13 +43,6 @@ class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop: list[str] = []  # stop strings: matched by derender on the output text
-    min_tokens: int = 0  # no stop string counts before this many output tokens
-    n: int = 1
-    # chat: top_logprobs when logprobs is true (0 = only the sampled token); completions:
-    # the `logprobs` number. None: no logprobs.
-    logprobs: int | None = None
-    parse: ParseContext | None = None  # chat only
     logit_bias: dict[str, float] | None = None
 
 
@@ -99,6 +92,13 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    stop: list[str] = []  # stop strings: matched by derender on the output text
+    min_tokens: int = 0  # no stop string counts before this many output tokens
+    n: int = 1
+    # chat: top_logprobs when logprobs is true (0 = only the sampled token); completions:
+    # the `logprobs` number. None: no logprobs.
+    logprobs: int | None = None
+    parse: ParseContext | None = None  # chat only
 
 
 class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
@@ -245,6 +245,11 @@ class DerenderResult(Struct, kw_only=True, omit_defaults=True):
     chunks: list[bytes] = []
     state: bytes | None = None
     error: ErrorInfo | None = None
+    # Set when derender itself ended the output (a stop string): the owner then stops the
+    # engine, and only the first `kept` tokens of the delta belong to the output.
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    kept: int | None = None
 
 
 class DerenderReply(Struct, kw_only=True, omit_defaults=True):

@@ -20,7 +20,7 @@ from engines.sim import (
     token_stream,
 )
 from tokenway.model import default_model_dir
-from tokenway.wire import EngineWork, FinishReason, SamplingParams
+from tokenway.wire import EngineWork, FinishReason, LogprobEntry, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -59,11 +59,17 @@ class Emits:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], FinishReason | None, int | str | None]] = []
+        self.logprobs: list[list[LogprobEntry] | None] = []
 
     def __call__(
-        self, token_ids: list[int], finish: FinishReason | None, stop_reason: int | str | None
+        self,
+        token_ids: list[int],
+        finish: FinishReason | None,
+        stop_reason: int | str | None,
+        logprobs: list[LogprobEntry] | None = None,
     ) -> None:
         self.calls.append((list(token_ids), finish, stop_reason))
+        self.logprobs.append(logprobs)
 
     @property
     def tokens(self) -> list[int]:
@@ -216,7 +222,12 @@ async def test_a_chunk_stops_at_eos(tokenizer: Tokenizer) -> None:
 async def test_running_counts_the_sequences_in_flight(engine: SimEngine) -> None:
     seen: list[int] = []
 
-    def emit(ids: list[int], finish: FinishReason | None, reason: int | str | None) -> None:
+    def emit(
+        ids: list[int],
+        finish: FinishReason | None,
+        reason: int | str | None,
+        logprobs: object = None,
+    ) -> None:
         seen.append(engine.info().running)
 
     await asyncio.gather(
@@ -248,7 +259,12 @@ async def test_concurrent_sequences_advance_in_lockstep(engine: SimEngine) -> No
     order: list[str] = []
 
     def emitter(rid: str):
-        def emit(ids: list[int], finish: FinishReason | None, reason: int | str | None) -> None:
+        def emit(
+            ids: list[int],
+            finish: FinishReason | None,
+            reason: int | str | None,
+            logprobs: object = None,
+        ) -> None:
             order.append(rid)
 
         return emit
@@ -261,3 +277,17 @@ async def test_concurrent_sequences_advance_in_lockstep(engine: SimEngine) -> No
     )
     steps = [order[i : i + 3] for i in range(0, len(order), 3)]
     assert len(steps) == 6 and all(sorted(step) == ["x", "y", "z"] for step in steps)
+
+
+async def test_logprobs_come_per_token_sampled_first_then_candidates(engine: SimEngine) -> None:
+    emits = Emits()
+    await engine.generate(work(seed=4, max_tokens=6, ignore_eos=True, logprobs=2), emits)
+    entries = [e for batch in emits.logprobs for e in batch or []]
+    assert [e.token_id for e in entries] == emits.tokens
+    for e in entries:
+        assert e.top[0].token_id == e.token_id and len(e.top) == 3
+        assert all(0 <= c.token_id < engine.vocab_size for c in e.top)
+        assert [c.logprob for c in e.top] == sorted((c.logprob for c in e.top), reverse=True)
+    plain = Emits()
+    await engine.generate(work(seed=4, max_tokens=6, ignore_eos=True), plain)
+    assert plain.logprobs == [None] * len(plain.calls)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import msgspec
 import pytest
@@ -69,6 +70,8 @@ def test_every_field_is_read_from_its_prefixed_env_var() -> None:
         default = getattr(defaults, name)
         if isinstance(default, bool):
             value: object = not default
+        elif bool in typing.get_args(typing.get_type_hints(Settings)[name]):
+            value = True
         elif isinstance(default, int | float):
             value = default + 1
         else:  # str or None (a str or an int when set)

@@ -1,11 +1,32 @@
-"""OpenAI output documents (stream chunks and full responses), shaped as vLLM sends them."""
+"""OpenAI output documents (stream chunks and full responses), shaped as vLLM 0.33 sends them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from msgspec import Struct
 
 from tokenway.wire import OutputContext
+
+CHAT_CHUNK = "chat.completion.chunk"
+CHAT = "chat.completion"
+COMPLETION = "text_completion"
+
+
+@dataclass
+class Out:
+    """One choice's output for one chunk (or, non-streaming, for the whole response)."""
+
+    text: str = ""  # chat content, or completion text
+    reasoning: str = ""
+    tool_calls: list[Any] = field(default_factory=list)  # deltas, or assembled calls
+    logprobs: Any = None  # already in the API's shape
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Usage(Struct, kw_only=True):
@@ -17,12 +38,14 @@ class Usage(Struct, kw_only=True):
 class Delta(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[Any] = []
 
 
 class ChatChunkChoice(Struct, kw_only=True):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -31,7 +54,7 @@ class ChatChunkChoice(Struct, kw_only=True):
 class CompletionChoice(Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -57,45 +80,42 @@ class CompletionChunk(Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ChatMessage(Struct, kw_only=True):
+class ChatMessage(Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | None
-    tool_calls: list[dict[str, object]] = []
-    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[Any] = []
 
 
 class ChatChoice(Struct, kw_only=True):
     index: int
     message: ChatMessage
-    logprobs: None = None
+    logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
 
-class ChatResponse(Struct, kw_only=True):
+class ChatResponse(Struct, kw_only=True, omit_defaults=True):
     id: str
+    object: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    object: str = "chat.completion"
     prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(Struct, kw_only=True):
     id: str
+    object: str
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage
-    object: str = "text_completion"
 
 
 _json = msgspec.json.Encoder()
-
-CHAT_CHUNK = "chat.completion.chunk"
-COMPLETION = "text_completion"
 
 
 def usage(ctx: OutputContext, completion_tokens: int) -> Usage:
@@ -106,25 +126,36 @@ def usage(ctx: OutputContext, completion_tokens: int) -> Usage:
     )
 
 
+def _completion_choice(index: int, out: Out) -> CompletionChoice:
+    return CompletionChoice(
+        index=index,
+        text=out.text,
+        logprobs=out.logprobs,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        token_ids=out.token_ids,
+        prompt_token_ids=out.prompt_token_ids,
+    )
+
+
 def stream_chunk(
-    ctx: OutputContext,
-    text: str,
-    *,
-    role: bool,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    token_ids: list[int] | None,
-    prompt_token_ids: list[int] | None,
-    usage_: Usage | None,
+    ctx: OutputContext, index: int, out: Out, *, role: bool, usage_: Usage | None
 ) -> bytes:
     if ctx.api == "chat":
-        delta = Delta(role="assistant", content=text) if role else Delta(content=text)
+        delta = Delta(
+            role="assistant" if role else None,
+            # The role chunk carries "" as vLLM's does; otherwise content only when there is some.
+            content=out.text if out.text or role else None,
+            reasoning=out.reasoning or None,
+            tool_calls=out.tool_calls,
+        )
         choice = ChatChunkChoice(
-            index=0,
+            index=index,
             delta=delta,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            token_ids=token_ids,
+            logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            token_ids=out.token_ids,
         )
         return _json.encode(
             ChatChunk(
@@ -134,24 +165,16 @@ def stream_chunk(
                 model=ctx.model,
                 choices=[choice],
                 usage=usage_,
-                prompt_token_ids=prompt_token_ids,
+                prompt_token_ids=out.prompt_token_ids,
             )
         )
-    choice = CompletionChoice(
-        index=0,
-        text=text,
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-        token_ids=token_ids,
-        prompt_token_ids=prompt_token_ids,
-    )
     return _json.encode(
         CompletionChunk(
             id=ctx.response_id,
             object=COMPLETION,
             created=ctx.created,
             model=ctx.model,
-            choices=[choice],
+            choices=[_completion_choice(index, out)],
             usage=usage_,
         )
     )
@@ -172,47 +195,42 @@ def usage_chunk(ctx: OutputContext, completion_tokens: int) -> bytes:
     )
 
 
-def response(
-    ctx: OutputContext,
-    text: str,
-    *,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    token_ids: list[int],
-    prompt_token_ids: list[int] | None,
-) -> bytes:
+def response(ctx: OutputContext, index: int, out: Out, completion_tokens: int) -> bytes:
     """A complete non-streaming response."""
-    u = usage(ctx, len(token_ids))
-    ids = token_ids if ctx.return_token_ids else None
+    u = usage(ctx, completion_tokens)
     if ctx.api == "chat":
-        message = ChatMessage(role="assistant", content=text)
+        message = ChatMessage(
+            role="assistant",
+            content=out.text if out.text or not out.tool_calls else None,
+            reasoning=out.reasoning or None,
+            tool_calls=out.tool_calls,
+        )
         choice = ChatChoice(
-            index=0,
+            index=index,
             message=message,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            token_ids=ids,
+            logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            token_ids=out.token_ids,
         )
         return _json.encode(
             ChatResponse(
                 id=ctx.response_id,
+                object=CHAT,
                 created=ctx.created,
                 model=ctx.model,
                 choices=[choice],
                 usage=u,
-                prompt_token_ids=prompt_token_ids,
+                prompt_token_ids=out.prompt_token_ids,
             )
         )
-    choice = CompletionChoice(
-        index=0,
-        text=text,
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-        token_ids=ids,
-        prompt_token_ids=prompt_token_ids,
-    )
     return _json.encode(
         CompletionResponse(
-            id=ctx.response_id, created=ctx.created, model=ctx.model, choices=[choice], usage=u
+            id=ctx.response_id,
+            object=COMPLETION,
+            created=ctx.created,
+            model=ctx.model,
+            choices=[_completion_choice(index, out)],
+            usage=u,
         )
     )

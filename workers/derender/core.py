@@ -1,25 +1,103 @@
 """Derender's pure core: `(state, token delta, context) -> (OpenAI documents, next state)`.
 
-Streaming and non-streaming go through the same function: a non-streaming request is one
-delta holding every output token and the finish reason.
+One chunk of one choice flows: token ids → text (incremental detokenizer) → stop strings →
+reasoning parser → tool-call parser → logprobs → an OpenAI chunk. Every stage keeps its
+memory in `StreamState`, so each chunk costs O(its own size). Streaming and non-streaming
+go through the same function: a non-streaming request is one delta holding every output
+token and the finish reason.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from tokenway.errors import InvalidRequest
-from tokenway.wire import DerenderEntry, DerenderResult
-from workers.derender import chunks
+from tokenway.wire import (
+    DerenderEntry,
+    DerenderResult,
+    FinishReason,
+    LogprobEntry,
+    OutputContext,
+)
+from workers.derender import chunks, logprobs, reasoning, stops, tools
 from workers.derender import state as states
+from workers.derender.chunks import Out
 from workers.derender.detok import Detokenizer, seed
 from workers.derender.state import StreamState
 
-# Bounds that keep one bad entry from costing the worker more than a normal chunk.
 MAX_DELTA_TOKENS = 1 << 20
 
 
-def _stop_terminated(entry: DerenderEntry) -> bool:
+def _stop_terminated(finish: str | None, stop_reason: int | str | None) -> bool:
     """EOS or a stop token ended the sequence (a stop *string* is reported as str)."""
-    return entry.finish_reason == "stop" and not isinstance(entry.stop_reason, str)
+    return finish == "stop" and not isinstance(stop_reason, str)
+
+
+def initial_state(ctx: OutputContext) -> StreamState:
+    parse = ctx.parse if ctx.api == "chat" else None
+    return StreamState(
+        detok=seed(ctx.prompt_tail),
+        stop=stops.StopState() if ctx.stop else None,
+        reasoning=reasoning.start(parse.reasoning_start) if parse else None,
+        tools=tools.start(parse) if parse else None,
+        logprobs=logprobs.LogprobState() if ctx.logprobs is not None else None,
+    )
+
+
+@dataclass
+class _Ending:
+    finish: FinishReason | None
+    stop_reason: int | str | None
+    kept: int  # how many of the delta's tokens belong to the output
+
+
+def _text_and_stops(
+    ctx: OutputContext, state: StreamState, pieces: Sequence[str], ending: _Ending
+) -> str:
+    """Apply stop strings token by token, so the token that completes one ends the output."""
+    if state.stop is None:
+        text = "".join(pieces)
+    else:
+        out: list[str] = []
+        for i, piece in enumerate(pieces):
+            active = state.completion_tokens + i + 1 > ctx.min_tokens
+            released, hit, state.stop = stops.step(
+                ctx.stop, ctx.include_stop_str_in_output, state.stop, piece, active
+            )
+            out.append(released)
+            if hit is not None:
+                ending.finish, ending.stop_reason, ending.kept = "stop", hit, i + 1
+                return "".join(out)
+        text = "".join(out)
+        if ending.finish is not None:
+            text += stops.finish(state.stop)
+    return text
+
+
+def _parse(ctx: OutputContext, state: StreamState, text: str, done: bool, out: Out) -> None:
+    """Split chat text into reasoning, content and tool calls."""
+    parse = ctx.parse
+    assert parse is not None
+    content = text
+    if state.reasoning is not None:
+        assert parse.reasoning_parser is not None
+        thought, content, state.reasoning = reasoning.step(
+            parse.reasoning_parser, state.reasoning, text
+        )
+        if done:
+            more_thought, more_content = reasoning.finish(parse.reasoning_parser, state.reasoning)
+            thought, content = thought + more_thought, content + more_content
+        if parse.include_reasoning:
+            out.reasoning = thought
+    if state.tools is not None:
+        content, calls, state.tools = tools.step(parse, state.tools, content, ctx.response_id)
+        if done:
+            more_content, more_calls = tools.finish(parse, state.tools, ctx.response_id)
+            content, calls = content + more_content, calls + more_calls
+        out.tool_calls = calls
+        state.tools_called = state.tools_called or bool(calls)
+    out.text = content
 
 
 def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
@@ -27,66 +105,91 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     ids = entry.token_ids
     if len(ids) > MAX_DELTA_TOKENS:
         raise InvalidRequest(f"{len(ids)} tokens in one chunk, over the {MAX_DELTA_TOKENS} limit")
+    if entry.logprobs is not None and len(entry.logprobs) != len(ids):
+        raise InvalidRequest(
+            f"{len(entry.logprobs)} logprob entries for {len(ids)} tokens", param="logprobs"
+        )
     first = entry.state is None
     if entry.state is None:
-        state = StreamState(detok=seed(ctx.prompt_tail))
+        state = initial_state(ctx)
     else:
-        state = states.decode(entry.state, detok.vocab_size)
+        state = states.decode(entry.state, detok.vocab_size, ctx)
 
     # The prompt shows on the first chunk only: echoed text, and its ids when asked.
     prompt_ids = entry.prompt_token_ids if first else None
     if first and (ctx.echo or ctx.return_token_ids) and prompt_ids is None:
         raise InvalidRequest("the first chunk of this request needs its prompt_token_ids")
-    echo = detok.decode(prompt_ids, False) if ctx.echo and prompt_ids is not None else ""
-    if not ctx.return_token_ids:
-        prompt_ids = None
 
+    ending = _Ending(entry.finish_reason, entry.stop_reason, len(ids))
     visible = ids
-    if ids and _stop_terminated(entry) and not ctx.include_stop_str_in_output:
-        visible = ids[:-1]
+    if ids and _stop_terminated(ending.finish, ending.stop_reason):
+        if not ctx.include_stop_str_in_output:
+            visible = ids[:-1]
     try:
-        text, window = detok.step(state.detok, visible, ctx.skip_special_tokens)
+        pieces, state.detok = detok.pieces(state.detok, visible, ctx.skip_special_tokens)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="token_ids") from exc
-    text = echo + text
+    text = _text_and_stops(ctx, state, pieces, ending)
+    kept = ids[: ending.kept]
+    done = ending.finish is not None
 
-    completion_tokens = state.completion_tokens + len(ids)
-    finished = entry.finish_reason is not None
-    next_state = StreamState(
-        detok=window,
-        completion_tokens=completion_tokens,
-        role_sent=state.role_sent or ctx.api == "chat",
-        finished=finished,
-    )
-    if not ctx.stream:
-        if not finished:
-            raise InvalidRequest("a non-streaming derender needs the finish reason")
-        doc = chunks.response(
-            ctx,
-            text,
-            finish_reason=entry.finish_reason,
-            stop_reason=entry.stop_reason,
-            token_ids=list(ids),
-            prompt_token_ids=prompt_ids,
-        )
-        return DerenderResult(chunks=[doc], state=states.encode(next_state))
+    out = Out(finish_reason=ending.finish, stop_reason=ending.stop_reason)
+    if ctx.api == "chat" and ctx.parse is not None:
+        _parse(ctx, state, text, done, out)
+        if out.finish_reason == "stop" and tools.rewrites_finish(ctx.parse, state.tools_called):
+            out.finish_reason = "tool_calls"
+    else:
+        out.text = text
+    if ctx.echo and prompt_ids is not None:
+        echoed = detok.decode(prompt_ids, False)
+        out.text = echoed + out.text
+        if state.logprobs is not None:  # completion text offsets count the echoed prompt
+            state.logprobs.text_offset += len(echoed)
+    if state.logprobs is not None and entry.logprobs is not None:
+        out.logprobs = _logprobs(detok, ctx, state, entry.logprobs[: ending.kept])
+    if ctx.return_token_ids:
+        out.token_ids = list(kept)
+        out.prompt_token_ids = prompt_ids
 
-    docs: list[bytes] = []
+    state.completion_tokens += len(kept)
+    state.finished = done
     first_chat = ctx.api == "chat" and not state.role_sent
-    if text or finished or first_chat or (ctx.return_token_ids and ids):
-        continuous = ctx.include_usage and ctx.continuous_usage_stats
-        docs.append(
-            chunks.stream_chunk(
-                ctx,
-                text,
-                role=first_chat,
-                finish_reason=entry.finish_reason,
-                stop_reason=entry.stop_reason,
-                token_ids=list(ids) if ctx.return_token_ids else None,
-                prompt_token_ids=prompt_ids,
-                usage_=chunks.usage(ctx, completion_tokens) if continuous else None,
-            )
+    state.role_sent = state.role_sent or ctx.api == "chat"
+    docs: list[bytes] = []
+    if not ctx.stream:
+        if not done:
+            raise InvalidRequest("a non-streaming derender needs the finish reason")
+        out.tool_calls = tools.merge(out.tool_calls) if out.tool_calls else []
+        docs.append(chunks.response(ctx, entry.index, out, state.completion_tokens))
+    else:
+        shown = out.text or out.reasoning or out.tool_calls or (entry.logprobs and kept)
+        if shown or done or first_chat or (ctx.return_token_ids and kept):
+            continuous = ctx.include_usage and ctx.continuous_usage_stats
+            usage = chunks.usage(ctx, state.completion_tokens) if continuous else None
+            docs.append(chunks.stream_chunk(ctx, entry.index, out, role=first_chat, usage_=usage))
+        if done and ctx.include_usage and ctx.n == 1:
+            docs.append(chunks.usage_chunk(ctx, state.completion_tokens))
+    # Derender decided the end itself (a stop string): the owner must learn it.
+    ended_here = (ending.finish, ending.stop_reason) != (entry.finish_reason, entry.stop_reason)
+    return DerenderResult(
+        chunks=docs,
+        state=states.encode(state),
+        finish_reason=ending.finish if ended_here else None,
+        stop_reason=ending.stop_reason if ended_here else None,
+        kept=ending.kept if ending.kept != len(ids) else None,
+    )
+
+
+def _logprobs(
+    detok: Detokenizer, ctx: OutputContext, state: StreamState, entries: Sequence[LogprobEntry]
+) -> logprobs.ChatLogprobs | logprobs.CompletionLogprobs:
+    assert ctx.logprobs is not None and state.logprobs is not None
+    if ctx.api == "chat":
+        content, state.logprobs = logprobs.chat_logprobs(
+            detok.texts, entries, ctx.logprobs, state.logprobs
         )
-    if finished and ctx.include_usage:
-        docs.append(chunks.usage_chunk(ctx, completion_tokens))
-    return DerenderResult(chunks=docs, state=states.encode(next_state))
+        return logprobs.ChatLogprobs(content)
+    shaped, state.logprobs = logprobs.completion_logprobs(
+        detok.texts, entries, ctx.logprobs, state.logprobs
+    )
+    return shaped

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from workers.derender.logprobs import TokenTexts
 from workers.derender.state import DetokState
 
 # vLLM seeds from the prompt's last tokens so the first output token decodes in context.
@@ -32,6 +33,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
+        self.texts = TokenTexts(tokenizer)  # per-token strings for logprobs, cached
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # Decoding with skip_special_tokens drops these wherever they stand, so a skipped
         # one can stay out of the window: a run of them then cannot grow it.
@@ -40,6 +42,13 @@ class Detokenizer:
     def step(
         self, state: DetokState, new_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> tuple[str, DetokState]:
+        pieces, state = self.pieces(state, new_ids, skip_special_tokens)
+        return "".join(pieces), state
+
+    def pieces(
+        self, state: DetokState, new_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> tuple[list[str], DetokState]:
+        """The text each new token releases (often "", e.g. inside a multi-byte character)."""
         decode = self._tok.decode
         tokens = list(state.tokens)
         prefix, read = state.prefix_offset, state.read_offset
@@ -51,12 +60,14 @@ class Detokenizer:
                     f"token id {tid} is outside the vocabulary (0..{self.vocab_size - 1})"
                 )
             if skip_special_tokens and tid in self._special:
+                out.append("")
                 continue
             tokens.append(tid)
             if prefix_text is None:
                 prefix_text = decode(tokens[prefix:read], skip_special_tokens=skip_special_tokens)
             text = decode(tokens[prefix:], skip_special_tokens=skip_special_tokens)
             if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT):
+                out.append("")
                 continue
             out.append(text[len(prefix_text) :])
             prefix, read = read, len(tokens)
@@ -66,7 +77,7 @@ class Detokenizer:
             tokens = tokens[prefix:]
             read -= prefix
             prefix = 0
-        return "".join(out), DetokState(tokens=tokens, prefix_offset=prefix, read_offset=read)
+        return out, DetokState(tokens=tokens, prefix_offset=prefix, read_offset=read)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

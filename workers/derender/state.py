@@ -10,8 +10,16 @@ import msgspec
 from msgspec import Struct
 
 from tokenway.errors import InvalidRequest
+from tokenway.wire import OutputContext
+from workers.derender import logprobs, reasoning, stops
+from workers.derender.logprobs import LogprobState
+from workers.derender.reasoning import ReasoningState
+from workers.derender.stops import StopState
+from workers.derender.tools import ToolState
 
 MAX_WINDOW_TOKENS = 512
+# A few hundred bytes plus the tool call being streamed; far more is tampering or a bug.
+MAX_STATE_BYTES = 12 * 1024
 
 
 class DetokState(Struct, array_like=True):
@@ -27,6 +35,11 @@ class StreamState(Struct, array_like=True, omit_defaults=True):
     completion_tokens: int = 0
     role_sent: bool = False
     finished: bool = False
+    stop: StopState | None = None  # text held back as a possible stop-string start
+    reasoning: ReasoningState | None = None
+    tools: ToolState | None = None
+    tools_called: bool = False  # any tool call streamed: finish "stop" becomes "tool_calls"
+    logprobs: LogprobState | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -37,13 +50,17 @@ def encode(state: StreamState) -> bytes:
     return _encoder.encode(state)
 
 
-def decode(raw: bytes, vocab_size: int) -> StreamState:
+def decode(raw: bytes, vocab_size: int, ctx: OutputContext) -> StreamState:
     """A state from the wire; refuse one that no derender could have produced."""
+    if len(raw) > MAX_STATE_BYTES:
+        raise InvalidRequest(
+            f"stream_state of {len(raw)} bytes is over {MAX_STATE_BYTES}", param="stream_state"
+        )
     try:
         state = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"malformed stream_state: {exc}", param="stream_state") from exc
-    problem = _problem(state, vocab_size)
+    problem = _problem(state, vocab_size) or _parts_problem(state, ctx)
     if problem:
         raise InvalidRequest(problem, param="stream_state")
     return state
@@ -62,4 +79,19 @@ def _problem(state: StreamState, vocab_size: int) -> str | None:
         )
     if any(not 0 <= t < vocab_size for t in d.tokens) or state.completion_tokens < 0:
         return "stream_state holds values out of range"
+    return None
+
+
+def _parts_problem(state: StreamState, ctx: OutputContext) -> str | None:
+    """Each stage's own check of its part of the state."""
+    parse = ctx.parse
+    if state.reasoning is not None:
+        if parse is None or parse.reasoning_parser is None:
+            return "stream_state has reasoning state for a request without a reasoning parser"
+        if problem := reasoning.problem(parse.reasoning_parser, state.reasoning):
+            return problem
+    if state.stop is not None and (problem := stops.problem(state.stop, ctx.stop)):
+        return problem
+    if state.logprobs is not None:
+        return logprobs.problem(state.logprobs)
     return None

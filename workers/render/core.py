@@ -18,6 +18,7 @@ from tokenway.protocol import (
 from tokenway.wire import GenerateRequest, OutputContext, RenderRequest, StreamOptions
 from workers.derender.detok import SEED_TOKENS
 from workers.render.chat import apply_template
+from workers.render.parse import ParserFlags, parse_context
 from workers.render.sampling import (
     budget,
     reject_unsupported,
@@ -38,11 +39,15 @@ def decode_body(api: str, body: bytes) -> ChatCompletionRequest | CompletionRequ
 
 
 class Renderer:
-    def __init__(self, model: ModelInfo, served_model_name: str) -> None:
+    def __init__(
+        self, model: ModelInfo, served_model_name: str, flags: ParserFlags | None = None
+    ) -> None:
         self.info = model
         self.model = served_model_name
+        self.flags = flags or ParserFlags()
         self.tokenizer = AutoTokenizer.from_pretrained(str(Path(model.path)))
         self.vocab_size = len(self.tokenizer)
+        self.vocab = self.tokenizer.get_vocab()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
@@ -71,10 +76,12 @@ class Renderer:
         req = decode_body(request.api, request.body)
         self.check_model(req.model)
         reject_unsupported(req)
+        parse = None
         if isinstance(req, ChatCompletionRequest):
             text = apply_template(self.tokenizer, req)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prefix, field = "chatcmpl", "messages"
+            parse = parse_context(req, ids, self.flags, self.vocab)
         else:
             ids = self._prompt(req)
             prefix, field = "cmpl", "prompt"
@@ -98,6 +105,11 @@ class Renderer:
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            stop=params.stop,
+            min_tokens=params.min_tokens,
+            n=params.n,
+            logprobs=params.logprobs,
+            parse=parse,
         )
         return GenerateRequest(
             request_id=request.request_id,

@@ -17,13 +17,8 @@ def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Features whose output stage is not built yet: refuse clearly rather than ignore."""
     if req.n != 1:
         raise InvalidRequest(f"n={req.n} is not supported yet; use n=1", param="n")
-    if _stops(req.stop):
-        raise InvalidRequest("stop strings are not supported yet", param="stop")
-    wants_logprobs = (
-        bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
-    )
-    if wants_logprobs:
-        raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+    if any(not s for s in _stops(req.stop)):
+        raise InvalidRequest("stop strings must not be empty", param="stop")
     if isinstance(req, ChatCompletionRequest) and req.echo:
         raise InvalidRequest("echo is not supported for chat yet", param="echo")
     if isinstance(req, CompletionRequest):
@@ -61,6 +56,15 @@ def budget(prompt_tokens: int, max_tokens: int | None, context_length: int) -> i
     return max_tokens
 
 
+def requested_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top candidates per token (0: the sampled one only); None: no logprobs."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest, max_tokens: int
 ) -> SamplingParams:
@@ -83,4 +87,5 @@ def sampling_params(
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=req.logit_bias,
+        logprobs=requested_logprobs(req),
     )

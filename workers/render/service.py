@@ -19,6 +19,7 @@ from tokenway.model import ModelInfo
 from tokenway.wire import GenerateRequest, RenderRequest
 from tokenway.worker import consume, is_stream_full, overloaded
 from workers.render.core import Renderer
+from workers.render.parse import ParserFlags
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,12 @@ _encoder = msgspec.msgpack.Encoder()
 class RenderService:
     name = "render"
 
-    def __init__(self, settings: Settings, model: ModelInfo, served_model_name: str) -> None:
+    def __init__(
+        self, settings: Settings, model: ModelInfo, served_model_name: str, flags: ParserFlags
+    ) -> None:
         self.settings = settings
         self.model = served_model_name
-        self.renderer = Renderer(model, served_model_name)
+        self.renderer = Renderer(model, served_model_name, flags)
         self.max_payload = 0  # the server's, known once connected
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:

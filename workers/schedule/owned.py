@@ -15,6 +15,7 @@ from tokenway.wire import (
     ErrorInfo,
     FinishReason,
     GenerateRequest,
+    LogprobEntry,
     TokenDelta,
 )
 
@@ -32,6 +33,7 @@ class Owned:
     out_seq: int = 0  # last per-request output sequence published to TW_OUT
     state: bytes | None = None  # last committed stream_state (opaque: derender's)
     pending: list[int] = field(default_factory=list)  # engine tokens not yet derendered
+    pending_logprobs: list[LogprobEntry] | None = None  # theirs, when logprobs were asked
     finish: FinishReason | None = None
     stop_reason: int | str | None = None
     engine_done: bool = False  # the engine reported the end of this attempt
@@ -72,6 +74,8 @@ class Owned:
             self.fail(EngineFailed(delta.error).info())
             return False
         self.pending.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.pending_logprobs = (self.pending_logprobs or []) + delta.logprobs
         if delta.finish_reason is not None:
             self.engine_done = True
             self.finish = delta.finish_reason
@@ -88,6 +92,7 @@ class Owned:
 
     def take(self) -> DerenderEntry:
         tokens, self.pending = self.pending, []
+        lps, self.pending_logprobs = self.pending_logprobs, None
         self.busy = True
         ctx = self.request.context
         needs_prompt = self.state is None and (ctx.echo or ctx.return_token_ids)
@@ -98,8 +103,11 @@ class Owned:
             finish_reason=self.finish,
             stop_reason=self.stop_reason,
             prompt_token_ids=self.request.token_ids if needs_prompt else None,
+            logprobs=lps,
         )
 
     def hold_back(self, entry: DerenderEntry) -> None:
         """Nothing became visible (a partial character): keep the tokens for the next chunk."""
         self.pending = entry.token_ids + self.pending
+        if entry.logprobs is not None:
+            self.pending_logprobs = entry.logprobs + (self.pending_logprobs or [])

@@ -312,28 +312,44 @@ class ScheduleService:
             if res.error is not None:
                 r.fail(res.error)
                 continue
-            last = entry.finish_reason is not None
+            if res.finish_reason is not None:  # derender ended it: a stop string
+                r.finish, r.stop_reason = res.finish_reason, res.stop_reason
+            last = entry.finish_reason is not None or res.finish_reason is not None
             if not res.chunks and not last:
                 r.hold_back(entry)
                 continue
+            tokens = entry.token_ids if res.kept is None else entry.token_ids[: res.kept]
             if r.stream:
                 kind, payload = (h.KIND_END if last else h.KIND_CHUNK), frame(res.chunks)
             else:
                 kind, payload = h.KIND_RESPONSE, res.chunks[0]
             r.out_seq += 1
             hdrs = ledger.out_headers(
-                r.rid, r.out_seq, kind, attempt=r.attempt, state=res.state, tokens=entry.token_ids
+                r.rid, r.out_seq, kind, attempt=r.attempt, state=res.state, tokens=tokens
             )
             ack = await self._js.publish_async(
                 bus.out_subject(r.reply, r.rid), payload, headers=hdrs
             )
             acks.append((r, res, last, ack))
+        if acks:
+            # One deadline for the batch: nats.py#985 leaves a future unresolved on errors.
+            await asyncio.wait([ack for *_, ack in acks], timeout=_COMMIT_TIMEOUT)
         for r, res, last, ack in acks:
-            try:
-                await asyncio.wait_for(ack, _COMMIT_TIMEOUT)  # nats.py#985: may never resolve
-            except Exception as exc:
-                r.fail(StageUnavailable(f"could not commit output to the ledger: {exc!r}").info())
+            cause = _failed(ack)
+            if cause is not None:
+                r.fail(StageUnavailable(f"could not commit output to the ledger: {cause}").info())
                 continue
             r.state = res.state
             if last:
                 r.ended.set()
+
+
+def _failed(ack: asyncio.Future) -> str | None:
+    """Why a publish was not acknowledged, or None when it was."""
+    if not ack.done():
+        ack.cancel()
+        return f"no answer within {_COMMIT_TIMEOUT:.0f}s"
+    if ack.cancelled():
+        return "cancelled"
+    exc = ack.exception()
+    return None if exc is None else repr(exc)

@@ -8,10 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenway.errors import InvalidRequest
+from tokenway.wire import OutputContext
 from workers.derender import state as states
 from workers.derender.state import MAX_WINDOW_TOKENS, DetokState, StreamState
 
 VOCAB = 129280
+CTX = OutputContext(api="completion")
 
 
 @st.composite
@@ -28,7 +30,7 @@ def valid_states(draw: st.DrawFn) -> StreamState:
 @settings(max_examples=60, deadline=None)
 @given(state=valid_states())
 def test_a_state_round_trips(state: StreamState) -> None:
-    assert states.decode(states.encode(state), VOCAB) == state
+    assert states.decode(states.encode(state), VOCAB, CTX) == state
 
 
 def test_a_typical_state_is_a_few_dozen_bytes() -> None:
@@ -53,7 +55,7 @@ def test_a_typical_state_is_a_few_dozen_bytes() -> None:
 )
 def test_garbage_is_invalid_request(raw: bytes) -> None:
     with pytest.raises(InvalidRequest, match="malformed") as info:
-        states.decode(raw, VOCAB)
+        states.decode(raw, VOCAB, CTX)
     assert info.value.param == "stream_state"
 
 
@@ -63,9 +65,9 @@ def test_truncated_or_padded_bytes_are_invalid_request() -> None:
     )
     for cut in range(len(raw)):
         with pytest.raises(InvalidRequest):
-            states.decode(raw[:cut], VOCAB)
+            states.decode(raw[:cut], VOCAB, CTX)
     with pytest.raises(InvalidRequest):
-        states.decode(raw + b"\x00", VOCAB)
+        states.decode(raw + b"\x00", VOCAB, CTX)
 
 
 @pytest.mark.parametrize(
@@ -81,11 +83,11 @@ def test_truncated_or_padded_bytes_are_invalid_request() -> None:
 )
 def test_an_impossible_state_is_invalid_request(window: DetokState) -> None:
     with pytest.raises(InvalidRequest) as info:
-        states.decode(states.encode(StreamState(detok=window)), VOCAB)
+        states.decode(states.encode(StreamState(detok=window)), VOCAB, CTX)
     assert info.value.param == "stream_state"
 
 
 def test_a_finished_state_is_invalid_request() -> None:
     raw = states.encode(StreamState(detok=DetokState([], 0, 0), finished=True))
     with pytest.raises(InvalidRequest, match="finished"):
-        states.decode(raw, VOCAB)
+        states.decode(raw, VOCAB, CTX)

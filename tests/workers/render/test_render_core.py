@@ -271,16 +271,14 @@ def test_prompt_plus_max_tokens_over_the_context_is_400_on_max_tokens(small: Ren
     [
         ("chat", "n", 2),
         ("completion", "n", 3),
-        ("chat", "stop", "\n"),
-        ("chat", "stop", ["END"]),
-        ("completion", "stop", "."),
-        ("chat", "logprobs", True),
-        ("completion", "logprobs", 1),
+        ("chat", "stop", [""]),
+        ("chat", "top_logprobs", 2),
+        ("chat", "echo", True),
         ("completion", "suffix", "tail"),
         ("completion", "best_of", 2),
     ],
 )
-def test_features_not_built_yet_are_400_naming_the_param(
+def test_unsupported_or_malformed_features_are_400_naming_the_param(
     renderer: Renderer, api: Api, field: str, value: Any
 ) -> None:
     body: dict[str, Any] = {field: value}
@@ -340,3 +338,14 @@ def test_decode_body_picks_the_api_schema() -> None:
     assert isinstance(completion, CompletionRequest)
     with pytest.raises(InvalidRequest):
         decode_body("completion", b'{"messages": [{"role": "user", "content": "hi"}]}')
+
+
+def test_stops_and_logprobs_reach_the_engine_and_the_output_context(renderer: Renderer) -> None:
+    chat = render(renderer, stop=["END", "\n\n"], logprobs=True, top_logprobs=3, min_tokens=2)
+    assert chat.sampling_params.stop == ["END", "\n\n"] == chat.context.stop
+    assert chat.sampling_params.logprobs == 3 == chat.context.logprobs
+    assert chat.context.min_tokens == 2
+    plain = render(renderer, logprobs=True)
+    assert plain.context.logprobs == 0  # the sampled token only
+    completion = render(renderer, "completion", prompt="Hi", logprobs=2, stop=".")
+    assert completion.context.logprobs == 2 and completion.context.stop == ["."]

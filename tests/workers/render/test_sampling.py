@@ -70,15 +70,13 @@ def test_chat_max_completion_tokens_wins_over_max_tokens() -> None:
     [
         (chat(n=2), "n"),
         (completion(n=4), "n"),
-        (chat(stop="x"), "stop"),
-        (completion(stop=["x", "y"]), "stop"),
-        (chat(logprobs=True), "logprobs"),
-        (completion(logprobs=0), "logprobs"),
+        (chat(stop=["x", ""]), "stop"),
+        (chat(echo=True), "echo"),
         (completion(suffix="!"), "suffix"),
         (completion(best_of=3), "best_of"),
     ],
 )
-def test_features_not_built_yet_are_refused_naming_the_param(
+def test_unsupported_or_malformed_features_are_refused_naming_the_param(
     request_: ChatCompletionRequest | CompletionRequest, param: str
 ) -> None:
     with pytest.raises(InvalidRequest) as info:

@@ -1,0 +1,609 @@
+"""Tool-call parsing as pure incremental steps: `(state, text delta) -> (content, calls, state')`.
+
+vLLM's tool parsers re-read the whole output on every chunk. Here a step reads only the new
+text: what it needs from the past is `ToolState`, a handful of small fields (where the parser
+stands, a held tail that may be the start of a marker, the JSON scanner's nesting). Argument
+text is passed on as it arrives and never kept, so the state does not grow with the output.
+
+What is parsed follows `ParseContext.tool_choice`, as vLLM 0.33 serves it:
+- "auto" with a `tool_parser`: the model's own call syntax (`deepseek_v31`, `hermes`); text
+  before the first call is content, text after it is dropped.
+- "named": the whole output is the arguments of one call to `tool_name`.
+- "required": the output is a JSON list `[{"name": ..., "parameters": {...}}, ...]`.
+
+Arguments are the model's raw JSON text (vLLM's streaming form), so a non-streaming answer
+(one step over the whole text, then `finish`) equals any chunking of the same text.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from tokenway.errors import InvalidRequest
+from tokenway.wire import ParseContext
+
+PARSERS: tuple[str, ...] = ("deepseek_v31", "hermes")
+
+CALL_ID_PREFIX = "chatcmpl-tool-"
+
+# DeepSeek-V3.1's markers: each one is a single (non-special) token of the vocabulary.
+DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DS_CALLS_END = "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DS_CALL_END = "<｜tool▁call▁end｜>"
+DS_SEP = "<｜tool▁sep｜>"
+HERMES_BEGIN = "<tool_call>"
+HERMES_END = "</tool_call>"
+
+_MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
+MAX_HELD = max(len(m) for m in (*_MARKERS, HERMES_BEGIN, HERMES_END)) - 1
+MAX_NAME = 512  # OpenAI caps function names at 64 characters; a longer one is not a name
+MAX_KEY = 32  # longer than any key we look for, so a capped key never matches one
+
+
+class Phase(enum.IntEnum):
+    CONTENT = 0  # auto: content, until the first call marker
+    BLOCK = 1  # deepseek_v31: in the calls block, between calls
+    NAME = 2  # deepseek_v31: reading a function name
+    ARGS = 3  # deepseek_v31: arguments up to the call's end marker; named: all output
+    OPEN = 4  # hermes: after <tool_call>, before its JSON object
+    OBJECT = 5  # hermes, required: inside a call's JSON object
+    AFTER = 6  # hermes: after the object, before </tool_call>
+    BETWEEN = 7  # hermes: after </tool_call>; required: in the list, between objects
+    LIST = 8  # required: before the list opens
+    DONE = 9  # the calls are over: the rest of the output is dropped
+
+
+class Expect(enum.IntEnum):
+    """Where a call object's scanner stands at the object's own level."""
+
+    KEY = 0
+    IN_KEY = 1
+    COLON = 2
+    VALUE = 3
+    IN_VALUE = 4
+    NEXT = 5  # after a value: "," or "}"
+
+
+class Role(enum.IntEnum):
+    """What the value being read is to the call."""
+
+    OTHER = 0
+    NAME = 1
+    ARGS = 2
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
+class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything a step needs from earlier text; `calls > 0` once any call was reported."""
+
+    phase: Phase = Phase.CONTENT
+    held: Annotated[str, Meta(max_length=MAX_HELD)] = ""  # may be the start of a marker
+    calls: Annotated[int, Meta(ge=0)] = 0  # calls announced: the next call's index
+    announced: bool = False  # the current call's first delta went out (its index: calls - 1)
+    # The name until the call is announced. deepseek_v31: the text read so far; JSON formats:
+    # its raw JSON text while it is read, then (name_done) the decoded name.
+    name: Annotated[str, Meta(max_length=MAX_NAME)] = ""
+    name_done: bool = False
+    has_args: bool = False  # the current call's arguments started
+    # The JSON scanner of a call object (and of the required list's own level).
+    expect: Expect = Expect.KEY
+    role: Role = Role.OTHER
+    depth: Annotated[int, Meta(ge=0)] = 0  # nesting inside the value being read
+    in_string: bool = False
+    escape: bool = False
+    key: Annotated[str, Meta(max_length=MAX_KEY)] = ""
+    # Arguments that came before the name (JSON formats): held until the name is known.
+    pending: str = ""
+
+
+def call_id(response_id: str, index: int) -> str:
+    """The same id for a call on every chunk, retry and worker."""
+    digest = hashlib.blake2b(f"{response_id}\x00{index}".encode(), digest_size=8)
+    return CALL_ID_PREFIX + digest.hexdigest()
+
+
+def start(ctx: ParseContext) -> ToolState | None:
+    """The first state, or None when this request's output is not parsed for calls."""
+    choice = ctx.tool_choice
+    if choice == "none":
+        return None
+    if choice == "named":
+        if not ctx.tool_name:
+            raise InvalidRequest('tool_choice "named" needs a tool_name', param="tool_choice")
+        return ToolState(phase=Phase.ARGS)
+    if choice == "required":
+        return ToolState(phase=Phase.LIST)
+    if ctx.tool_parser is None:
+        return None
+    if ctx.tool_parser not in PARSERS:
+        raise InvalidRequest(
+            f"unknown tool parser {ctx.tool_parser!r}; known: {', '.join(PARSERS)}",
+            param="tool_parser",
+        )
+    return ToolState()
+
+
+def step(
+    ctx: ParseContext, state: ToolState, text: str, response_id: str
+) -> tuple[str, list[ToolCallDelta], ToolState]:
+    """Parse the next piece of output text: (content delta, call deltas, next state)."""
+    s = msgspec.structs.replace(state)
+    out = _Out()
+    choice = ctx.tool_choice
+    if choice == "named":
+        if text:
+            if not s.announced:
+                _announce(s, out, ctx.tool_name or "")
+            _args(s, out, text)
+    elif choice == "required":
+        _required(s, text, out, ctx.parallel_tool_calls)
+    elif choice == "auto" and ctx.tool_parser == "deepseek_v31":
+        _deepseek(s, text, out, ctx.parallel_tool_calls)
+    elif choice == "auto" and ctx.tool_parser == "hermes":
+        _hermes(s, text, out, ctx.parallel_tool_calls)
+    else:
+        raise InvalidRequest(
+            f"no tool parsing for tool_choice {choice!r} with parser {ctx.tool_parser!r}",
+            param="tool_choice",
+        )
+    return "".join(out.content), out.deltas(response_id, _forced(ctx)), s
+
+
+def finish(
+    ctx: ParseContext, state: ToolState, response_id: str
+) -> tuple[str, list[ToolCallDelta]]:
+    """The end of output: release what was held (a tail that turned out not to be a marker)."""
+    s = msgspec.structs.replace(state)
+    out = _Out()
+    if ctx.tool_choice == "named":
+        if not s.announced:  # a forced call is always reported, even on empty output
+            _announce(s, out, ctx.tool_name or "")
+            _args(s, out, "{}")
+    elif s.phase == Phase.CONTENT:
+        out.content.append(s.held)
+    elif s.phase == Phase.ARGS:
+        _args(s, out, s.held)
+    return "".join(out.content), out.deltas(response_id, _forced(ctx))
+
+
+def merge(deltas: list[ToolCallDelta]) -> list[dict]:
+    """Assemble call deltas into OpenAI `message.tool_calls`, in index order."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.get(d.index)
+        if call is None:
+            call = calls[d.index] = {
+                "id": d.id or "",
+                "type": "function",
+                "function": {"name": "", "arguments": ""},
+            }
+        if d.id and not call["id"]:
+            call["id"] = d.id
+        if d.function is not None:
+            if d.function.name is not None and not call["function"]["name"]:
+                call["function"]["name"] = d.function.name
+            if d.function.arguments:
+                call["function"]["arguments"] += d.function.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def rewrites_finish(ctx: ParseContext, any_calls: bool) -> bool:
+    """Whether a "stop" finish is reported as "tool_calls" (never "length" or others).
+
+    vLLM does so when the choice carries calls, unless a named tool was forced (OpenAI
+    reports "stop" then). `any_calls` is `state.calls > 0`.
+    """
+    if not any_calls or ctx.tool_choice in ("none", "named"):
+        return False
+    return ctx.tool_choice == "required" or ctx.tool_parser is not None
+
+
+# -- what a step emits ----------------------------------------------------------------------
+
+
+class _Out:
+    """Content pieces and, per call in order, its announcement and argument pieces."""
+
+    __slots__ = ("calls", "content")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: list[tuple[int, str | None, list[str]]] = []
+
+    def announce(self, index: int, name: str) -> None:
+        self.calls.append((index, name, []))
+
+    def args(self, index: int, text: str) -> None:
+        if self.calls and self.calls[-1][0] == index:
+            self.calls[-1][2].append(text)
+        else:
+            self.calls.append((index, None, [text]))
+
+    def deltas(self, response_id: str, forced: bool) -> list[ToolCallDelta]:
+        """vLLM's shapes: auto announces id, type and name alone (arguments follow in their
+        own delta); a forced call's first delta also carries its arguments so far."""
+        out: list[ToolCallDelta] = []
+        for index, name, parts in self.calls:
+            args = "".join(parts)
+            if name is None:
+                out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
+                continue
+            head = FunctionDelta(name=name, arguments=args if forced else None)
+            cid = call_id(response_id, index)
+            out.append(ToolCallDelta(index=index, id=cid, type="function", function=head))
+            if args and not forced:
+                out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
+        return out
+
+
+def _forced(ctx: ParseContext) -> bool:
+    return ctx.tool_choice in ("named", "required")
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:
+    """How a JSON call object reads: its arguments key, and when its call is announced."""
+
+    args_key: str
+    eager: bool  # announce once the name is known (hermes), not once arguments start too
+    after: Phase  # where the scanner goes when the object closes
+
+
+_HERMES = _Format("arguments", eager=True, after=Phase.AFTER)
+_REQUIRED = _Format("parameters", eager=False, after=Phase.BETWEEN)
+
+
+def _announce(s: ToolState, out: _Out, name: str) -> None:
+    out.announce(s.calls, name)
+    s.calls += 1
+    s.announced, s.name = True, ""
+    if s.pending:
+        out.args(s.calls - 1, s.pending)
+        s.pending = ""
+
+
+def _args(s: ToolState, out: _Out, piece: str) -> None:
+    if not piece:
+        return
+    s.has_args = True
+    if not s.announced and s.name_done:
+        _announce(s, out, s.name)
+    if s.announced:
+        out.args(s.calls - 1, piece)
+    else:
+        s.pending += piece
+
+
+def _close(s: ToolState, out: _Out, parallel: bool, after: Phase) -> None:
+    """A call ends: one with a name is reported (arguments `{}` when it had none)."""
+    if not s.announced and s.name_done:
+        _announce(s, out, s.name)
+    if s.announced and not s.has_args:
+        out.args(s.calls - 1, "{}")
+    s.announced = s.name_done = s.has_args = s.in_string = s.escape = False
+    s.name = s.key = s.pending = ""
+    s.expect, s.role, s.depth = Expect.KEY, Role.OTHER, 0
+    s.phase = Phase.DONE if s.calls and not parallel else after
+
+
+# -- markers ----------------------------------------------------------------------------------
+
+
+def _first(text: str, i: int, markers: tuple[str, ...]) -> tuple[str | None, int]:
+    """The earliest of `markers` in `text[i:]`, and where it starts."""
+    best, at = None, -1
+    for m in markers:
+        j = text.find(m, i)
+        if j >= 0 and (at < 0 or j < at):
+            best, at = m, j
+    return best, at
+
+
+def _hold(s: ToolState, text: str, i: int, markers: tuple[str, ...]) -> int:
+    """Hold back a tail of `text[i:]` that may be the start of a marker; return where it starts.
+
+    Every marker starts with "<", so only a "<" in the last few characters can start one.
+    """
+    p = text.find("<", max(len(text) - MAX_HELD, i))
+    while p >= 0:
+        tail = text[p:]
+        if any(m.startswith(tail) for m in markers):
+            s.held = tail
+            return p
+        p = text.find("<", p + 1)
+    s.held = ""
+    return len(text)
+
+
+# -- deepseek_v31 -----------------------------------------------------------------------------
+
+_BLOCK_MARKERS = (DS_CALL_BEGIN, DS_CALLS_END)
+_NAME_MARKERS = (DS_SEP, DS_CALL_END, DS_CALLS_END)
+_ARGS_MARKERS = (DS_CALL_END, DS_CALLS_END)
+
+
+def _deepseek(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+    """`<｜tool▁calls▁begin｜>` then calls `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
+    <｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>` (vLLM's DeepSeekV31ToolParser)."""
+    text, s.held = s.held + text, ""
+    i = 0
+    while i < len(text):
+        if s.phase == Phase.CONTENT:
+            j = text.find(DS_CALLS_BEGIN, i)
+            if j < 0:
+                out.content.append(text[i : _hold(s, text, i, (DS_CALLS_BEGIN,))])
+                return
+            out.content.append(text[i:j])
+            i, s.phase = j + len(DS_CALLS_BEGIN), Phase.BLOCK
+        elif s.phase == Phase.BLOCK:
+            m, j = _first(text, i, _BLOCK_MARKERS)
+            if m is None:
+                _hold(s, text, i, _BLOCK_MARKERS)
+                return
+            i, s.phase = j + len(m), Phase.NAME if m == DS_CALL_BEGIN else Phase.DONE
+        elif s.phase == Phase.NAME:
+            m, j = _first(text, i, _NAME_MARKERS)
+            end = _hold(s, text, i, _NAME_MARKERS) if m is None else j
+            s.name = (s.name + text[i:end])[:MAX_NAME]
+            if m is None:
+                return
+            i = j + len(m)
+            if m == DS_SEP:
+                _announce(s, out, s.name)
+                s.name, s.phase = "", Phase.ARGS
+            else:  # a call without a separator has no name: dropped
+                s.name = ""
+                s.phase = Phase.BLOCK if m == DS_CALL_END else Phase.DONE
+        elif s.phase == Phase.ARGS:
+            m, j = _first(text, i, _ARGS_MARKERS)
+            if m is None:
+                _args(s, out, text[i : _hold(s, text, i, _ARGS_MARKERS)])
+                return
+            _args(s, out, text[i:j])
+            i = j + len(m)
+            _close(s, out, parallel, Phase.BLOCK if m == DS_CALL_END else Phase.DONE)
+        else:
+            return
+
+
+# -- hermes -----------------------------------------------------------------------------------
+
+
+def _hermes(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated (vLLM's
+    Hermes2ProToolParser); the arguments value's raw text streams as it arrives."""
+    text, s.held = s.held + text, ""
+    i = 0
+    while i < len(text):
+        if s.phase == Phase.CONTENT:
+            j = text.find(HERMES_BEGIN, i)
+            if j < 0:
+                out.content.append(text[i : _hold(s, text, i, (HERMES_BEGIN,))])
+                return
+            out.content.append(text[i:j])
+            i, s.phase = j + len(HERMES_BEGIN), Phase.OPEN
+        elif s.phase == Phase.OPEN:
+            j, k = text.find("{", i), text.find(HERMES_END, i)
+            if k >= 0 and (j < 0 or k < j):  # no object in this tag
+                i, s.phase = k + len(HERMES_END), Phase.BETWEEN
+            elif j >= 0:
+                i, s.phase = j + 1, Phase.OBJECT
+            else:
+                _hold(s, text, i, (HERMES_END,))
+                return
+        elif s.phase == Phase.OBJECT:
+            i = _object(s, text, i, out, parallel, _HERMES)
+        elif s.phase in (Phase.AFTER, Phase.BETWEEN):
+            marker = HERMES_END if s.phase == Phase.AFTER else HERMES_BEGIN
+            j = text.find(marker, i)
+            if j < 0:
+                _hold(s, text, i, (marker,))
+                return
+            i = j + len(marker)
+            s.phase = Phase.BETWEEN if s.phase == Phase.AFTER else Phase.OPEN
+        else:
+            return
+
+
+# -- required ---------------------------------------------------------------------------------
+
+_LIST_OPEN = re.compile(r"[\[{]")
+_LIST_LEVEL = re.compile(r'[\[\]{}"]')
+
+
+def _required(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+    """A JSON list of `{"name": ..., "parameters": {...}}` (vLLM's required-tool-call scan:
+    text before the list and after it is ignored; a list item that is not an object ends it)."""
+    i = 0
+    while i < len(text):
+        if s.phase == Phase.LIST:
+            m = _LIST_OPEN.search(text, i)
+            if m is None:
+                return
+            i = m.end()
+            s.phase = Phase.BETWEEN if m.group() == "[" else Phase.DONE
+        elif s.phase == Phase.BETWEEN:
+            if s.in_string:  # a stray string item: skipped
+                i, _ = _string_end(s, text, i)
+                continue
+            m = _LIST_LEVEL.search(text, i)
+            if m is None:
+                return
+            i, ch = m.end(), m.group()
+            if ch == '"':
+                s.in_string = True
+            elif ch == "{":
+                s.phase, s.expect = Phase.OBJECT, Expect.KEY
+            else:
+                s.phase = Phase.DONE
+        elif s.phase == Phase.OBJECT:
+            i = _object(s, text, i, out, parallel, _REQUIRED)
+        else:
+            return
+
+
+# -- a call's JSON object -------------------------------------------------------------------
+
+_STRING = re.compile(r'["\\]')
+_NESTED = re.compile(r'["{}\[\]]')
+_SCALAR_END = re.compile(r"[,}\]\s]")
+_KEY_OR_CLOSE = re.compile(r'["}]')
+_COLON_OR_CLOSE = re.compile(r"[:}]")
+_NEXT = re.compile(r"[,}]")
+_NON_SPACE = re.compile(r"\S")
+
+
+def _string_end(s: ToolState, text: str, i: int) -> tuple[int, bool]:
+    """Scan a JSON string from `i`: (where the scan stopped, whether the string closed)."""
+    n = len(text)
+    while True:
+        if s.escape:
+            if i >= n:
+                return n, False
+            s.escape, i = False, i + 1
+            continue
+        m = _STRING.search(text, i)
+        if m is None:
+            return n, False
+        if m.group() == '"':
+            s.in_string = False
+            return m.end(), True
+        s.escape, i = True, m.end()
+
+
+def _object(s: ToolState, text: str, i: int, out: _Out, parallel: bool, fmt: _Format) -> int:
+    """Read a call object from `text[i:]` until it closes or the text ends; return where.
+
+    Only the object's own level is interpreted (vLLM's scan does the same): keys, and the
+    "name" and arguments values; quotes and brackets inside values only move the nesting.
+    """
+    n = len(text)
+    while i < n and s.phase == Phase.OBJECT:
+        e = s.expect
+        if e == Expect.IN_VALUE:
+            i = _value(s, text, i, out, fmt)
+            continue
+        if e == Expect.IN_KEY:
+            j, closed = _string_end(s, text, i)
+            s.key = (s.key + text[i : j - 1 if closed else j])[:MAX_KEY]
+            i = j
+            if closed:
+                s.role, s.key, s.expect = _role(s, s.key, fmt), "", Expect.COLON
+            continue
+        pattern = {
+            Expect.KEY: _KEY_OR_CLOSE,
+            Expect.COLON: _COLON_OR_CLOSE,
+            Expect.VALUE: _NON_SPACE,
+            Expect.NEXT: _NEXT,
+        }[e]
+        m = pattern.search(text, i)
+        if m is None:
+            return n
+        i, ch = m.end(), m.group()
+        if ch == "}":
+            _close(s, out, parallel, fmt.after)
+        elif e == Expect.KEY:
+            s.expect = Expect.IN_KEY
+        elif e == Expect.COLON:
+            s.expect = Expect.VALUE
+        elif e == Expect.NEXT or ch == ",":
+            s.expect = Expect.KEY
+        elif ch == "]":  # not a value: a malformed object, scanned on
+            s.role, s.expect = Role.OTHER, Expect.NEXT
+        else:  # a value starts
+            s.expect, s.depth = Expect.IN_VALUE, 1 if ch in "{[" else 0
+            s.in_string = ch == '"'
+            _piece(s, out, ch)
+    return i
+
+
+def _role(s: ToolState, key: str, fmt: _Format) -> Role:
+    if "\\" in key:
+        try:
+            key = json.loads(f'"{key}"')
+        except ValueError:
+            return Role.OTHER
+    if key == "name" and not s.name_done:
+        s.name = ""
+        return Role.NAME
+    if key == fmt.args_key and not s.has_args:
+        return Role.ARGS
+    return Role.OTHER
+
+
+def _value(s: ToolState, text: str, i: int, out: _Out, fmt: _Format) -> int:
+    """Read the value being read up to its end or the text's; return where."""
+    n = len(text)
+    while i < n:
+        if s.in_string:
+            j, closed = _string_end(s, text, i)
+            _piece(s, out, text[i:j])
+            i = j
+            if closed and s.depth == 0:
+                _end_value(s, out, fmt)
+                return i
+        elif s.depth:
+            m = _NESTED.search(text, i)
+            if m is None:
+                _piece(s, out, text[i:])
+                return n
+            j, ch = m.end(), m.group()
+            if ch == '"':
+                s.in_string = True
+            elif ch in "{[":
+                s.depth += 1
+            else:
+                s.depth -= 1
+            _piece(s, out, text[i:j])
+            i = j
+            if not s.depth:
+                _end_value(s, out, fmt)
+                return i
+        else:  # a number, true, false or null: ends before a delimiter
+            m = _SCALAR_END.search(text, i)
+            j = n if m is None else m.start()
+            _piece(s, out, text[i:j])
+            if m is not None:
+                _end_value(s, out, fmt)
+            return j
+    return i
+
+
+def _piece(s: ToolState, out: _Out, piece: str) -> None:
+    if s.role == Role.ARGS:
+        _args(s, out, piece)
+    elif s.role == Role.NAME:
+        s.name = (s.name + piece)[:MAX_NAME]
+
+
+def _end_value(s: ToolState, out: _Out, fmt: _Format) -> None:
+    if s.role == Role.NAME:
+        try:
+            name = json.loads(s.name)
+        except ValueError:
+            name = None
+        s.name_done = isinstance(name, str)
+        s.name = name if s.name_done else ""
+        if s.name_done and (s.has_args or fmt.eager):
+            _announce(s, out, s.name)
+    s.role, s.expect = Role.OTHER, Expect.NEXT
