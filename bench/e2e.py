@@ -139,7 +139,11 @@ async def run_direct(
         trace = StreamTrace(start=time.perf_counter())
 
         def emit(
-            token_ids: list[int], finish: object, reason: object, logprobs: object = None
+            token_ids: list[int],
+            finish: object,
+            reason: object,
+            logprobs: object = None,
+            index: int = 0,
         ) -> None:
             if token_ids:
                 trace.deliveries.append(time.perf_counter())

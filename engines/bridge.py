@@ -42,6 +42,7 @@ class Emit(Protocol):
         finish: FinishReason | None,
         stop_reason: int | str | None,
         logprobs: list[LogprobEntry] | None = None,
+        index: int = 0,
     ) -> None: ...
 
 
@@ -135,6 +136,7 @@ class Bridge:
             finish: FinishReason | None,
             stop_reason: int | str | None,
             logprobs: list[LogprobEntry] | None = None,
+            index: int = 0,
         ) -> None:
             nonlocal seq
             delta = TokenDelta(
@@ -145,6 +147,7 @@ class Bridge:
                 finish_reason=finish,
                 stop_reason=stop_reason,
                 logprobs=logprobs,
+                index=index,
             )
             seq += 1
             self._queue(work.owner, delta)

@@ -101,15 +101,19 @@ class SimEngine:
         )
 
     async def generate(self, work: EngineWork, emit: Emit) -> None:
-        self.running += 1
+        """All `n` choices of a request, side by side, each a sequence of its own."""
+        n = max(work.sampling_params.n, 1)
+        self.running += n
         try:
-            await self._generate(work, emit)
+            async with asyncio.TaskGroup() as group:
+                for index in range(n):
+                    group.create_task(self._sequence(work, emit, index))
         finally:
-            self.running -= 1
+            self.running -= n
 
-    async def _generate(self, work: EngineWork, emit: Emit) -> None:
+    async def _sequence(self, work: EngineWork, emit: Emit, index: int) -> None:
         params = work.sampling_params
-        seed = seed_of(work)
+        seed = seed_of(work) + index
         tokens = token_stream(self.sentences, seed)
         limit = params.max_tokens if params.max_tokens is not None else 1 << 30
         # Like a real engine, EOS is masked until min_tokens.
@@ -139,7 +143,7 @@ class SimEngine:
                     finish = "length"
                 if finish:
                     break
-            emit(out, finish, reason, self._logprobs(out, params.logprobs))
+            emit(out, finish, reason, self._logprobs(out, params.logprobs), index)
             if finish:
                 return
 

@@ -78,9 +78,9 @@ async def test_prompt_plus_max_tokens_over_context_is_400(stack: Stack) -> None:
 
 
 async def test_streaming_request_errors_before_the_stream_starts(stack: Stack) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 3}
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stop": [""]}
     resp = await post(stack, "/v1/chat/completions", json=body)
-    assert_error(resp, 400, "n=3")
+    assert_error(resp, 400, "stop strings must not be empty")
 
 
 async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:

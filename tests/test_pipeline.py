@@ -169,3 +169,24 @@ async def test_thinking_output_arrives_as_reasoning(client: openai.AsyncOpenAI) 
     assert message.reasoning and not message.content
     plain = (await client.chat.completions.create(**kwargs)).choices[0].message
     assert plain.content and not getattr(plain, "reasoning", None)
+
+
+async def test_n_choices_stream_and_assemble_like_the_non_stream_response(
+    client: openai.AsyncOpenAI,
+) -> None:
+    kwargs = dict(model="deepseek-v4", messages=CHAT, max_tokens=15, seed=21, n=3)
+    full = await client.chat.completions.create(**kwargs)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts: dict[int, str] = {}
+    usage = None
+    stream = await client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert [texts[i] for i in range(3)] == [c.message.content for c in full.choices]
+    assert len(set(texts.values())) == 3
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert full.usage.completion_tokens > 15  # counted across all three choices

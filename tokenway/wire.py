@@ -223,6 +223,8 @@ class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
     logprobs: list[LogprobEntry] | None = None  # one per token in token_ids
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # Set (with nothing else) for the usage chunk that closes a stream of n > 1 choices.
+    usage_total: int | None = None
 
 
 class DerenderCall(Struct, kw_only=True):

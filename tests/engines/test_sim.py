@@ -60,6 +60,7 @@ class Emits:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], FinishReason | None, int | str | None]] = []
         self.logprobs: list[list[LogprobEntry] | None] = []
+        self.indices: list[int] = []
 
     def __call__(
         self,
@@ -67,8 +68,10 @@ class Emits:
         finish: FinishReason | None,
         stop_reason: int | str | None,
         logprobs: list[LogprobEntry] | None = None,
+        index: int = 0,
     ) -> None:
         self.calls.append((list(token_ids), finish, stop_reason))
+        self.indices.append(index)
         self.logprobs.append(logprobs)
 
     @property
@@ -227,6 +230,7 @@ async def test_running_counts_the_sequences_in_flight(engine: SimEngine) -> None
         finish: FinishReason | None,
         reason: int | str | None,
         logprobs: object = None,
+        index: int = 0,
     ) -> None:
         seen.append(engine.info().running)
 
@@ -264,6 +268,7 @@ async def test_concurrent_sequences_advance_in_lockstep(engine: SimEngine) -> No
             finish: FinishReason | None,
             reason: int | str | None,
             logprobs: object = None,
+            index: int = 0,
         ) -> None:
             order.append(rid)
 
@@ -291,3 +296,15 @@ async def test_logprobs_come_per_token_sampled_first_then_candidates(engine: Sim
     plain = Emits()
     await engine.generate(work(seed=4, max_tokens=6, ignore_eos=True), plain)
     assert plain.logprobs == [None] * len(plain.calls)
+
+
+async def test_n_choices_run_as_separate_sequences(engine: SimEngine) -> None:
+    emits = Emits()
+    await engine.generate(work(seed=5, max_tokens=8, ignore_eos=True, n=3), emits)
+    by_choice: dict[int, list[int]] = {}
+    for (ids, _, _), index in zip(emits.calls, emits.indices, strict=True):
+        by_choice.setdefault(index, []).extend(ids)
+    assert sorted(by_choice) == [0, 1, 2]
+    assert all(len(ids) == 8 for ids in by_choice.values())
+    assert len({tuple(ids) for ids in by_choice.values()}) == 3  # each its own seed
+    assert by_choice[0] == (await run(engine, work(seed=5, max_tokens=8, ignore_eos=True))).tokens

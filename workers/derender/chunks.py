@@ -234,3 +234,16 @@ def response(ctx: OutputContext, index: int, out: Out, completion_tokens: int) -
             usage=u,
         )
     )
+
+
+_decode_any = msgspec.json.Decoder()
+
+
+def merge_responses(into: bytes, other: bytes) -> bytes:
+    """One response from two holding different choices of it (n > 1, non-streaming)."""
+    a, b = _decode_any.decode(into), _decode_any.decode(other)
+    a["choices"] = sorted(a["choices"] + b["choices"], key=lambda c: c["index"])
+    extra = b["usage"]["completion_tokens"]
+    a["usage"]["completion_tokens"] += extra
+    a["usage"]["total_tokens"] += extra
+    return _json.encode(a)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenway.errors import InvalidRequest
+from tokenway.errors import InvalidRequest, TokenwayError, internal
 from tokenway.wire import (
     DerenderEntry,
     DerenderResult,
@@ -102,6 +102,10 @@ def _parse(ctx: OutputContext, state: StreamState, text: str, done: bool, out: O
 
 def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     ctx = entry.context
+    if entry.usage_total is not None:
+        return DerenderResult(chunks=[chunks.usage_chunk(ctx, entry.usage_total)])
+    if not 0 <= entry.index < ctx.n:
+        raise InvalidRequest(f"choice {entry.index} of a request with n={ctx.n}", param="index")
     ids = entry.token_ids
     if len(ids) > MAX_DELTA_TOKENS:
         raise InvalidRequest(f"{len(ids)} tokens in one chunk, over the {MAX_DELTA_TOKENS} limit")
@@ -193,3 +197,26 @@ def _logprobs(
         detok.texts, entries, ctx.logprobs, state.logprobs
     )
     return shaped
+
+
+def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
+    """A call's entries, each on its own; then the non-streaming choices of one response are
+    merged into its first entry's document (the others carry none)."""
+    results: list[DerenderResult] = []
+    firsts: dict[str, int] = {}
+    for entry in entries:
+        try:
+            result = derender(detok, entry)
+        except TokenwayError as exc:
+            result = DerenderResult(error=exc.info())
+        except Exception as exc:  # a bug must still answer the caller, with what broke
+            result = DerenderResult(error=internal(exc))
+        results.append(result)
+        ctx = entry.context
+        if ctx.stream or ctx.n == 1 or result.error is not None:
+            continue
+        first = firsts.setdefault(ctx.response_id, len(results) - 1)
+        if first != len(results) - 1:
+            merged = chunks.merge_responses(results[first].chunks[0], result.chunks[0])
+            results[first].chunks, result.chunks = [merged], []
+    return results

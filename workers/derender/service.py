@@ -12,9 +12,8 @@ from tokenizers import Tokenizer
 
 from tokenway import bus
 from tokenway.config import Settings
-from tokenway.errors import TokenwayError, internal
-from tokenway.wire import DerenderCall, DerenderReply, DerenderResult, ErrorInfo
-from workers.derender.core import derender
+from tokenway.wire import DerenderCall, DerenderReply, ErrorInfo
+from workers.derender.core import derender_call
 from workers.derender.detok import Detokenizer
 
 log = logging.getLogger(__name__)
@@ -29,15 +28,10 @@ def handle(detok: Detokenizer, payload: bytes) -> bytes:
         call = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         return _encoder.encode(DerenderReply(error=ErrorInfo(message=f"bad derender call: {exc}")))
-    results = []
-    for entry in call.entries:
-        try:
-            results.append(derender(detok, entry))
-        except TokenwayError as exc:
-            results.append(DerenderResult(error=exc.info()))
-        except Exception as exc:  # a bug must still answer the caller, with what broke
-            log.exception("derender failed")
-            results.append(DerenderResult(error=internal(exc)))
+    results = derender_call(detok, call.entries)
+    for result in results:
+        if result.error is not None and result.error.status >= 500:
+            log.error("derender failed: %s", result.error.message)
     return _encoder.encode(DerenderReply(results=results))
 
 

@@ -15,8 +15,6 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Features whose output stage is not built yet: refuse clearly rather than ignore."""
-    if req.n != 1:
-        raise InvalidRequest(f"n={req.n} is not supported yet; use n=1", param="n")
     if any(not s for s in _stops(req.stop)):
         raise InvalidRequest("stop strings must not be empty", param="stop")
     if isinstance(req, ChatCompletionRequest) and req.echo:

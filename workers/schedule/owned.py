@@ -1,6 +1,8 @@
 """One owned request's bookkeeping: which attempt is live, what is pending, what is committed.
 
-Pure: the shell feeds it engine deltas and derender results and asks what to do next.
+Pure: the shell feeds it engine deltas and derender results and asks what to do next. A
+request has one `Choice` per `n`; each streams and commits on its own, and the request
+ends when every choice has committed its last chunk.
 """
 
 from __future__ import annotations
@@ -16,8 +18,45 @@ from tokenway.wire import (
     FinishReason,
     GenerateRequest,
     LogprobEntry,
+    OutputContext,
     TokenDelta,
 )
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    state: bytes | None = None  # last committed stream_state (opaque: derender's)
+    pending: list[int] = field(default_factory=list)  # engine tokens not yet derendered
+    pending_logprobs: list[LogprobEntry] | None = None  # theirs, when logprobs were asked
+    finish: FinishReason | None = None
+    stop_reason: int | str | None = None
+    engine_done: bool = False  # the engine reported this choice's end
+    done: bool = False  # its last chunk is committed
+    busy: bool = False  # a derender + commit is in flight
+    committed_tokens: int = 0
+
+    def take(self, ctx: OutputContext, prompt: list[int]) -> DerenderEntry:
+        tokens, self.pending = self.pending, []
+        lps, self.pending_logprobs = self.pending_logprobs, None
+        self.busy = True
+        needs_prompt = self.state is None and (ctx.echo or ctx.return_token_ids)
+        return DerenderEntry(
+            context=ctx,
+            state=self.state,
+            token_ids=tokens,
+            finish_reason=self.finish,
+            stop_reason=self.stop_reason,
+            prompt_token_ids=prompt if needs_prompt else None,
+            index=self.index,
+            logprobs=lps,
+        )
+
+    def hold_back(self, entry: DerenderEntry) -> None:
+        """Nothing became visible (a partial character): keep the tokens for the next chunk."""
+        self.pending = entry.token_ids + self.pending
+        if entry.logprobs is not None:
+            self.pending_logprobs = entry.logprobs + (self.pending_logprobs or [])
 
 
 @dataclass(eq=False)
@@ -31,20 +70,32 @@ class Owned:
     attempt: int = 0
     next_delta: int = 0  # the per-attempt seq expected next from the engine
     out_seq: int = 0  # last per-request output sequence published to TW_OUT
-    state: bytes | None = None  # last committed stream_state (opaque: derender's)
-    pending: list[int] = field(default_factory=list)  # engine tokens not yet derendered
-    pending_logprobs: list[LogprobEntry] | None = None  # theirs, when logprobs were asked
-    finish: FinishReason | None = None
-    stop_reason: int | str | None = None
-    engine_done: bool = False  # the engine reported the end of this attempt
-    busy: bool = False  # a derender + commit is in flight
+    choices: list[Choice] = field(default_factory=list)
+    usage_busy: bool = False  # the closing usage chunk (n > 1) is being made
     error: ErrorInfo | None = None
     cancelled: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [Choice(i) for i in range(max(self.request.sampling_params.n, 1))]
+
+    @property
+    def ctx(self) -> OutputContext:
+        return self.request.context
+
     @property
     def stream(self) -> bool:
-        return self.request.context.stream
+        return self.ctx.stream
+
+    @property
+    def engine_done(self) -> bool:
+        """The engine has nothing more to send for this attempt."""
+        return all(c.engine_done or c.done for c in self.choices)
+
+    def engine_lost(self) -> None:
+        for c in self.choices:
+            c.engine_done = True
 
     def fail(self, info: ErrorInfo) -> None:
         if not self.ended.is_set():
@@ -57,10 +108,16 @@ class Owned:
 
     def accept(self, delta: TokenDelta) -> bool:
         """Apply an engine delta; True when there is something new to derender."""
-        if self.ended.is_set() or delta.attempt != self.attempt or self.engine_done:
+        if self.ended.is_set() or delta.attempt != self.attempt:
             return False  # stale: an old attempt, or after the end
+        if not 0 <= delta.index < len(self.choices):
+            self.fail(EngineFailed(f"engine sent choice {delta.index} of a request with "
+                                   f"n={len(self.choices)}").info())  # fmt: skip
+            return False
+        choice = self.choices[delta.index]
+        if choice.engine_done or choice.done:
+            return False
         if delta.seq != self.next_delta:
-            self.engine_done = delta.finish_reason is not None
             self.fail(
                 EngineFailed(
                     f"lost output from engine {self.engine}: "
@@ -70,44 +127,52 @@ class Owned:
             return False
         self.next_delta += 1
         if delta.error is not None:
-            self.engine_done = True
+            choice.engine_done = True
             self.fail(EngineFailed(delta.error).info())
             return False
-        self.pending.extend(delta.token_ids)
+        choice.pending.extend(delta.token_ids)
         if delta.logprobs is not None:
-            self.pending_logprobs = (self.pending_logprobs or []) + delta.logprobs
+            choice.pending_logprobs = (choice.pending_logprobs or []) + delta.logprobs
         if delta.finish_reason is not None:
-            self.engine_done = True
-            self.finish = delta.finish_reason
-            self.stop_reason = delta.stop_reason
+            choice.engine_done = True
+            choice.finish = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
         return True
 
-    def ready(self) -> bool:
-        """Derender now? Streams go chunk by chunk; a non-stream request waits for the end."""
-        if self.busy or self.ended.is_set():
-            return False
-        if self.stream:
-            return bool(self.pending) or self.finish is not None
-        return self.finish is not None
+    def take_ready(self) -> list[tuple[Choice, DerenderEntry]]:
+        """Entries to derender now: streams chunk by chunk, non-stream all at the very end."""
+        if self.ended.is_set():
+            return []
+        prompt = self.request.token_ids
+        if not self.stream:
+            if any(c.busy for c in self.choices) or not all(c.finish for c in self.choices):
+                return []
+            return [(c, c.take(self.ctx, prompt)) for c in self.choices if not c.done]
+        return [
+            (c, c.take(self.ctx, prompt))
+            for c in self.choices
+            if not c.busy and not c.done and (c.pending or c.finish is not None)
+        ]
 
-    def take(self) -> DerenderEntry:
-        tokens, self.pending = self.pending, []
-        lps, self.pending_logprobs = self.pending_logprobs, None
-        self.busy = True
-        ctx = self.request.context
-        needs_prompt = self.state is None and (ctx.echo or ctx.return_token_ids)
-        return DerenderEntry(
-            context=ctx,
-            state=self.state,
-            token_ids=tokens,
-            finish_reason=self.finish,
-            stop_reason=self.stop_reason,
-            prompt_token_ids=self.request.token_ids if needs_prompt else None,
-            logprobs=lps,
+    def needs_usage_chunk(self) -> bool:
+        """With n > 1 the usage chunk closes the stream once every choice is done."""
+        return (
+            self.stream
+            and self.ctx.include_usage
+            and len(self.choices) > 1
+            and all(c.done for c in self.choices)
+            and not self.usage_busy
+            and not self.ended.is_set()
         )
 
-    def hold_back(self, entry: DerenderEntry) -> None:
-        """Nothing became visible (a partial character): keep the tokens for the next chunk."""
-        self.pending = entry.token_ids + self.pending
-        if entry.logprobs is not None:
-            self.pending_logprobs = entry.logprobs + (self.pending_logprobs or [])
+    def usage_entry(self) -> DerenderEntry:
+        self.usage_busy = True
+        total = sum(c.committed_tokens for c in self.choices)
+        return DerenderEntry(context=self.ctx, usage_total=total)
+
+    def is_last(self, choice: Choice) -> bool:
+        """Would committing this choice's end close the request's output?"""
+        others_done = all(c.done for c in self.choices if c is not choice)
+        return others_done and not (
+            self.stream and self.ctx.include_usage and len(self.choices) > 1
+        )

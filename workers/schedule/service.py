@@ -41,7 +41,7 @@ from tokenway.wire import (
 )
 from tokenway.worker import consume
 from workers.schedule import routing
-from workers.schedule.owned import Owned
+from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ _CANCEL_MEMORY = 10_000
 _DISPATCH_TRIES = 3
 _COMMIT_TIMEOUT = 5.0
 _SHUTDOWN_GRACE = 10.0
+
+# A derender work item: the request, its choice (None: the closing usage chunk), the entry.
+Work = tuple[Owned, Choice | None, DerenderEntry]
 
 
 class ScheduleService:
@@ -246,7 +249,7 @@ class ScheduleService:
     def _engine_gone(self, engine_id: str) -> None:
         for r in self.requests.values():
             if r.engine == bus.token(engine_id) or r.engine == engine_id:
-                r.engine_done = True  # nothing left there to abort
+                r.engine_lost()  # nothing left there to abort
                 r.fail(EngineFailed(f"engine {engine_id} stopped heartbeating").info())
 
     # -- the token path -------------------------------------------------------------------
@@ -265,22 +268,27 @@ class ScheduleService:
         self._kick(touched)
 
     def _kick(self, candidates: list[Owned]) -> None:
-        ready = [r for r in candidates if r.ready()]
-        if ready:
+        items: list[Work] = []
+        for r in candidates:
+            items += [(r, choice, entry) for choice, entry in r.take_ready()]
+            if r.needs_usage_chunk():
+                items.append((r, None, r.usage_entry()))
+        if items:
             assert self._group is not None
-            self._group.create_task(self._derender_and_commit(ready, [r.take() for r in ready]))
+            self._group.create_task(self._derender_and_commit(items))
 
-    async def _derender_and_commit(self, batch: list[Owned], entries: list[DerenderEntry]) -> None:
+    async def _derender_and_commit(self, items: list[Work]) -> None:
         try:
-            results = await self._derender(entries)
-            await self._commit(batch, entries, results)
+            results = await self._derender([entry for _, _, entry in items])
+            await self._commit(items, results)
         except StageUnavailable as exc:
-            for r in batch:
+            for r, _, _ in items:
                 r.fail(exc.info())
         finally:
-            for r in batch:
-                r.busy = False
-        self._kick(batch)  # tokens that arrived meanwhile
+            for _, choice, _ in items:
+                if choice is not None:
+                    choice.busy = False
+        self._kick(list({id(r): r for r, _, _ in items}.values()))  # what arrived meanwhile
 
     async def _derender(self, entries: list[DerenderEntry]) -> list[DerenderResult]:
         assert self._nc is not None
@@ -300,29 +308,20 @@ class ScheduleService:
             raise StageUnavailable("derender answered a different number of entries")
         return reply.results
 
-    async def _commit(
-        self, batch: list[Owned], entries: list[DerenderEntry], results: list[DerenderResult]
-    ) -> None:
-        """Publish each result to TW_OUT; the state advances only once the stream stored it."""
+    async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
+        """Publish each result to TW_OUT; a choice's state advances only once it is stored."""
         assert self._js is not None
         acks = []
-        for r, entry, res in zip(batch, entries, results, strict=True):
+        for (r, choice, entry), res in zip(items, results, strict=True):
             if r.ended.is_set():
                 continue
             if res.error is not None:
                 r.fail(res.error)
                 continue
-            if res.finish_reason is not None:  # derender ended it: a stop string
-                r.finish, r.stop_reason = res.finish_reason, res.stop_reason
-            last = entry.finish_reason is not None or res.finish_reason is not None
-            if not res.chunks and not last:
-                r.hold_back(entry)
+            publish = self._publication(r, choice, entry, res)
+            if publish is None:
                 continue
-            tokens = entry.token_ids if res.kept is None else entry.token_ids[: res.kept]
-            if r.stream:
-                kind, payload = (h.KIND_END if last else h.KIND_CHUNK), frame(res.chunks)
-            else:
-                kind, payload = h.KIND_RESPONSE, res.chunks[0]
+            kind, payload, tokens = publish
             r.out_seq += 1
             hdrs = ledger.out_headers(
                 r.rid, r.out_seq, kind, attempt=r.attempt, state=res.state, tokens=tokens
@@ -330,18 +329,43 @@ class ScheduleService:
             ack = await self._js.publish_async(
                 bus.out_subject(r.reply, r.rid), payload, headers=hdrs
             )
-            acks.append((r, res, last, ack))
+            acks.append((r, choice, res, kind, len(tokens), ack))
         if acks:
             # One deadline for the batch: nats.py#985 leaves a future unresolved on errors.
-            await asyncio.wait([ack for *_, ack in acks], timeout=_COMMIT_TIMEOUT)
-        for r, res, last, ack in acks:
+            await asyncio.wait([a[-1] for a in acks], timeout=_COMMIT_TIMEOUT)
+        for r, choice, res, kind, count, ack in acks:
             cause = _failed(ack)
             if cause is not None:
                 r.fail(StageUnavailable(f"could not commit output to the ledger: {cause}").info())
                 continue
-            r.state = res.state
-            if last:
+            if choice is not None:
+                choice.state = res.state
+                choice.committed_tokens += count
+            if kind in (h.KIND_END, h.KIND_RESPONSE):
                 r.ended.set()
+
+    @staticmethod
+    def _publication(
+        r: Owned, choice: Choice | None, entry: DerenderEntry, res: DerenderResult
+    ) -> tuple[str, bytes, list[int]] | None:
+        """What to publish for one derender result (kind, payload, its tokens), if anything."""
+        if choice is None:  # the closing usage chunk of an n > 1 stream
+            return h.KIND_END, frame(res.chunks), []
+        if res.finish_reason is not None:  # derender ended it: a stop string
+            choice.finish, choice.stop_reason = res.finish_reason, res.stop_reason
+        last = entry.finish_reason is not None or res.finish_reason is not None
+        tokens = entry.token_ids if res.kept is None else entry.token_ids[: res.kept]
+        if not r.stream:
+            choice.done = True
+            # Derender merges a request's choices into the first entry's response.
+            return (h.KIND_RESPONSE, res.chunks[0], tokens) if res.chunks else None
+        if not res.chunks and not last:
+            choice.hold_back(entry)
+            return None
+        # Marked before the ack, so a sibling committed right after sees it as done.
+        kind = h.KIND_END if last and r.is_last(choice) else h.KIND_CHUNK
+        choice.done = last
+        return kind, frame(res.chunks), tokens
 
 
 def _failed(ack: asyncio.Future) -> str | None:

@@ -269,8 +269,8 @@ def test_prompt_plus_max_tokens_over_the_context_is_400_on_max_tokens(small: Ren
 @pytest.mark.parametrize(
     ("api", "field", "value"),
     [
-        ("chat", "n", 2),
-        ("completion", "n", 3),
+        ("chat", "n", 200),
+        ("completion", "n", 0),
         ("chat", "stop", [""]),
         ("chat", "top_logprobs", 2),
         ("chat", "echo", True),

@@ -68,8 +68,6 @@ def test_chat_max_completion_tokens_wins_over_max_tokens() -> None:
 @pytest.mark.parametrize(
     ("request_", "param"),
     [
-        (chat(n=2), "n"),
-        (completion(n=4), "n"),
         (chat(stop=["x", ""]), "stop"),
         (chat(echo=True), "echo"),
         (completion(suffix="!"), "suffix"),

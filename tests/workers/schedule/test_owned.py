@@ -8,24 +8,23 @@ from tokenway.wire import (
     FinishReason,
     GenerateRequest,
     OutputContext,
+    SamplingParams,
     TokenDelta,
 )
 from workers.schedule.owned import Owned
 
 
-def owned(stream: bool = True, attempt: int = 0) -> Owned:
+def owned(stream: bool = True, attempt: int = 0, n: int = 1, usage: bool = False) -> Owned:
     request = GenerateRequest(
-        request_id="r1", token_ids=[0, 6366], context=OutputContext(api="chat", stream=stream)
+        request_id="r1",
+        token_ids=[0, 6366],
+        sampling_params=SamplingParams(n=n),
+        context=OutputContext(api="chat", stream=stream, n=n, include_usage=usage),
     )
     return Owned(
-        rid="r1",
-        reply="ingress-1",
-        request=request,
-        deadline=1e9,
-        msg=None,
-        engine="e1",
+        rid="r1", reply="ingress-1", request=request, deadline=1e9, msg=None, engine="e1",
         attempt=attempt,
-    )
+    )  # fmt: skip
 
 
 def delta(
@@ -35,6 +34,7 @@ def delta(
     finish: FinishReason | None = None,
     stop_reason: int | str | None = None,
     error: str | None = None,
+    index: int = 0,
 ) -> TokenDelta:
     return TokenDelta(
         rid="r1",
@@ -44,6 +44,7 @@ def delta(
         finish_reason=finish,
         stop_reason=stop_reason,
         error=error,
+        index=index,
     )
 
 
@@ -51,26 +52,26 @@ def test_accepted_deltas_queue_their_tokens_in_order() -> None:
     r = owned()
     assert r.accept(delta(0, [1, 2]))
     assert r.accept(delta(1, [3]))
-    assert r.pending == [1, 2, 3]
+    assert r.choices[0].pending == [1, 2, 3]
     assert r.next_delta == 2
-    assert not r.engine_done and r.finish is None and not r.ended.is_set()
+    assert not r.engine_done and r.choices[0].finish is None and not r.ended.is_set()
 
 
 def test_accept_ignores_deltas_of_a_stale_attempt() -> None:
     r = owned(attempt=2)
     assert not r.accept(delta(0, [1], attempt=1))
     assert not r.accept(delta(5, [1], attempt=0, finish="stop"))
-    assert r.pending == [] and r.next_delta == 0
+    assert r.choices[0].pending == [] and r.next_delta == 0
     assert r.error is None and not r.ended.is_set() and not r.engine_done
     assert r.accept(delta(0, [7], attempt=2))
-    assert r.pending == [7]
+    assert r.choices[0].pending == [7]
 
 
-def test_accept_ignores_deltas_after_the_engine_finished() -> None:
+def test_accept_ignores_deltas_after_the_choice_finished() -> None:
     r = owned()
     assert r.accept(delta(0, [1], finish="length"))
     assert not r.accept(delta(1, [2]))
-    assert r.pending == [1] and r.finish == "length"
+    assert r.choices[0].pending == [1] and r.choices[0].finish == "length"
 
 
 def test_accept_ignores_deltas_after_the_request_ended() -> None:
@@ -78,38 +79,37 @@ def test_accept_ignores_deltas_after_the_request_ended() -> None:
     r.cancel()
     assert r.cancelled and r.ended.is_set()
     assert not r.accept(delta(0, [1]))
-    assert r.pending == []
+    assert r.choices[0].pending == []
 
 
 def test_a_seq_gap_fails_the_request_as_an_engine_failure() -> None:
     r = owned()
     assert r.accept(delta(0, [1]))
     assert not r.accept(delta(2, [3]))
-    assert r.ended.is_set()
-    assert r.error is not None
+    assert r.ended.is_set() and r.error is not None
     expected = EngineFailed("x").info()
-    assert (r.error.status, r.error.type) == (expected.status, expected.type)
-    assert (r.error.status, r.error.type) == (502, "EngineError")
+    assert (
+        (r.error.status, r.error.type) == (expected.status, expected.type) == (502, "EngineError")
+    )
     assert "expected chunk 1, got 2" in r.error.message and "e1" in r.error.message
-    assert r.pending == [1]  # nothing from the lost stretch is queued
+    assert r.choices[0].pending == [1]  # nothing from the lost stretch is queued
     assert not r.engine_done  # the engine is still running: it must be aborted
-
-
-def test_a_seq_gap_on_the_last_delta_marks_the_engine_done() -> None:
-    r = owned()
-    assert not r.accept(delta(1, [3], finish="stop"))
-    assert r.engine_done and r.error is not None and r.error.status == 502
 
 
 def test_an_engine_error_delta_fails_the_request() -> None:
     r = owned()
     assert r.accept(delta(0, [1]))
     assert not r.accept(delta(1, error="engine e1: RuntimeError: boom", finish="error"))
-    assert r.engine_done and r.ended.is_set()
-    assert r.error is not None
+    assert r.engine_done and r.ended.is_set() and r.error is not None
     assert (r.error.status, r.error.type) == (502, "EngineError")
     assert r.error.message == "engine e1: RuntimeError: boom"
-    assert not r.ready()
+    assert r.take_ready() == []
+
+
+def test_a_choice_outside_n_fails_the_request() -> None:
+    r = owned(n=2)
+    assert not r.accept(delta(0, [1], index=2))
+    assert r.error is not None and "choice 2" in r.error.message
 
 
 def test_the_first_failure_is_the_one_reported() -> None:
@@ -119,65 +119,102 @@ def test_the_first_failure_is_the_one_reported() -> None:
     assert r.error is not None and r.error.message == "first"
 
 
-def test_finish_sets_engine_done_with_the_finish_and_stop_reason() -> None:
+def test_finish_records_the_finish_and_stop_reason() -> None:
     r = owned()
     assert r.accept(delta(0, [5, 42], finish="stop", stop_reason=42))
-    assert r.engine_done
-    assert (r.finish, r.stop_reason) == ("stop", 42)
-    assert r.pending == [5, 42]
+    choice = r.choices[0]
+    assert r.engine_done and (choice.finish, choice.stop_reason) == ("stop", 42)
+    assert choice.pending == [5, 42]
     assert not r.ended.is_set()  # ended only once the last chunk is committed
 
 
 def test_a_stream_is_ready_chunk_by_chunk() -> None:
     r = owned(stream=True)
-    assert not r.ready()
+    assert r.take_ready() == []
     r.accept(delta(0, [1]))
-    assert r.ready()
-    r.take()
+    [(choice, entry)] = r.take_ready()
+    assert entry.token_ids == [1] and choice.busy
     r.accept(delta(1, [2]))
-    assert not r.ready()  # a derender is in flight
-    r.busy = False
-    assert r.ready()
-    r.take()
-    r.busy = False
-    assert not r.ready()  # nothing pending
+    assert r.take_ready() == []  # a derender is in flight
+    choice.busy = False
+    [(_, entry)] = r.take_ready()
+    assert entry.token_ids == [2]
+    choice.busy = False
+    assert r.take_ready() == []  # nothing pending
     r.accept(delta(2, finish="stop"))
-    assert r.ready()  # the finish alone is worth a chunk
+    [(_, entry)] = r.take_ready()  # the finish alone is worth a chunk
+    assert entry.finish_reason == "stop"
 
 
-def test_a_non_stream_request_is_ready_only_at_the_finish() -> None:
-    r = owned(stream=False)
-    for seq in range(3):
-        r.accept(delta(seq, [seq + 10]))
-        assert not r.ready()
-    r.accept(delta(3, [1], finish="stop"))
-    assert r.ready()
-    entry = r.take()
-    assert entry.token_ids == [10, 11, 12, 1] and entry.finish_reason == "stop"
+def test_a_non_stream_request_is_ready_only_when_every_choice_finished() -> None:
+    r = owned(stream=False, n=2)
+    seq = 0
+    for index in (0, 1, 0):
+        r.accept(delta(seq, [seq + 10], index=index))
+        seq += 1
+        assert r.take_ready() == []
+    r.accept(delta(seq, [1], finish="stop", index=0))
+    assert r.take_ready() == []  # choice 1 still runs
+    r.accept(delta(seq + 1, [2], finish="length", index=1))
+    ready = r.take_ready()
+    assert [(e.index, e.token_ids, e.finish_reason) for _, e in ready] == [
+        (0, [10, 12, 1], "stop"),
+        (1, [11, 2], "length"),
+    ]
 
 
 def test_take_clears_pending_and_sets_busy() -> None:
     r = owned()
-    r.state = b"opaque derender state"
+    r.choices[0].state = b"opaque derender state"
     r.accept(delta(0, [1, 2], finish="stop", stop_reason=2))
-    entry = r.take()
+    [(choice, entry)] = r.take_ready()
     assert entry == DerenderEntry(
         context=r.request.context,
-        state=r.state,
+        state=b"opaque derender state",
         token_ids=[1, 2],
         finish_reason="stop",
         stop_reason=2,
     )
-    assert r.pending == [] and r.busy
+    assert choice.pending == [] and choice.busy
+
+
+def test_the_prompt_rides_only_on_a_first_entry_that_needs_it() -> None:
+    r = owned()
+    r.request.context.return_token_ids = True
+    r.accept(delta(0, [1]))
+    [(choice, entry)] = r.take_ready()
+    assert entry.prompt_token_ids == [0, 6366]
+    choice.busy, choice.state = False, b"s"
+    r.accept(delta(1, [2]))
+    [(_, entry)] = r.take_ready()
+    assert entry.prompt_token_ids is None
 
 
 def test_hold_back_restores_tokens_in_front_of_newer_ones() -> None:
     r = owned()
     r.accept(delta(0, [1, 2]))
-    entry = r.take()
+    [(choice, entry)] = r.take_ready()
     r.accept(delta(1, [3]))
     r.accept(delta(2, [4]))
-    r.hold_back(entry)
-    assert r.pending == [1, 2, 3, 4]
-    r.busy = False
-    assert r.take().token_ids == [1, 2, 3, 4]
+    choice.hold_back(entry)
+    assert choice.pending == [1, 2, 3, 4]
+    choice.busy = False
+    assert r.take_ready()[0][1].token_ids == [1, 2, 3, 4]
+
+
+def test_with_n_choices_the_last_one_closes_unless_a_usage_chunk_follows() -> None:
+    r = owned(n=2)
+    first, second = r.choices
+    assert not r.is_last(first)
+    second.done = True
+    assert r.is_last(first)
+    with_usage = owned(n=2, usage=True)
+    with_usage.choices[1].done = True
+    assert not with_usage.is_last(with_usage.choices[0])
+    with_usage.choices[0].done = True
+    assert with_usage.needs_usage_chunk()
+    committed = [5, 7]
+    for choice, count in zip(with_usage.choices, committed, strict=True):
+        choice.committed_tokens = count
+    entry = with_usage.usage_entry()
+    assert entry.usage_total == 12 and not with_usage.needs_usage_chunk()
