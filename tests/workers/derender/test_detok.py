@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from tests.workers.derender.texts import (
     EOS,
@@ -136,3 +138,20 @@ def test_the_window_stays_bounded_over_a_long_run_of_skipped_special_tokens(
         assert len(state.tokens) <= WINDOW_BOUND
     out, state = detok.step(state, [6366], skip_special_tokens=True)
     assert text + out == "hi"
+
+
+@PROPERTY
+@given(prompt=prompts, parts=segments, skip=st.booleans())
+def test_every_token_releases_what_vllms_decode_stream_releases(
+    detok: Detokenizer, tokenizer: Tokenizer, prompt: str, parts: list, skip: bool
+) -> None:
+    """vLLM's fast detokenizer is tokenizers' DecodeStream, seeded with the whole prompt.
+    Ours carries a bounded window instead; token by token, the released text is the same."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    ids = encode(tokenizer, parts)
+    stream = DecodeStream(ids=prompt_ids, skip_special_tokens=skip)
+    state = seed(prompt_ids)
+    for tid in ids:
+        expected = stream.step(tokenizer, tid) or ""
+        [piece], state = detok.pieces(state, [tid], skip)
+        assert piece == expected
