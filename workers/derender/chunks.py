@@ -15,7 +15,7 @@ CHAT = "chat.completion"
 COMPLETION = "text_completion"
 
 
-@dataclass
+@dataclass(slots=True)
 class Out:
     """One choice's output for one chunk (or, non-streaming, for the whole response)."""
 

@@ -45,7 +45,7 @@ def initial_state(ctx: OutputContext) -> StreamState:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Ending:
     finish: FinishReason | None
     stop_reason: int | str | None

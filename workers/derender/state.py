@@ -77,7 +77,8 @@ def _problem(state: StreamState, vocab_size: int) -> str | None:
             f"stream_state offsets {d.prefix_offset}/{d.read_offset} do not fit a window of "
             f"{len(d.tokens)} tokens"
         )
-    if any(not 0 <= t < vocab_size for t in d.tokens) or state.completion_tokens < 0:
+    out_of_vocab = d.tokens and (min(d.tokens) < 0 or max(d.tokens) >= vocab_size)
+    if out_of_vocab or state.completion_tokens < 0:
         return "stream_state holds values out of range"
     return None
 
