@@ -342,6 +342,17 @@ _NAME_MARKERS = (DS_SEP, DS_CALL_END, DS_CALLS_END)
 _ARGS_MARKERS = (DS_CALL_END, DS_CALLS_END)
 
 
+def _content_until(s: ToolState, text: str, i: int, out: _Out, marker: str, then: Phase) -> int:
+    """Content up to `marker` (holding back a partial one); where parsing goes on, or -1."""
+    j = text.find(marker, i)
+    if j < 0:
+        out.content.append(text[i : _hold(s, text, i, (marker,))])
+        return -1
+    out.content.append(text[i:j])
+    s.phase = then
+    return j + len(marker)
+
+
 def _deepseek(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
     """`<｜tool▁calls▁begin｜>` then calls `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
     <｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>` (vLLM's DeepSeekV31ToolParser)."""
@@ -349,12 +360,9 @@ def _deepseek(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
     i = 0
     while i < len(text):
         if s.phase == Phase.CONTENT:
-            j = text.find(DS_CALLS_BEGIN, i)
-            if j < 0:
-                out.content.append(text[i : _hold(s, text, i, (DS_CALLS_BEGIN,))])
+            i = _content_until(s, text, i, out, DS_CALLS_BEGIN, Phase.BLOCK)
+            if i < 0:
                 return
-            out.content.append(text[i:j])
-            i, s.phase = j + len(DS_CALLS_BEGIN), Phase.BLOCK
         elif s.phase == Phase.BLOCK:
             m, j = _first(text, i, _BLOCK_MARKERS)
             if m is None:
@@ -396,12 +404,9 @@ def _hermes(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
     i = 0
     while i < len(text):
         if s.phase == Phase.CONTENT:
-            j = text.find(HERMES_BEGIN, i)
-            if j < 0:
-                out.content.append(text[i : _hold(s, text, i, (HERMES_BEGIN,))])
+            i = _content_until(s, text, i, out, HERMES_BEGIN, Phase.OPEN)
+            if i < 0:
                 return
-            out.content.append(text[i:j])
-            i, s.phase = j + len(HERMES_BEGIN), Phase.OPEN
         elif s.phase == Phase.OPEN:
             j, k = text.find("{", i), text.find(HERMES_END, i)
             if k >= 0 and (j < 0 or k < j):  # no object in this tag
