@@ -43,6 +43,7 @@ class Emit(Protocol):
         stop_reason: int | str | None,
         logprobs: list[LogprobEntry] | None = None,
         index: int = 0,
+        kv_transfer_params: dict[str, object] | None = None,
     ) -> None: ...
 
 
@@ -137,6 +138,7 @@ class Bridge:
             stop_reason: int | str | None,
             logprobs: list[LogprobEntry] | None = None,
             index: int = 0,
+            kv_transfer_params: dict[str, object] | None = None,
         ) -> None:
             nonlocal seq
             delta = TokenDelta(
@@ -148,6 +150,7 @@ class Bridge:
                 stop_reason=stop_reason,
                 logprobs=logprobs,
                 index=index,
+                kv_transfer_params=kv_transfer_params,
             )
             seq += 1
             self._queue(work.owner, delta)

@@ -7,7 +7,7 @@ import secrets
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -69,6 +69,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     sim_ttft: Annotated[float, Meta(ge=0)] = 0.02
     sim_itl: Annotated[float, Meta(ge=0)] = 0.01
     sim_output_len: PositiveInt = 200  # mean natural length before EOS
+
+    # engine bridges (`tokenway engine vllm`)
+    engine_id: str | None = None  # default: derived from the URL or random
+    engine_role: Literal["union", "prefill", "decode"] = "union"
+    engine_max_seqs: PositiveInt = 256
+    vllm_url: str | None = None  # http://host:port of a vLLM server with --enable-scale-out
+    engine_connect_timeout: PositiveFloat = 5.0
+    engine_first_token_timeout: PositiveFloat = 600.0  # a long prefill or a queue at the engine
+    engine_token_timeout: PositiveFloat = 60.0  # between two chunks of one stream
 
     log_level: str = "info"
 

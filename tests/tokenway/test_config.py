@@ -72,6 +72,8 @@ def test_every_field_is_read_from_its_prefixed_env_var() -> None:
             value: object = not default
         elif bool in typing.get_args(typing.get_type_hints(Settings)[name]):
             value = True
+        elif typing.get_origin(hint := typing.get_type_hints(Settings)[name]) is typing.Literal:
+            value = next(v for v in typing.get_args(hint) if v != default)
         elif isinstance(default, int | float):
             value = default + 1
         else:  # str or None (a str or an int when set)
