@@ -183,6 +183,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--served-model-name", help="the model name clients use")
     g.add_argument("--max-model-len", type=int, help="cap the context length, in tokens")
+    g.add_argument(
+        "--context-budget",
+        choices=["on", "off"],
+        help="on: clip a max_tokens that does not fit the context (default off: a 400)",
+    )
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

@@ -32,6 +32,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None
     max_model_len: PositiveInt | None = None
+    # "on": a max_tokens that does not fit the context is clipped to what fits (else a 400)
+    context_budget: Literal["on", "off"] = "off"
     # output parsing, named as `vllm serve` names it; None: the bundled model's defaults
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None

@@ -40,9 +40,14 @@ def decode_body(api: str, body: bytes) -> ChatCompletionRequest | CompletionRequ
 
 class Renderer:
     def __init__(
-        self, model: ModelInfo, served_model_name: str, flags: ParserFlags | None = None
+        self,
+        model: ModelInfo,
+        served_model_name: str,
+        flags: ParserFlags | None = None,
+        clip_budget: bool = False,
     ) -> None:
         self.info = model
+        self.clip_budget = clip_budget
         self.model = served_model_name
         self.flags = flags or ParserFlags()
         self.tokenizer = AutoTokenizer.from_pretrained(str(Path(model.path)))
@@ -87,7 +92,9 @@ class Renderer:
             prefix, field = "cmpl", "prompt"
         if not ids:
             raise InvalidRequest("the prompt is empty after rendering", param=field)
-        max_tokens = budget(len(ids), requested_max_tokens(req), self.info.context_length)
+        max_tokens = budget(
+            len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget
+        )
         params = sampling_params(req, max_tokens)
         opts = req.stream_options
         context = OutputContext(

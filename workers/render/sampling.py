@@ -32,8 +32,14 @@ def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int 
     return req.max_tokens
 
 
-def budget(prompt_tokens: int, max_tokens: int | None, context_length: int) -> int:
-    """The output budget: what the client asked for, or what is left of the context."""
+def budget(
+    prompt_tokens: int, max_tokens: int | None, context_length: int, clip: bool = False
+) -> int:
+    """The output budget: what the client asked for, or what is left of the context.
+
+    With `clip` (`--context-budget on`) a budget that does not fit is cut to what does, so the
+    scheduler's accounting and the engine's `max_tokens` agree; without it, that is a 400.
+    """
     if prompt_tokens >= context_length:
         raise InvalidRequest(
             f"This model's maximum context length is {context_length} tokens, but the prompt "
@@ -41,7 +47,7 @@ def budget(prompt_tokens: int, max_tokens: int | None, context_length: int) -> i
             param="messages",
             code="context_length_exceeded",
         )
-    if max_tokens is None:
+    if max_tokens is None or (clip and prompt_tokens + max_tokens > context_length):
         return context_length - prompt_tokens
     if prompt_tokens + max_tokens > context_length:
         raise InvalidRequest(

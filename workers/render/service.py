@@ -35,7 +35,9 @@ class RenderService:
     ) -> None:
         self.settings = settings
         self.model = served_model_name
-        self.renderer = Renderer(model, served_model_name, flags)
+        self.renderer = Renderer(
+            model, served_model_name, flags, clip_budget=settings.context_budget == "on"
+        )
         self.max_payload = 0  # the server's, known once connected
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:

@@ -137,3 +137,10 @@ def test_request_fields_are_carried_into_sampling_params() -> None:
         include_stop_str_in_output=True,
         logit_bias={"6366": -100.0},
     )
+
+
+def test_context_budget_on_clips_max_tokens_to_what_fits() -> None:
+    assert budget(100, 5000, 4096, clip=True) == 3996
+    assert budget(100, 50, 4096, clip=True) == 50
+    with pytest.raises(InvalidRequest, match="4096"):
+        budget(4096, 1, 4096, clip=True)  # a prompt that fills the context still cannot run
