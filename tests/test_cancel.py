@@ -47,7 +47,7 @@ async def test_disconnect_mid_stream_cancels_everything(stack: Stack, nats_url: 
         for engine in engines:
             await engine.idle.wait()
         await router.idle.wait()
-    assert not schedule.ours
+    assert not schedule.dispatcher.seqs and not schedule.dispatcher.tokens
     assert all(not e.tasks for e in engines)
     assert len(router.nc._subs) == subs_before
     assert await consumer_names(nats_url) == consumers_before

@@ -72,6 +72,12 @@ class Owned:
     out_seq: int = 0  # last per-request output sequence published to TW_OUT
     choices: list[Choice] = field(default_factory=list)
     usage_busy: bool = False  # the closing usage chunk (n > 1) is being made
+    # P/D handoff: the prefill leg runs as its own attempt; its tokens are never shown.
+    prefill_engine: str | None = None
+    prefill_attempt: int | None = None
+    prefill_held: bool = False  # its capacity is still counted
+    prefill_kv: dict[str, object] | None = None  # what the prefill handed to the decode leg
+    prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
     error: ErrorInfo | None = None
     cancelled: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -105,6 +111,14 @@ class Owned:
     def cancel(self) -> None:
         self.cancelled = True
         self.ended.set()
+
+    def accept_prefill(self, delta: TokenDelta) -> None:
+        """The prefill leg's end brings the KV hand-over parameters; its tokens are dropped."""
+        if delta.error is not None:
+            self.prefill_done.set()  # prefill_kv stays None: the leg failed
+        elif delta.finish_reason is not None:
+            self.prefill_kv = delta.kv_transfer_params or {}
+            self.prefill_done.set()
 
     def accept(self, delta: TokenDelta) -> bool:
         """Apply an engine delta; True when there is something new to derender."""

@@ -1,10 +1,13 @@
-"""Where the engine is chosen, and how much work this owner may pull (pure)."""
+"""Which engines can take a request, and how much work this owner may pull (pure)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from tokenway.wire import EngineInfo
+from tokenway.wire import EngineInfo, Role
+
+# Roles that stream a request's output; a prefill engine only ever runs P/D's first leg.
+OUTPUT_ROLES = ("union", "decode")
 
 
 def load(engine: EngineInfo, ours: int) -> int:
@@ -12,23 +15,42 @@ def load(engine: EngineInfo, ours: int) -> int:
     return max(engine.running, ours) + engine.waiting
 
 
-def free_slots(engines: Iterable[EngineInfo], ours: Mapping[str, int]) -> int:
-    return sum(
-        max(e.max_seqs - load(e, ours.get(e.id, 0)), 0) for e in engines if e.role == "union"
+def fits(
+    engine: EngineInfo, seqs: Mapping[str, int], tokens: Mapping[str, int], cost: int, n: int
+) -> bool:
+    """Room for `n` more sequences holding `cost` tokens (our own tokens; others' we cannot see)."""
+    return (
+        load(engine, seqs.get(engine.id, 0)) + n <= engine.max_seqs
+        and tokens.get(engine.id, 0) + cost <= engine.max_tokens
     )
 
 
-def pick(engines: Iterable[EngineInfo], ours: Mapping[str, int]) -> EngineInfo | None:
-    """Least loaded union engine with a free slot, by fraction of its capacity."""
+def free_slots(
+    engines: Iterable[EngineInfo], seqs: Mapping[str, int], tokens: Mapping[str, int]
+) -> int:
+    """Sequences the output engines could still start: what an owner may pull."""
+    return sum(
+        max(e.max_seqs - load(e, seqs.get(e.id, 0)), 0)
+        for e in engines
+        if e.role in OUTPUT_ROLES and tokens.get(e.id, 0) < e.max_tokens
+    )
+
+
+def pick(
+    engines: Iterable[EngineInfo],
+    seqs: Mapping[str, int],
+    tokens: Mapping[str, int],
+    cost: int,
+    n: int,
+    role: Role,
+) -> EngineInfo | None:
+    """The least loaded engine of `role` that fits, by fraction of its capacity."""
     best: EngineInfo | None = None
     best_score = 2.0
     for e in engines:
-        if e.role != "union" or e.max_seqs <= 0:
+        if e.role != role or e.max_seqs <= 0 or not fits(e, seqs, tokens, cost, n):
             continue
-        used = load(e, ours.get(e.id, 0))
-        if used >= e.max_seqs:
-            continue
-        score = used / e.max_seqs
+        score = load(e, seqs.get(e.id, 0)) / e.max_seqs
         if score < best_score or (score == best_score and best is not None and e.id < best.id):
             best, best_score = e, score
     return best

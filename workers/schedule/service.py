@@ -12,7 +12,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -23,9 +23,9 @@ from nats.js import JetStreamContext
 
 from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.aio import Signal, wait_any
+from tokenway.aio import wait_any
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, EngineFailed, StageUnavailable
+from tokenway.errors import DeadlineExceeded, EngineFailed, StageUnavailable, internal
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
 from tokenway.wire import (
@@ -33,14 +33,11 @@ from tokenway.wire import (
     DerenderEntry,
     DerenderReply,
     DerenderResult,
-    EngineAbort,
-    EngineReply,
-    EngineWork,
     GenerateRequest,
     TokenStep,
 )
 from tokenway.worker import consume
-from workers.schedule import routing
+from workers.schedule.dispatch import Dispatcher
 from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
@@ -49,11 +46,9 @@ _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _step_decoder = msgspec.msgpack.Decoder(TokenStep)
 _reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
-_engine_reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
-_DISPATCH_TRIES = 3
 _COMMIT_TIMEOUT = 5.0
 _SHUTDOWN_GRACE = 10.0
 
@@ -69,8 +64,6 @@ class ScheduleService:
         self.model = model
         self.owner_id = f"s{secrets.token_hex(4)}"
         self.requests: dict[str, Owned] = {}
-        self.ours: Counter[str] = Counter()  # requests we run per engine
-        self.freed = Signal()
         self.empty = asyncio.Event()
         self.empty.set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
@@ -78,6 +71,7 @@ class ScheduleService:
         self._js: JetStreamContext | None = None
         self._group: asyncio.TaskGroup | None = None
         self.registry: EngineRegistry | None = None
+        self.dispatcher: Dispatcher | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -87,6 +81,7 @@ class ScheduleService:
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
+        self.dispatcher = Dispatcher(nc, self.owner_id, self.registry, self.settings.engine_timeout)
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self.registry.run(stop))
@@ -96,7 +91,7 @@ class ScheduleService:
             log.info("schedule %s owning %s", self.owner_id, self.model)
             await consume(
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
-                batch=self._capacity, freed=self.freed,
+                batch=self._capacity, freed=self.dispatcher.freed,
             )  # fmt: skip
             await self._shutdown()
         await nc.drain()
@@ -111,10 +106,10 @@ class ScheduleService:
             await self.empty.wait()
 
     def _capacity(self) -> int:
-        if self.registry is None:
+        if self.dispatcher is None:
             return 0
         room = self.settings.max_inflight - len(self.requests)
-        return min(room, routing.free_slots(self.registry.alive(), self.ours), 64)
+        return min(room, self.dispatcher.free_slots(), 64)
 
     async def _keepalive(self, stop: asyncio.Event) -> None:
         """In-progress acks keep our messages ours while requests run longer than ack_wait."""
@@ -144,11 +139,12 @@ class ScheduleService:
         r = Owned(rid=rid, reply=reply, request=request, deadline=deadline, msg=msg)
         self.requests[rid] = r
         self.empty.clear()
-        self._group.create_task(self._own(r))
+        self._group.create_task(self._own(r, msg.metadata.timestamp.timestamp()))
 
-    async def _own(self, r: Owned) -> None:
+    async def _own(self, r: Owned, arrived: float) -> None:
+        assert self.dispatcher is not None
         try:
-            await self._dispatch(r)
+            await self.dispatcher.dispatch(r, arrived)
             await asyncio.wait_for(r.ended.wait(), max(r.deadline - time.time(), 0))
         except TimeoutError:
             r.fail(DeadlineExceeded(
@@ -156,80 +152,29 @@ class ScheduleService:
             ).info())  # fmt: skip
         except (EngineFailed, StageUnavailable, DeadlineExceeded) as exc:
             r.fail(exc.info())
+        except Exception as exc:  # a bug fails this request, never the worker
+            log.exception("owning %s failed", r.rid)
+            r.fail(internal(exc))
         finally:
             await self._finish(r)
 
-    async def _dispatch(self, r: Owned) -> None:
-        """Hand the request to an engine; wait for room until the deadline."""
-        assert self._nc is not None and self.registry is not None
-        tried: set[str] = set()
-        while True:
-            changed = self.registry.changed.waiter()
-            engines = [e for e in self.registry.alive() if e.id not in tried]
-            engine = routing.pick(engines, self.ours)
-            if engine is None:
-                if len(tried) >= _DISPATCH_TRIES:
-                    raise EngineFailed(f"no engine accepted the request (tried {sorted(tried)})")
-                remaining = r.deadline - time.time()
-                if remaining <= 0:
-                    raise DeadlineExceeded("no engine had room before the request's deadline")
-                await wait_any(changed, self.freed.waiter(), r.ended, timeout=remaining)
-                if r.ended.is_set():
-                    return
-                continue
-            tried.add(engine.id)
-            r.engine = engine.id
-            self.ours[engine.id] += 1
-            if await self._start_attempt(r):
-                log.debug("request %s → engine %s", r.rid, engine.id)
-                return
-            self.ours[engine.id] -= 1
-            r.engine = None
-
-    async def _start_attempt(self, r: Owned) -> bool:
-        assert self._nc is not None and r.engine is not None
-        r.attempt += 1
-        r.next_delta = 0
-        work = EngineWork(
-            rid=r.rid,
-            attempt=r.attempt,
-            owner=self.owner_id,
-            token_ids=r.request.token_ids,
-            sampling_params=r.request.sampling_params,
-            priority=r.request.priority,
-            kv_transfer_params=r.request.kv_transfer_params,
-        )
-        try:
-            msg = await self._nc.request(
-                bus.engine_subject(r.engine, "generate"), _encoder.encode(work),
-                timeout=self.settings.engine_timeout,
-            )  # fmt: skip
-            reply = _engine_reply_decoder.decode(msg.data)
-        except (NatsTimeout, NoRespondersError, msgspec.DecodeError) as exc:
-            log.warning("engine %s did not take %s: %r", r.engine, r.rid, exc)
-            return False
-        if not reply.accepted:
-            log.info("engine %s declined %s: %s", r.engine, r.rid, reply.error)
-        return reply.accepted
-
     async def _finish(self, r: Owned) -> None:
         """The one exit of every request: abort leftovers, tell the client, free, ack."""
-        assert self._js is not None and self._nc is not None
+        assert self._js is not None and self.dispatcher is not None
         if r.engine is not None and not r.engine_done:
-            abort = EngineAbort(rid=r.rid, attempt=r.attempt)
-            await self._nc.publish(bus.engine_subject(r.engine, "abort"), _encoder.encode(abort))
+            await self.dispatcher.abort(r.engine, r.rid, r.attempt)
+        if r.prefill_engine is not None and r.prefill_attempt is not None:
+            if not r.prefill_done.is_set() or r.error is not None:
+                # A prefill still running, or holding KV for a decode that will not come.
+                await self.dispatcher.abort(r.prefill_engine, r.rid, r.prefill_attempt)
         if r.error is not None and not r.cancelled:
             try:
                 await ledger.publish_error(self._js, r.reply, r.rid, r.out_seq + 1, r.error)
             except Exception:
                 log.exception("could not deliver the error of %s", r.rid)
         self.requests.pop(r.rid, None)
-        if r.engine is not None:
-            self.ours[r.engine] -= 1
-            if self.ours[r.engine] <= 0:
-                del self.ours[r.engine]
+        self.dispatcher.release(r)
         await r.msg.ack()
-        self.freed.fire()
         if not self.requests:
             self.empty.set()
 
@@ -248,9 +193,11 @@ class ScheduleService:
 
     def _engine_gone(self, engine_id: str) -> None:
         for r in self.requests.values():
-            if r.engine == bus.token(engine_id) or r.engine == engine_id:
+            if r.engine == engine_id:
                 r.engine_lost()  # nothing left there to abort
                 r.fail(EngineFailed(f"engine {engine_id} stopped heartbeating").info())
+            elif r.prefill_engine == engine_id and not r.prefill_done.is_set():
+                r.prefill_done.set()  # the leg is lost; dispatch chooses again
 
     # -- the token path -------------------------------------------------------------------
 
@@ -263,7 +210,11 @@ class ScheduleService:
         touched = []
         for delta in step.entries:
             r = self.requests.get(delta.rid)
-            if r is not None and r.accept(delta):
+            if r is None:
+                continue
+            if delta.attempt == r.prefill_attempt:
+                r.accept_prefill(delta)
+            elif r.accept(delta):
                 touched.append(r)
         self._kick(touched)
 

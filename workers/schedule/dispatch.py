@@ -1,0 +1,239 @@
+"""Where a request meets an engine: admission in priority order, the topology (one union
+engine, or a prefill engine then a decode engine), the hand-off, and the capacity it holds.
+
+A request costs its prompt tokens plus its `max_tokens` budget on the engine that decodes it
+(and its prompt on the prefill engine while that leg runs). An owner only pulls work while
+some engine has room, so the waiting line here is short; within it, lower `priority` goes
+first (vLLM's convention), then arrival.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from prometheus_client import Histogram
+
+from tokenway import bus
+from tokenway.aio import Signal, wait_any
+from tokenway.errors import DeadlineExceeded, EngineFailed
+from tokenway.registry import EngineRegistry
+from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
+from workers.schedule import routing
+from workers.schedule.owned import Owned
+
+log = logging.getLogger(__name__)
+
+QUEUE_WAIT = Histogram(
+    "tokenway_queue_wait_seconds",
+    "From the request's arrival in TW_SCHED to its hand-off to an engine",
+    buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+
+_DISPATCH_TRIES = 3
+_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(EngineReply)
+
+
+def cost(r: Owned) -> int:
+    """Tokens a request may hold on the engine that decodes it."""
+    params = r.request.sampling_params
+    return len(r.request.token_ids) + (params.max_tokens or 0) * max(params.n, 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where an attempt runs: `engine` streams the output; `prefill` is P/D's first leg."""
+
+    engine: EngineInfo
+    prefill: EngineInfo | None = None
+
+
+class Dispatcher:
+    def __init__(
+        self, nc: NATS, owner_id: str, registry: EngineRegistry, engine_timeout: float
+    ) -> None:
+        self.nc = nc
+        self.owner_id = owner_id
+        self.registry = registry
+        self.engine_timeout = engine_timeout
+        self.seqs: Counter[str] = Counter()  # sequences we run per engine
+        self.tokens: Counter[str] = Counter()  # tokens those may hold
+        self.freed = Signal()
+        self._waiting: list[tuple[int, int, Owned]] = []
+        self._arrivals = itertools.count()
+        self._turn = Signal()
+
+    # -- capacity ---------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return routing.free_slots(self.registry.alive(), self.seqs, self.tokens)
+
+    def _hold(self, engine: str, seqs: int, tokens: int) -> None:
+        self.seqs[engine] += seqs
+        self.tokens[engine] += tokens
+
+    def _release(self, engine: str, seqs: int, tokens: int) -> None:
+        self.seqs[engine] -= seqs
+        self.tokens[engine] -= tokens
+        if self.seqs[engine] <= 0:
+            del self.seqs[engine], self.tokens[engine]
+        self.freed.fire()
+
+    def release(self, r: Owned) -> None:
+        """Give back what the request held (on every exit path, exactly once)."""
+        if r.engine is not None:
+            self._release(r.engine, len(r.choices), cost(r))
+            r.engine = None
+        self.release_prefill(r)
+
+    def release_prefill(self, r: Owned) -> None:
+        if r.prefill_engine is not None and r.prefill_held:
+            self._release(r.prefill_engine, 1, len(r.request.token_ids))
+            r.prefill_held = False
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    async def dispatch(self, r: Owned, arrived: float) -> None:
+        """Hand the request to an engine (or a P/D pair); wait for room until its deadline."""
+        tried: set[str] = set()
+        while not r.ended.is_set():
+            plan = await self._wait_turn(r, tried)
+            if plan is None:
+                return
+            QUEUE_WAIT.observe(max(time.time() - arrived, 0.0))
+            if plan.prefill is not None:
+                await self._run_prefill(r, plan, tried)
+                if r.ended.is_set() or r.prefill_kv is None:
+                    continue  # failed or declined: choose again
+            if await self._start(r, plan.engine, tried):
+                log.info(
+                    "request %s → %s%s", r.rid, plan.engine.id,
+                    f" (prefill {plan.prefill.id})" if plan.prefill else "",
+                )  # fmt: skip
+                return
+
+    async def _wait_turn(self, r: Owned, tried: set[str]) -> Plan | None:
+        """The request's plan once it is first in line and an engine has room."""
+        entry = (r.request.priority, next(self._arrivals), r)
+        heapq.heappush(self._waiting, entry)
+        try:
+            while True:
+                waits = (self._turn.waiter(), self.registry.changed.waiter(), self.freed.waiter())
+                engines = [e for e in self.registry.alive() if e.id not in tried]
+                if self._waiting[0] is entry:
+                    plan = self._plan(r, engines)
+                    if plan is not None:
+                        return plan
+                if len(tried) >= _DISPATCH_TRIES:
+                    raise EngineFailed(f"no engine accepted the request (tried {sorted(tried)})")
+                remaining = r.deadline - time.time()
+                if remaining <= 0:
+                    raise DeadlineExceeded("no engine had room before the request's deadline")
+                await wait_any(*waits, r.ended, timeout=remaining)
+                if r.ended.is_set():
+                    return None
+        finally:
+            self._waiting.remove(entry)
+            heapq.heapify(self._waiting)
+            self._turn.fire()
+
+    def _plan(self, r: Owned, engines: list[EngineInfo]) -> Plan | None:
+        need = cost(r)
+        if engines and all(need > e.max_tokens for e in engines):
+            biggest = max(e.max_tokens for e in engines)
+            raise EngineFailed(
+                f"the request needs {need} tokens of engine budget; "
+                f"the largest engine has {biggest}"
+            )
+        n = len(r.choices)
+        prefill = routing.pick(
+            engines, self.seqs, self.tokens, len(r.request.token_ids), 1, "prefill"
+        )
+        decode = routing.pick(engines, self.seqs, self.tokens, need, n, "decode")
+        if prefill is not None and decode is not None:
+            return Plan(engine=decode, prefill=prefill)
+        union = routing.pick(engines, self.seqs, self.tokens, need, n, "union")
+        return Plan(engine=union) if union is not None else None
+
+    async def _run_prefill(self, r: Owned, plan: Plan, tried: set[str]) -> None:
+        """P/D's first leg: the prompt on the prefill engine, asking it to hand the KV over."""
+        assert plan.prefill is not None
+        prefill = plan.prefill
+        r.prefill_engine, r.prefill_kv = prefill.id, None
+        r.attempt += 1
+        r.prefill_attempt = r.attempt
+        r.prefill_done.clear()
+        params = msgspec.structs.replace(
+            r.request.sampling_params, max_tokens=1, min_tokens=0, n=1, stop=[], logprobs=None
+        )
+        kv = {**(r.request.kv_transfer_params or {}), "do_remote_decode": True}
+        self._hold(prefill.id, 1, len(r.request.token_ids))
+        r.prefill_held = True
+        if not await self._send(prefill, r, params, kv, tried):
+            self.release_prefill(r)
+            return
+        remaining = max(r.deadline - time.time(), 0)
+        await wait_any(r.prefill_done, r.ended, timeout=remaining)
+        self.release_prefill(r)
+        if r.ended.is_set():
+            return
+        if r.prefill_kv is None:
+            if not r.prefill_done.is_set():
+                raise DeadlineExceeded("the prefill leg did not finish before the deadline")
+            log.warning("prefill on %s for %s failed; choosing again", prefill.id, r.rid)
+
+    async def _start(self, r: Owned, engine: EngineInfo, tried: set[str]) -> bool:
+        """The attempt whose tokens the client sees (union, or P/D's decode leg)."""
+        r.attempt += 1
+        r.next_delta = 0
+        kv = r.prefill_kv if r.prefill_kv is not None else r.request.kv_transfer_params
+        self._hold(engine.id, len(r.choices), cost(r))
+        r.engine = engine.id
+        if await self._send(engine, r, r.request.sampling_params, kv, tried):
+            return True
+        self.release(r)
+        return False
+
+    async def _send(
+        self,
+        engine: EngineInfo,
+        r: Owned,
+        params: object,
+        kv: dict[str, object] | None,
+        tried: set[str],
+    ) -> bool:
+        tried.add(engine.id)
+        work = EngineWork(
+            rid=r.rid,
+            attempt=r.attempt,
+            owner=self.owner_id,
+            token_ids=r.request.token_ids,
+            sampling_params=params,  # type: ignore[arg-type]
+            priority=r.request.priority,
+            kv_transfer_params=kv,
+        )
+        try:
+            msg = await self.nc.request(
+                bus.engine_subject(engine.id, "generate"), _encoder.encode(work),
+                timeout=self.engine_timeout,
+            )  # fmt: skip
+            reply = _reply_decoder.decode(msg.data)
+        except (NatsTimeout, NoRespondersError, msgspec.DecodeError) as exc:
+            log.warning("engine %s did not take %s: %r", engine.id, r.rid, exc)
+            return False
+        if not reply.accepted:
+            log.info("engine %s declined %s: %s", engine.id, r.rid, reply.error)
+        return reply.accepted
+
+    async def abort(self, engine: str, rid: str, attempt: int) -> None:
+        payload = _encoder.encode(EngineAbort(rid=rid, attempt=attempt))
+        await self.nc.publish(bus.engine_subject(engine, "abort"), payload)
