@@ -39,6 +39,9 @@ class SimConfig:
     ttft: float = 0.02  # seconds before the first step of a sequence
     itl: float = 0.01  # seconds per token
     output_len: int = 200  # mean natural length before EOS
+    # fault knobs, for tests that cause faults for real
+    fail_first: int = 0  # this many requests fail at once with an engine error
+    stall_after: int | None = None  # every sequence goes silent after this many tokens
 
 
 def corpus_sentences(tokenizer: Tokenizer) -> list[list[int]]:
@@ -93,6 +96,8 @@ class SimEngine:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
+        self.started = 0  # requests taken, for fault knobs and tests
+        self.received_kv: list[dict[str, object] | None] = []  # what P/D handed to us
 
     def info(self) -> EngineInfo:
         c = self.config
@@ -102,6 +107,10 @@ class SimEngine:
 
     async def generate(self, work: EngineWork, emit: Emit) -> None:
         """All `n` choices of a request, side by side, each a sequence of its own."""
+        self.started += 1
+        self.received_kv.append(work.kv_transfer_params)
+        if self.started <= self.config.fail_first:
+            raise RuntimeError(f"simulated failure {self.started} of {self.config.fail_first}")
         n = max(work.sampling_params.n, 1)
         self.running += n
         try:
@@ -143,9 +152,28 @@ class SimEngine:
                     finish = "length"
                 if finish:
                     break
-            emit(out, finish, reason, self._logprobs(out, params.logprobs), index)
+            kv = self._handoff(work) if finish else None
+            emit(out, finish, reason, self._logprobs(out, params.logprobs), index, kv)
             if finish:
                 return
+            if self.config.stall_after is not None and made >= self.config.stall_after:
+                await asyncio.Event().wait()  # alive but silent, until aborted
+
+    def _handoff(self, work: EngineWork) -> dict[str, object] | None:
+        """A prefill engine asked for remote decode answers with where its KV blocks are,
+        shaped like vLLM's KV connectors answer (`do_remote_prefill` for the decode side)."""
+        asked = work.kv_transfer_params or {}
+        if self.config.role != "prefill" or not asked.get("do_remote_decode"):
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.id,
+            "remote_request_id": f"{work.rid}-{work.attempt}",
+            "remote_block_ids": list(range(len(work.token_ids) // 16 + 1)),
+            "remote_host": "127.0.0.1",
+            "remote_port": 0,
+        }
 
     def _logprobs(self, ids: list[int], top: int | None) -> list[LogprobEntry] | None:
         """Made-up but well-formed: the sampled token first, then `top` candidates by rank."""

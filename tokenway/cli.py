@@ -102,8 +102,12 @@ def sim_engines(s: Settings, model: ModelInfo, served: str) -> list[Stage]:
     tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
     prefix = f"sim-{secrets.token_hex(3)}"
     bridges: list[Stage] = []
-    for i in range(max(s.sim_engines, 1)):
+    roles = [r.strip() for r in s.sim_roles.split(",") if r.strip()]
+    if bad := [r for r in roles if r not in ("union", "prefill", "decode")]:
+        raise SystemExit(f"tokenway: unknown --sim-roles {bad}; roles are union, prefill, decode")
+    for i in range(max(s.sim_engines, len(roles), 1)):
         config = SimConfig(
+            role=roles[i] if i < len(roles) else "union",  # type: ignore[arg-type]
             id=f"{prefix}-{i}",
             model=served,
             eos_token_id=model.eos_token_ids[0],
@@ -222,6 +226,9 @@ def _sim(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-ttft", type=float, help="seconds to first token (default 0.02)")
     g.add_argument("--sim-itl", type=float, help="seconds per token (default 0.01)")
     g.add_argument("--sim-output-len", type=int, help="mean output length before EOS (default 200)")
+    g.add_argument(
+        "--sim-roles", help="roles of the simulated engines, e.g. prefill,decode (default union)"
+    )
 
 
 def parser() -> argparse.ArgumentParser:

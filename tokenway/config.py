@@ -71,6 +71,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     sim_ttft: Annotated[float, Meta(ge=0)] = 0.02
     sim_itl: Annotated[float, Meta(ge=0)] = 0.01
     sim_output_len: PositiveInt = 200  # mean natural length before EOS
+    sim_roles: str = ""  # comma-separated role per simulated engine (default: all union)
 
     # engine bridges (`tokenway engine vllm`)
     engine_id: str | None = None  # default: derived from the URL or random

@@ -133,7 +133,8 @@ class Dispatcher:
                     plan = self._plan(r, engines)
                     if plan is not None:
                         return plan
-                if len(tried) >= _DISPATCH_TRIES:
+                untried = [e for e in engines if e.role in routing.OUTPUT_ROLES]
+                if len(tried) >= _DISPATCH_TRIES or (tried and not untried):
                     raise EngineFailed(f"no engine accepted the request (tried {sorted(tried)})")
                 remaining = r.deadline - time.time()
                 if remaining <= 0:
@@ -161,8 +162,10 @@ class Dispatcher:
         decode = routing.pick(engines, self.seqs, self.tokens, need, n, "decode")
         if prefill is not None and decode is not None:
             return Plan(engine=decode, prefill=prefill)
-        union = routing.pick(engines, self.seqs, self.tokens, need, n, "union")
-        return Plan(engine=union) if union is not None else None
+        # No P/D pair: a union engine, else a decode engine prefilling for itself (a vLLM
+        # decode instance does that for a request that brings no KV to pull).
+        single = routing.pick(engines, self.seqs, self.tokens, need, n, "union") or decode
+        return Plan(engine=single) if single is not None else None
 
     async def _run_prefill(self, r: Owned, plan: Plan, tried: set[str]) -> None:
         """P/D's first leg: the prompt on the prefill engine, asking it to hand the KV over."""

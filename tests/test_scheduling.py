@@ -1,0 +1,149 @@
+"""Scheduling against real engine bridges on a real bus: P/D handoff, faults, deadlines,
+and a hundred cancellations that leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from engines.bridge import Bridge
+from engines.sim import SimConfig, SimEngine
+from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tokenway.config import Settings
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CHAT = [{"role": "user", "content": "Plan the trip."}]
+
+
+@contextlib.asynccontextmanager
+async def pipeline(
+    nats_url: str, data: Path, engines: list[SimConfig], **settings: object
+) -> AsyncIterator[tuple[Stack, list[SimEngine]]]:
+    """The stages plus simulated engines built from `engines` (roles, fault knobs)."""
+    s: Settings = make_settings(data, **settings)
+    stack = await start_stack(nats_url, s, ["ingress", "render", "schedule", "derender"])
+    tokenizer = Tokenizer.from_file(str(stack.ingress.model.path / "tokenizer.json"))
+    sims = [SimEngine(config, tokenizer) for config in engines]
+    bridges = [Bridge(stack.settings, sim) for sim in sims]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(b.run(stack.settings.nats, stop)) for b in bridges]
+    try:
+        await wait_engines(stack.ingress.registry, len(sims))
+        await wait_engines(stack.by_name["schedule"][0].registry, len(sims))
+        yield stack, sims
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        await stack.close()
+
+
+def sim(id: str, role: str = "union", **knobs: object) -> SimConfig:
+    return SimConfig(id=id, model="deepseek-v4", eos_token_id=1, role=role, ttft=0, itl=0.001,
+                     output_len=30, **knobs)  # type: ignore[arg-type]  # fmt: skip
+
+
+def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+
+
+async def test_pd_handoff_passes_the_prefill_kv_params_to_the_decode_leg(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engines = [sim("pre-0", "prefill"), sim("dec-0", "decode")]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, decode)):
+        resp = await client(stack).chat.completions.create(
+            model="deepseek-v4", messages=CHAT, max_tokens=12
+        )
+        assert resp.choices[0].message.content
+        assert prefill.received_kv == [{"do_remote_decode": True}]
+        [handed] = decode.received_kv
+        assert handed is not None and handed["do_remote_prefill"] is True
+        assert handed["remote_engine_id"] == "pre-0"
+
+
+async def test_a_failing_prefill_ends_in_a_clear_error_not_a_hang(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engines = [sim("pre-1", "prefill", fail_first=1), sim("dec-1", "decode")]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, decode)):
+        resp = await client(stack).chat.completions.create(
+            model="deepseek-v4", messages=CHAT, max_tokens=8
+        )
+        # The prefill leg failed; the decode engine then served the request by itself.
+        assert resp.choices[0].message.content
+        assert prefill.started == 1 and decode.received_kv == [None]
+
+
+async def test_without_a_pd_pair_a_union_engine_serves(nats_url: str, tmp_path: Path) -> None:
+    engines = [sim("pre-2", "prefill"), sim("uni-2")]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, union)):
+        resp = await client(stack).completions.create(
+            model="deepseek-v4", prompt="hi", max_tokens=5
+        )
+        assert resp.choices[0].text and prefill.started == 0 and union.started == 1
+
+
+async def test_an_engine_error_reaches_the_client_as_an_error(
+    nats_url: str, tmp_path: Path
+) -> None:
+    async with pipeline(nats_url, tmp_path, [sim("bad-3", fail_first=5)]) as (stack, _):
+        with pytest.raises(openai.APIStatusError) as info:
+            await client(stack).completions.create(model="deepseek-v4", prompt="x", max_tokens=5)
+        assert info.value.status_code == 502
+        assert "simulated failure" in str(info.value)
+
+
+async def test_a_request_past_its_deadline_ends_with_a_timeout_error(
+    nats_url: str, tmp_path: Path
+) -> None:
+    stalls = [sim("stall-4", stall_after=2)]
+    async with pipeline(nats_url, tmp_path, stalls, request_timeout=1.0) as (stack, (engine,)):
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = {"prompt": "wait", "max_tokens": 50, "stream": True, "ignore_eos": True}
+            async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
+        assert '"TimeoutError"' in raw and "deadline" in raw
+        assert raw.endswith("data: [DONE]\n\n")
+        async with asyncio.timeout(10):
+            await stack.by_name["schedule"][0].empty.wait()
+        assert engine.running == 0  # the stalled sequence was aborted
+
+
+async def test_a_hundred_cancelled_streams_leave_nothing_behind(stack: Stack) -> None:
+    schedule = stack.by_name["schedule"][0]
+    engines = stack.by_name["engine"]
+    router = stack.ingress.router
+    # One request first: clients create some subscriptions lazily on first use.
+    await client(stack).completions.create(model="deepseek-v4", prompt="warm", max_tokens=2)
+    async with asyncio.timeout(30):
+        await schedule.empty.wait()
+    tasks_before = len(asyncio.all_tasks())
+    subs_before = len(router.nc._subs), len(schedule._nc._subs)
+
+    async def leave_after_first_chunk(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"story {i}", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+            async for _ in resp.aiter_bytes():
+                break
+
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+        await asyncio.gather(*(leave_after_first_chunk(http, i) for i in range(100)))
+    async with asyncio.timeout(30):
+        await schedule.empty.wait()
+        for bridge in engines:
+            await bridge.idle.wait()
+        await router.idle.wait()
+    assert not schedule.requests and not schedule.dispatcher.seqs
+    assert not schedule.dispatcher.tokens
+    assert all(b.engine.running == 0 and not b.tasks for b in engines)
+    assert (len(router.nc._subs), len(schedule._nc._subs)) == subs_before
+    assert len(asyncio.all_tasks()) <= tasks_before
