@@ -144,6 +144,7 @@ async def run_direct(
             reason: object,
             logprobs: object = None,
             index: int = 0,
+            kv_transfer_params: object = None,
         ) -> None:
             if token_ids:
                 trace.deliveries.append(time.perf_counter())

@@ -69,6 +69,7 @@ class Emits:
         stop_reason: int | str | None,
         logprobs: list[LogprobEntry] | None = None,
         index: int = 0,
+        kv_transfer_params: object = None,
     ) -> None:
         self.calls.append((list(token_ids), finish, stop_reason))
         self.indices.append(index)
@@ -231,6 +232,7 @@ async def test_running_counts_the_sequences_in_flight(engine: SimEngine) -> None
         reason: int | str | None,
         logprobs: object = None,
         index: int = 0,
+        kv_transfer_params: object = None,
     ) -> None:
         seen.append(engine.info().running)
 
@@ -269,6 +271,7 @@ async def test_concurrent_sequences_advance_in_lockstep(engine: SimEngine) -> No
             reason: int | str | None,
             logprobs: object = None,
             index: int = 0,
+            kv_transfer_params: object = None,
         ) -> None:
             order.append(rid)
 
