@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,11 +28,13 @@ CHAT = [{"role": "user", "content": "Plan the trip."}]
 async def pipeline(
     nats_url: str, data: Path, engines: list[SimConfig], **settings: object
 ) -> AsyncIterator[tuple[Stack, list[SimEngine]]]:
-    """The stages plus simulated engines built from `engines` (roles, fault knobs)."""
-    s: Settings = make_settings(data, **settings)
+    """The stages plus simulated engines built from `engines` (roles, fault knobs), serving
+    a model name of their own so that no other test's engine can take their requests."""
+    model = f"model-{data.name}"
+    s: Settings = make_settings(data, served_model_name=model, **settings)
     stack = await start_stack(nats_url, s, ["ingress", "render", "schedule", "derender"])
     tokenizer = Tokenizer.from_file(str(stack.ingress.model.path / "tokenizer.json"))
-    sims = [SimEngine(config, tokenizer) for config in engines]
+    sims = [SimEngine(dataclasses.replace(c, model=model), tokenizer) for c in engines]
     bridges = [Bridge(stack.settings, sim) for sim in sims]
     stop = asyncio.Event()
     tasks = [asyncio.create_task(b.run(stack.settings.nats, stop)) for b in bridges]
@@ -54,13 +57,17 @@ def client(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
 
 
+def model(stack: Stack) -> str:
+    return stack.ingress.served
+
+
 async def test_pd_handoff_passes_the_prefill_kv_params_to_the_decode_leg(
     nats_url: str, tmp_path: Path
 ) -> None:
     engines = [sim("pre-0", "prefill"), sim("dec-0", "decode")]
     async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, decode)):
         resp = await client(stack).chat.completions.create(
-            model="deepseek-v4", messages=CHAT, max_tokens=12
+            model=model(stack), messages=CHAT, max_tokens=12
         )
         assert resp.choices[0].message.content
         assert prefill.received_kv == [{"do_remote_decode": True}]
@@ -75,7 +82,7 @@ async def test_a_failing_prefill_ends_in_a_clear_error_not_a_hang(
     engines = [sim("pre-1", "prefill", fail_first=1), sim("dec-1", "decode")]
     async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, decode)):
         resp = await client(stack).chat.completions.create(
-            model="deepseek-v4", messages=CHAT, max_tokens=8
+            model=model(stack), messages=CHAT, max_tokens=8
         )
         # The prefill leg failed; the decode engine then served the request by itself.
         assert resp.choices[0].message.content
@@ -85,9 +92,7 @@ async def test_a_failing_prefill_ends_in_a_clear_error_not_a_hang(
 async def test_without_a_pd_pair_a_union_engine_serves(nats_url: str, tmp_path: Path) -> None:
     engines = [sim("pre-2", "prefill"), sim("uni-2")]
     async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, union)):
-        resp = await client(stack).completions.create(
-            model="deepseek-v4", prompt="hi", max_tokens=5
-        )
+        resp = await client(stack).completions.create(model=model(stack), prompt="hi", max_tokens=5)
         assert resp.choices[0].text and prefill.started == 0 and union.started == 1
 
 
@@ -96,7 +101,7 @@ async def test_an_engine_error_reaches_the_client_as_an_error(
 ) -> None:
     async with pipeline(nats_url, tmp_path, [sim("bad-3", fail_first=5)]) as (stack, _):
         with pytest.raises(openai.APIStatusError) as info:
-            await client(stack).completions.create(model="deepseek-v4", prompt="x", max_tokens=5)
+            await client(stack).completions.create(model=model(stack), prompt="x", max_tokens=5)
         assert info.value.status_code == 502
         assert "simulated failure" in str(info.value)
 
@@ -147,3 +152,37 @@ async def test_a_hundred_cancelled_streams_leave_nothing_behind(stack: Stack) ->
     assert all(b.engine.running == 0 and not b.tasks for b in engines)
     assert (len(router.nc._subs), len(schedule._nc._subs)) == subs_before
     assert len(asyncio.all_tasks()) <= tasks_before
+
+
+async def test_shared_prefix_requests_stick_to_one_engine_while_load_allows(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engines = [sim("aff-a"), sim("aff-b"), sim("aff-c")]
+    system = "You are a meticulous travel planner. " * 40  # a long shared system prompt
+    async with pipeline(nats_url, tmp_path, engines) as (stack, sims):
+        for i in range(6):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": f"#{i}"}]
+            await client(stack).chat.completions.create(
+                model=model(stack), messages=messages, max_tokens=3
+            )
+        assert sorted(s.started for s in sims) == [0, 0, 6]
+
+
+async def test_an_engine_that_keeps_failing_is_taken_out_of_rotation(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engines = [sim("brk-a", fail_first=100), sim("brk-b")]
+    async with pipeline(nats_url, tmp_path, engines, breaker_threshold=2) as (stack, sims):
+        bad, good = sims
+        outcomes = []
+        for i in range(6):
+            try:
+                await client(stack).completions.create(
+                    model=model(stack), prompt=f"p{i}", max_tokens=3
+                )
+                outcomes.append("ok")
+            except openai.APIStatusError as exc:
+                outcomes.append(exc.status_code)
+        assert bad.started == 2  # then its breaker opened: no third request reached it
+        assert outcomes.count(502) == 2 and outcomes[-1] == "ok"
+        assert good.started == 4

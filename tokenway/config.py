@@ -64,6 +64,14 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
 
+    # routing: KV-cache affinity and circuit breakers
+    kv_block_size: PositiveInt = 16  # must equal the engines' KV block size
+    affinity_ttl: PositiveFloat = 300.0  # how long a routed prefix counts as cached there
+    prefill_scale: PositiveFloat = 1.0  # weight of uncached prompt blocks against load
+    breaker_threshold: PositiveInt = 3  # consecutive engine failures that open its breaker
+    breaker_backoff: PositiveFloat = 1.0  # first open period; doubles per trip
+    breaker_max_backoff: PositiveFloat = 60.0
+
     # simulated engine
     sim_engines: Annotated[int, Meta(ge=0)] = 1
     sim_max_seqs: PositiveInt = 256

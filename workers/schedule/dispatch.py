@@ -24,10 +24,12 @@ from prometheus_client import Histogram
 
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
+from tokenway.config import Settings
 from tokenway.errors import DeadlineExceeded, EngineFailed
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
-from workers.schedule import routing
+from workers.schedule import affinity, routing
+from workers.schedule.breaker import Breakers
 from workers.schedule.owned import Owned
 
 log = logging.getLogger(__name__)
@@ -55,16 +57,23 @@ class Plan:
 
     engine: EngineInfo
     prefill: EngineInfo | None = None
+    why: str = ""  # the routing decision, for the log
 
 
 class Dispatcher:
     def __init__(
-        self, nc: NATS, owner_id: str, registry: EngineRegistry, engine_timeout: float
+        self, nc: NATS, owner_id: str, registry: EngineRegistry, settings: Settings
     ) -> None:
         self.nc = nc
         self.owner_id = owner_id
         self.registry = registry
-        self.engine_timeout = engine_timeout
+        self.settings = settings
+        self.index = affinity.PrefixIndex(ttl=settings.affinity_ttl)
+        self.breakers = Breakers(
+            threshold=settings.breaker_threshold,
+            base=settings.breaker_backoff,
+            cap=settings.breaker_max_backoff,
+        )
         self.seqs: Counter[str] = Counter()  # sequences we run per engine
         self.tokens: Counter[str] = Counter()  # tokens those may hold
         self.freed = Signal()
@@ -105,8 +114,11 @@ class Dispatcher:
     async def dispatch(self, r: Owned, arrived: float) -> None:
         """Hand the request to an engine (or a P/D pair); wait for room until its deadline."""
         tried: set[str] = set()
+        hashes = affinity.block_hashes(
+            r.request.token_ids, self.settings.kv_block_size, salt=r.request.cache_salt
+        )
         while not r.ended.is_set():
-            plan = await self._wait_turn(r, tried)
+            plan = await self._wait_turn(r, tried, hashes)
             if plan is None:
                 return
             QUEUE_WAIT.observe(max(time.time() - arrived, 0.0))
@@ -115,23 +127,29 @@ class Dispatcher:
                 if r.ended.is_set() or r.prefill_kv is None:
                     continue  # failed or declined: choose again
             if await self._start(r, plan.engine, tried):
+                self.index.record(plan.engine.id, hashes, time.monotonic())
                 log.info(
-                    "request %s → %s%s", r.rid, plan.engine.id,
-                    f" (prefill {plan.prefill.id})" if plan.prefill else "",
+                    "request %s → %s%s", r.rid, plan.why,
+                    f" after prefill on {plan.prefill.id}" if plan.prefill else "",
                 )  # fmt: skip
                 return
 
-    async def _wait_turn(self, r: Owned, tried: set[str]) -> Plan | None:
+    async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
         """The request's plan once it is first in line and an engine has room."""
         entry = (r.request.priority, next(self._arrivals), r)
         heapq.heappush(self._waiting, entry)
         try:
             while True:
                 waits = (self._turn.waiter(), self.registry.changed.waiter(), self.freed.waiter())
-                engines = [e for e in self.registry.alive() if e.id not in tried]
+                now = time.monotonic()
+                engines = [
+                    e
+                    for e in self.registry.alive()
+                    if e.id not in tried and self.breakers.admits(e.id, now)
+                ]
                 if self._waiting[0] is entry:
-                    plan = self._plan(r, engines)
-                    if plan is not None:
+                    plan = self._plan(r, engines, hashes, now)
+                    if plan is not None and self._claim(plan, now):
                         return plan
                 untried = [e for e in engines if e.role in routing.OUTPUT_ROLES]
                 if len(tried) >= _DISPATCH_TRIES or (tried and not untried):
@@ -147,7 +165,19 @@ class Dispatcher:
             heapq.heapify(self._waiting)
             self._turn.fire()
 
-    def _plan(self, r: Owned, engines: list[EngineInfo]) -> Plan | None:
+    def _claim(self, plan: Plan, now: float) -> bool:
+        """Take the engines' breaker turn (a half-open breaker lets one probe through)."""
+        legs = [plan.engine] + ([plan.prefill] if plan.prefill else [])
+        claimed = [e for e in legs if self.breakers.allow(e.id, now)]
+        if len(claimed) == len(legs):
+            return True
+        for e in claimed:
+            self.breakers.abandon(e.id, now)
+        return False
+
+    def _plan(
+        self, r: Owned, engines: list[EngineInfo], hashes: list[int], now: float
+    ) -> Plan | None:
         need = cost(r)
         if engines and all(need > e.max_tokens for e in engines):
             biggest = max(e.max_tokens for e in engines)
@@ -227,15 +257,32 @@ class Dispatcher:
         try:
             msg = await self.nc.request(
                 bus.engine_subject(engine.id, "generate"), _encoder.encode(work),
-                timeout=self.engine_timeout,
+                timeout=self.settings.engine_timeout,
             )  # fmt: skip
             reply = _reply_decoder.decode(msg.data)
         except (NatsTimeout, NoRespondersError, msgspec.DecodeError) as exc:
             log.warning("engine %s did not take %s: %r", engine.id, r.rid, exc)
+            self.breakers.on_failure(engine.id, time.monotonic())
             return False
-        if not reply.accepted:
+        except BaseException:
+            self.breakers.abandon(engine.id, time.monotonic())  # cancelled: no verdict
+            raise
+        if not reply.accepted:  # full: says nothing about its health
             log.info("engine %s declined %s: %s", engine.id, r.rid, reply.error)
+            self.breakers.abandon(engine.id, time.monotonic())
         return reply.accepted
+
+    def engine_served(self, engine: str) -> None:
+        """An attempt's first output arrived: the engine works (closes a half-open breaker)."""
+        self.breakers.on_success(engine, time.monotonic())
+
+    def engine_failed(self, engine: str) -> None:
+        """An engine-side failure of a running attempt (never render or derender ones)."""
+        self.breakers.on_failure(engine, time.monotonic())
+
+    def engine_gone(self, engine: str) -> None:
+        self.index.forget(engine)
+        self.breakers.forget(engine)
 
     async def abort(self, engine: str, rid: str, attempt: int) -> None:
         payload = _encoder.encode(EngineAbort(rid=rid, attempt=attempt))

@@ -81,7 +81,7 @@ class ScheduleService:
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
-        self.dispatcher = Dispatcher(nc, self.owner_id, self.registry, self.settings.engine_timeout)
+        self.dispatcher = Dispatcher(nc, self.owner_id, self.registry, self.settings)
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self.registry.run(stop))
@@ -117,6 +117,8 @@ class ScheduleService:
             await wait_any(stop, timeout=self.settings.ack_wait / 3)
             for r in list(self.requests.values()):
                 await r.msg.in_progress()
+            if self.dispatcher is not None:
+                self.dispatcher.index.expire(time.monotonic())
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -192,6 +194,8 @@ class ScheduleService:
             self._cancelled.popitem(last=False)
 
     def _engine_gone(self, engine_id: str) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.engine_gone(engine_id)
         for r in self.requests.values():
             if r.engine == engine_id:
                 r.engine_lost()  # nothing left there to abort
@@ -212,10 +216,18 @@ class ScheduleService:
             r = self.requests.get(delta.rid)
             if r is None:
                 continue
+            healthy = r.error is None
+            assert self.dispatcher is not None
             if delta.attempt == r.prefill_attempt:
                 r.accept_prefill(delta)
+                if delta.error is None and delta.finish_reason is not None:
+                    self.dispatcher.engine_served(step.engine)
             elif r.accept(delta):
                 touched.append(r)
+                if delta.seq == 0:
+                    self.dispatcher.engine_served(step.engine)
+            if delta.error is not None or (healthy and r.error is not None):
+                self.dispatcher.engine_failed(step.engine)  # an error, or lost output
         self._kick(touched)
 
     def _kick(self, candidates: list[Owned]) -> None:
