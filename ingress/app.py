@@ -17,6 +17,7 @@ from nats.errors import MaxPayloadError
 from nats.js.errors import APIError
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -227,7 +228,10 @@ def create_app(ctx: IngressContext) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_page() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # This app's metrics, then the process's (stages running in this process, e.g. the
+        # schedule worker's queue-wait histogram under `tokenway up`).
+        page = generate_latest(metrics.registry) + generate_latest(REGISTRY)
+        return Response(page, media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:
