@@ -57,8 +57,18 @@ async def consume(
         # Handled side by side: one message's publish round trips overlap the next one's work.
         async with asyncio.TaskGroup() as group:
             for msg in msgs:
-                group.create_task(handle(msg))
+                group.create_task(_guarded(handle, msg, spec.handler))
     await sub.unsubscribe()
+
+
+async def _guarded(handle: Callable[[Msg], Awaitable[None]], msg: Msg, stage: str) -> None:
+    """A handler that fails (say, NATS went away mid-publish) costs one message, not the
+    stage: the message stays un-acked, JetStream redelivers it, and max_deliver bounds the
+    retries (the server's max-deliveries advisory lands in TW_ADVISORIES)."""
+    try:
+        await handle(msg)
+    except Exception:
+        log.exception("%s could not handle %s; it will be redelivered", stage, msg.subject)
 
 
 async def _fetch(sub: JetStreamContext.PullSubscription, want: int, wait: float) -> list[Msg]:
