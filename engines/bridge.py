@@ -63,6 +63,10 @@ class Engine(Protocol):
         """Run one attempt, calling `emit` per step; cancelled on abort."""
         ...
 
+    async def aclose(self) -> None:
+        """Release connections, after every attempt has ended."""
+        ...
+
 
 class Bridge:
     name = "engine"
@@ -97,6 +101,7 @@ class Bridge:
             for task in list(self.tasks.values()):
                 task.cancel()
         await nc.drain()
+        await self.engine.aclose()  # after the cancelled attempts sent their aborts
 
     async def _on_generate(self, msg: Msg) -> None:
         try:

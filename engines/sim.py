@@ -105,6 +105,9 @@ class SimEngine:
             id=c.id, model=c.model, role=c.role, max_seqs=c.max_seqs, running=self.running
         )
 
+    async def aclose(self) -> None:
+        """Nothing to release: no connections."""
+
     async def generate(self, work: EngineWork, emit: Emit) -> None:
         """All `n` choices of a request, side by side, each a sequence of its own."""
         self.started += 1

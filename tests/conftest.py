@@ -25,8 +25,11 @@ def _docker_answers() -> bool:
     try:
         import docker
 
-        docker.from_env(timeout=2).ping()
-        return True
+        client = docker.from_env(timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
     except Exception:
         return False
 

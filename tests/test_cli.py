@@ -133,3 +133,40 @@ async def _wait_ready(nats_url: str, ingress: asyncio.subprocess.Process) -> Non
             await watch
         finally:
             await nc.close()
+
+
+async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from engines.fake_vllm import FakeVllm, Knobs
+    from engines.sim import corpus_sentences
+    from tests.conftest import make_settings, start_stack
+    from tokenway.cli import resolve_model
+
+    settings = make_settings(tmp_path / "data", served_model_name="vllm-cli")
+    model, served = resolve_model(settings)
+    tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
+    fake = FakeVllm(
+        Knobs(itl=0.001, output_len=20),
+        eos_token_id=model.eos_token_ids[0],
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        sentences=corpus_sentences(tokenizer),
+    )
+    async with nats_server(tmp_path / "nats") as server, fake:
+        stack = await start_stack(
+            server.url, settings, ["ingress", "render", "schedule", "derender"]
+        )
+        bridge = await spawn(
+            "engine", "vllm", "--nats", server.url, "--data-dir", str(tmp_path / "data"),
+            "--served-model-name", served, "--vllm-url", fake.url, "--engine-id", "vllm-cli-0",
+        )  # fmt: skip
+        try:
+            await wait_engines(stack.ingress.registry, 1)
+            client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+            resp = await client.completions.create(model=served, prompt="hi", max_tokens=8)
+            assert resp.choices[0].text
+            assert [r.body["token_ids"] for r in fake.requests] == [tokenizer.encode("hi").ids]
+        finally:
+            code = await stop(bridge, signal.SIGTERM)
+            await stack.close()
+        assert code == 0

@@ -17,7 +17,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from tokenway.config import Settings
@@ -238,6 +238,12 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
 
 
 async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    """The engine registry: bound as it is when it exists (whoever provisioned it set its
+    TTL; a process with another `engine_ttl` must not fail on that), created otherwise."""
+    try:
+        return await js.key_value(ENGINES_BUCKET)
+    except BucketNotFoundError:
+        pass
     # Limit markers make an expired heartbeat visible to watchers as a delete: no polling.
     return await js.create_key_value(
         jsapi.KeyValueConfig(

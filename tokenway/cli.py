@@ -88,7 +88,20 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
             stages.append(DerenderService(s, model.path, served))
         elif name == "sim":
             stages.extend(sim_engines(s, model, served))
+        elif name == "vllm":
+            stages.extend(vllm_bridges(s, served))
     return stages
+
+
+def vllm_bridges(s: Settings, served: str) -> list[Stage]:
+    from engines.bridge import Bridge
+    from engines.vllm_http import vllm_engines
+
+    try:
+        engines = vllm_engines(s, served)
+    except ValueError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
+    return [Bridge(s, engine) for engine in engines]
 
 
 def sim_engines(s: Settings, model: ModelInfo, served: str) -> list[Stage]:
@@ -231,6 +244,21 @@ def _sim(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _vllm(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM engine")
+    g.add_argument(
+        "--vllm-url", action="append", help="http://host:port of a vLLM server (repeatable)"
+    )
+    g.add_argument("--engine-id", help="id in the registry (default: vllm-<host>-<port>)")
+    g.add_argument("--engine-role", choices=["union", "prefill", "decode"], help="default union")
+    g.add_argument("--engine-max-seqs", type=int, help="concurrent sequences (default 256)")
+    g.add_argument("--engine-connect-timeout", type=float, help="seconds (default 5)")
+    g.add_argument(
+        "--engine-first-token-timeout", type=float, help="seconds to first token (default 600)"
+    )
+    g.add_argument("--engine-token-timeout", type=float, help="seconds between tokens (default 60)")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="tokenway",
@@ -256,6 +284,10 @@ def parser() -> argparse.ArgumentParser:
     kinds = engine.add_subparsers(dest="kind", required=True)
     sim = kinds.add_parser("sim", help="simulated engines (real token IDs, no GPU)")
     _common(sim), _sim(sim)
+    vllm = kinds.add_parser(
+        "vllm", help="bridge to vLLM token-only servers (vllm serve ... --enable-scale-out)"
+    )
+    _common(vllm), _vllm(vllm)
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
     return root
@@ -266,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
+    if isinstance(flags.get("vllm_url"), list):
+        flags["vllm_url"] = ",".join(flags["vllm_url"])
     settings = load_settings(flags)
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))

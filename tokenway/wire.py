@@ -136,6 +136,7 @@ class EngineWork(Struct, kw_only=True, omit_defaults=True):
     sampling_params: SamplingParams
     priority: int = 0
     kv_transfer_params: dict[str, object] | None = None
+    cache_salt: str | None = None
 
 
 class EngineReply(Struct, kw_only=True, omit_defaults=True):

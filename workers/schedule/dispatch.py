@@ -253,6 +253,7 @@ class Dispatcher:
             sampling_params=params,  # type: ignore[arg-type]
             priority=r.request.priority,
             kv_transfer_params=kv,
+            cache_salt=r.request.cache_salt,
         )
         try:
             msg = await self.nc.request(

