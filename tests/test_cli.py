@@ -170,3 +170,25 @@ async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Pa
             code = await stop(bridge, signal.SIGTERM)
             await stack.close()
         assert code == 0
+
+
+def test_every_flag_is_a_setting_and_reaches_it() -> None:
+    """A flag that names no setting would be silently ignored: none may."""
+    import argparse
+
+    from tokenway.cli import parser
+    from tokenway.config import Settings, load_settings
+
+    root = parser()
+    internal = {"help", "command", "kind"}
+    stack = [root]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+            elif action.dest not in internal:
+                assert action.dest in Settings.__struct_fields__, action.dest
+    args = vars(root.parse_args(["schedule", "--kv-block-size", "32", "--engine-ttl", "9"]))
+    settings = load_settings(args, env={})
+    assert (settings.kv_block_size, settings.engine_ttl) == (32, 9.0)

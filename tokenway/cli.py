@@ -206,6 +206,26 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="on: clip a max_tokens that does not fit the context (default off: a 400)",
     )
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--engine-ttl", type=float, help="seconds an engine stays registered without a beat (5)"
+    )
+    g.add_argument(
+        "--request-timeout", type=float, help="default deadline of a request, seconds (600)"
+    )
+
+
+def _scheduling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--kv-block-size", type=int, help="KV block size for affinity hashes (16)")
+    g.add_argument(
+        "--prefill-scale", type=float, help="weight of uncached prompt blocks vs load (1.0)"
+    )
+    g.add_argument("--affinity-ttl", type=float, help="seconds a routed prefix counts (300)")
+    g.add_argument(
+        "--breaker-threshold", type=int, help="engine failures in a row that open its breaker (3)"
+    )
+    g.add_argument("--max-inflight", type=int, help="requests one schedule worker owns (1024)")
+    g.add_argument("--queue-max-msgs", type=int, help="queued requests per stage (10000)")
 
 
 def _parsers(p: argparse.ArgumentParser) -> None:
@@ -267,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
-    _common(up), _http(up), _parsers(up), _sim(up)
+    _common(up), _http(up), _parsers(up), _scheduling(up), _sim(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -280,6 +300,8 @@ def parser() -> argparse.ArgumentParser:
             _http(p)
         if name in ("render", "derender"):
             _parsers(p)
+        if name == "schedule":
+            _scheduling(p)
     engine = sub.add_parser("engine", help="run an engine bridge")
     kinds = engine.add_subparsers(dest="kind", required=True)
     sim = kinds.add_parser("sim", help="simulated engines (real token IDs, no GPU)")
