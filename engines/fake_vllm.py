@@ -28,8 +28,9 @@ from typing import Any
 
 import msgspec
 import uvicorn
+from tokenizers import Tokenizer
 
-from engines.sim import natural_length, token_stream
+from engines.sim import corpus_sentences, natural_length, token_stream
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATHS = ("/inference/v1/abort_requests", "/abort_requests")
@@ -183,6 +184,16 @@ class FakeVllm:
         self._changed = asyncio.Event()
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, eos_token_id: int, knobs: Knobs) -> FakeVllm:
+        """A fake speaking a real model's vocabulary: readable corpus text, its EOS."""
+        return cls(
+            knobs,
+            eos_token_id=eos_token_id,
+            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+            sentences=corpus_sentences(tokenizer),
+        )
 
     @property
     def running(self) -> int:

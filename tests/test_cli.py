@@ -139,18 +139,14 @@ async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Pa
     from tokenizers import Tokenizer
 
     from engines.fake_vllm import FakeVllm, Knobs
-    from engines.sim import corpus_sentences
     from tests.conftest import make_settings, start_stack
     from tokenway.cli import resolve_model
 
     settings = make_settings(tmp_path / "data", served_model_name="vllm-cli")
     model, served = resolve_model(settings)
     tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
-    fake = FakeVllm(
-        Knobs(itl=0.001, output_len=20),
-        eos_token_id=model.eos_token_ids[0],
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        sentences=corpus_sentences(tokenizer),
+    fake = FakeVllm.for_tokenizer(
+        tokenizer, model.eos_token_ids[0], Knobs(itl=0.001, output_len=20)
     )
     async with nats_server(tmp_path / "nats") as server, fake:
         stack = await start_stack(

@@ -15,7 +15,6 @@ from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
 from engines.fake_vllm import FakeVllm, Knobs
-from engines.sim import corpus_sentences
 from engines.vllm_http import (
     VllmCapabilityMissing,
     VllmEndpoint,
@@ -349,11 +348,8 @@ async def test_chat_streams_through_the_pipeline_and_a_client_leaving_aborts_vll
     settings = make_settings(tmp_path_factory.mktemp("vllm-e2e"), served_model_name="fake-vllm")
     model, served = resolve_model(settings)
     tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
-    fake = FakeVllm(
-        Knobs(itl=0.001, output_len=30),
-        eos_token_id=model.eos_token_ids[0],
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        sentences=corpus_sentences(tokenizer),
+    fake = FakeVllm.for_tokenizer(
+        tokenizer, model.eos_token_ids[0], Knobs(itl=0.001, output_len=30)
     )
     async with fake:
         stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
