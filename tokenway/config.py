@@ -58,6 +58,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # request lifecycle
     request_timeout: PositiveFloat = 600.0  # default deadline (`Tw-Deadline`)
     derender_timeout: PositiveFloat = 10.0
+    derender_retries: Annotated[int, Meta(ge=0)] = 2  # same chunk, same state, another worker
     engine_timeout: PositiveFloat = 10.0  # bridge accept / abort replies
     ack_wait: PositiveFloat = 30.0
     max_deliver: PositiveInt = 5

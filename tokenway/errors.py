@@ -54,6 +54,11 @@ class StageUnavailable(TokenwayError):
     type = "ServiceUnavailableError"
 
 
+class StageTimeout(TokenwayError):
+    status = 504
+    type = "TimeoutError"
+
+
 class EngineFailed(TokenwayError):
     status = 502
     type = "EngineError"

@@ -25,7 +25,13 @@ from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import wait_any
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, EngineFailed, StageUnavailable, internal
+from tokenway.errors import (
+    DeadlineExceeded,
+    EngineFailed,
+    StageTimeout,
+    StageUnavailable,
+    internal,
+)
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
 from tokenway.wire import (
@@ -51,6 +57,7 @@ _reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
 _CANCEL_MEMORY = 10_000
 _COMMIT_TIMEOUT = 5.0
 _SHUTDOWN_GRACE = 10.0
+_DERENDER_BACKOFF = 0.05
 
 # A derender work item: the request, its choice (None: the closing usage chunk), the entry.
 Work = tuple[Owned, Choice | None, DerenderEntry]
@@ -244,7 +251,7 @@ class ScheduleService:
         try:
             results = await self._derender([entry for _, _, entry in items])
             await self._commit(items, results)
-        except StageUnavailable as exc:
+        except (StageUnavailable, StageTimeout) as exc:
             for r, _, _ in items:
                 r.fail(exc.info())
         finally:
@@ -254,15 +261,31 @@ class ScheduleService:
         self._kick(list({id(r): r for r, _, _ in items}.values()))  # what arrived meanwhile
 
     async def _derender(self, entries: list[DerenderEntry]) -> list[DerenderResult]:
+        """One call, retried with the same chunks and states when a worker died or hung:
+        derender is pure, so a retry cannot duplicate output, and it never re-runs inference."""
         assert self._nc is not None
+        payload = _encoder.encode(DerenderCall(entries=entries))
+        tries = self.settings.derender_retries + 1
+        for attempt in range(1, tries + 1):
+            try:
+                msg = await self._nc.request(
+                    bus.derender_subject(self.model), payload,
+                    timeout=self.settings.derender_timeout,
+                )  # fmt: skip
+                break
+            except (NatsTimeout, NoRespondersError) as exc:
+                log.warning("derender call failed (%s), try %d of %d", type(exc).__name__,
+                            attempt, tries)  # fmt: skip
+                if attempt == tries:
+                    if isinstance(exc, NoRespondersError):
+                        raise StageUnavailable("no derender worker is running") from exc
+                    raise StageTimeout(
+                        f"derender did not answer within {self.settings.derender_timeout}s, "
+                        f"{tries} times"
+                    ) from exc
+                await asyncio.sleep(_DERENDER_BACKOFF * attempt)  # a worker may be restarting
         try:
-            msg = await self._nc.request(
-                bus.derender_subject(self.model), _encoder.encode(DerenderCall(entries=entries)),
-                timeout=self.settings.derender_timeout,
-            )  # fmt: skip
             reply = _reply_decoder.decode(msg.data)
-        except (NatsTimeout, NoRespondersError) as exc:
-            raise StageUnavailable(f"derender unavailable: {type(exc).__name__}") from exc
         except msgspec.DecodeError as exc:
             raise StageUnavailable(f"derender answered garbage: {exc}") from exc
         if reply.error is not None:

@@ -1,0 +1,96 @@
+"""Derender failover, caused for real: a derender process is killed mid-stream; the owner
+retries the same chunk with the same state on another worker and the client sees the same
+text it would have seen without the fault. With no derender left, the client gets a 502."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import make_settings, start_stack
+from tests.test_cli import spawn, stop
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def derender_process(nats_url: str, data: Path) -> asyncio.subprocess.Process:
+    """A `tokenway derender` process, once it serves (it logs so after subscribing)."""
+    proc = await spawn("derender", "--nats", nats_url, "--data-dir", str(data))
+    assert proc.stderr is not None
+    async with asyncio.timeout(60):
+        while b"derender serving" not in (line := await proc.stderr.readline()):
+            assert line, "the derender process exited before serving"
+    return proc
+
+
+async def stream_text(url: str, body: dict) -> tuple[str, str]:
+    """The streamed text and the raw SSE tail."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
+    docs = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if "data: {" in e]
+    return "".join(c["text"] for d in docs for c in d.get("choices", [])), raw[-200:]
+
+
+class _Retried(logging.Handler):
+    """Sets an event when the owner logs a derender retry."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "derender call failed" in record.getMessage():
+            self.seen.set()
+
+
+async def test_a_derender_worker_that_hangs_then_dies_mid_stream_loses_nothing(
+    nats_url: str, tmp_path: Path
+) -> None:
+    settings = make_settings(tmp_path, derender_timeout=1.0, sim_itl=0.004)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
+    doomed = await derender_process(stack.settings.nats, tmp_path)
+    survivor = await derender_process(stack.settings.nats, tmp_path)
+    retried = _Retried()
+    owner_log = logging.getLogger("workers.schedule.service")
+    owner_log.addHandler(retried)
+    body = {"prompt": "A long story", "max_tokens": 400, "ignore_eos": True, "seed": 5,
+            "stream": True}  # fmt: skip
+    try:
+        expected, _ = await stream_text(stack.url, body)
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                parts = resp.aiter_bytes()
+                received = [await anext(parts)]
+                doomed.send_signal(signal.SIGSTOP)  # hangs: its calls time out
+                async with asyncio.timeout(30):
+                    await retried.seen.wait()  # the owner noticed and retried
+                doomed.send_signal(signal.SIGKILL)  # then it dies for good
+                received += [part async for part in parts]
+        raw = b"".join(received).decode()
+        docs = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if "data: {" in e]
+        assert "".join(c["text"] for d in docs for c in d["choices"]) == expected
+        assert raw.endswith("data: [DONE]\n\n")
+    finally:
+        owner_log.removeHandler(retried)
+        await stop(doomed, signal.SIGKILL)
+        await stop(survivor, signal.SIGTERM)
+        await stack.close()
+
+
+async def test_with_no_derender_worker_the_client_gets_a_502(nats_url: str, tmp_path: Path) -> None:
+    settings = make_settings(tmp_path, derender_timeout=0.5, derender_retries=1)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            resp = await http.post(f"{stack.url}/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 502
+        assert "no derender worker" in resp.json()["error"]["message"]
+    finally:
+        await stack.close()
