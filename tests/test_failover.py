@@ -19,9 +19,11 @@ from tests.test_cli import spawn, stop
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def derender_process(nats_url: str, data: Path) -> asyncio.subprocess.Process:
+async def derender_process(nats_url: str, data: Path, model: str) -> asyncio.subprocess.Process:
     """A `tokenway derender` process, once it serves (it logs so after subscribing)."""
-    proc = await spawn("derender", "--nats", nats_url, "--data-dir", str(data))
+    proc = await spawn(
+        "derender", "--nats", nats_url, "--data-dir", str(data), "--served-model-name", model
+    )
     assert proc.stderr is not None
     async with asyncio.timeout(60):
         while b"derender serving" not in (line := await proc.stderr.readline()):
@@ -53,15 +55,17 @@ class _Retried(logging.Handler):
 async def test_a_derender_worker_that_hangs_then_dies_mid_stream_loses_nothing(
     nats_url: str, tmp_path: Path
 ) -> None:
-    settings = make_settings(tmp_path, derender_timeout=1.0, sim_itl=0.004)
+    # A model of its own: no other test's derender worker may answer for it.
+    model = f"failover-{tmp_path.name}"
+    settings = make_settings(tmp_path, derender_timeout=1.0, sim_itl=0.004, served_model_name=model)
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
-    doomed = await derender_process(stack.settings.nats, tmp_path)
-    survivor = await derender_process(stack.settings.nats, tmp_path)
+    doomed = await derender_process(stack.settings.nats, tmp_path, model)
+    survivor = await derender_process(stack.settings.nats, tmp_path, model)
     retried = _Retried()
     owner_log = logging.getLogger("workers.schedule.service")
     owner_log.addHandler(retried)
-    body = {"prompt": "A long story", "max_tokens": 400, "ignore_eos": True, "seed": 5,
-            "stream": True}  # fmt: skip
+    body = {"model": model, "prompt": "A long story", "max_tokens": 400, "ignore_eos": True,
+            "seed": 5, "stream": True}  # fmt: skip
     try:
         expected, _ = await stream_text(stack.url, body)
         async with httpx.AsyncClient(timeout=60) as http:
@@ -85,11 +89,16 @@ async def test_a_derender_worker_that_hangs_then_dies_mid_stream_loses_nothing(
 
 
 async def test_with_no_derender_worker_the_client_gets_a_502(nats_url: str, tmp_path: Path) -> None:
-    settings = make_settings(tmp_path, derender_timeout=0.5, derender_retries=1)
+    model = f"no-derender-{tmp_path.name}"
+    settings = make_settings(
+        tmp_path, derender_timeout=0.5, derender_retries=1, served_model_name=model
+    )
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
     try:
         async with httpx.AsyncClient(timeout=60) as http:
-            resp = await http.post(f"{stack.url}/v1/completions", json={"prompt": "x"})
+            resp = await http.post(
+                f"{stack.url}/v1/completions", json={"model": model, "prompt": "x"}
+            )
         assert resp.status_code == 502
         assert "no derender worker" in resp.json()["error"]["message"]
     finally:
