@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -24,8 +25,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ingress.router import Event, OutputRouter, Slot
-from tokenway import bus, ledger, sse
+from ingress.ledger_read import LedgerRead, LedgerReader
+from ingress.router import Event, OutputRouter, Slot, sse_events
+from tokenway import bus, ledger
 from tokenway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -41,6 +43,7 @@ from tokenway.worker import is_stream_full, overloaded
 
 _encoder = msgspec.msgpack.Encoder()
 CLIENT_CLOSED = 499  # nginx's "client closed request"
+_RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
@@ -48,6 +51,7 @@ class IngressContext:
     nc: NATS
     router: OutputRouter
     registry: EngineRegistry
+    ledger: LedgerReader
     model: str
     model_root: str
     context_length: int
@@ -181,14 +185,8 @@ def create_app(ctx: IngressContext) -> FastAPI:
         events, done = [first], False
         try:
             while True:
-                out = []
-                for event in events:
-                    payload = sse.frame([event.payload]) if event.kind == "error" else event.payload
-                    out.append(sse.with_id(event.seq, payload))
-                    if event.terminal:
-                        out.append(sse.DONE)
-                        done = True
-                yield b"".join(out)
+                payload, done = sse_events(events)
+                yield payload
                 if done:
                     return
                 events = await slot.take()
@@ -205,6 +203,38 @@ def create_app(ctx: IngressContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle("completion", request)
+
+    @app.get("/v1/streams/{rid}")
+    async def resume(rid: str, request: Request) -> Response:
+        """The rest of a stream after `Last-Event-ID`, read back from the ledger: for a client
+        whose ingress went away. Any ingress serves it, within TW_OUT's retention."""
+        try:
+            after = int(request.headers.get("last-event-id", "0"))
+        except ValueError:
+            return _error(InvalidRequest("Last-Event-ID must be the integer `id:` of an event"))
+        if not _RID.fullmatch(rid):
+            return _error(InvalidRequest(f"{rid!r} is not a request id", param="rid"))
+        ledger_read = await ctx.ledger.read_from(rid)
+        if ledger_read is None:
+            return _error(ModelNotFound(f"no stream {rid} within the output retention",
+                                        code="stream_not_found"))  # fmt: skip
+        return StreamingResponse(
+            resumed(ledger_read, after), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+        )  # fmt: skip
+
+    async def resumed(source: LedgerRead, after: int) -> AsyncIterator[bytes]:
+        metrics.active.inc()
+        try:
+            async for events in source.batches():
+                payload, done = sse_events([e for e in events if e.seq > after])
+                if payload:
+                    yield payload
+                if done:
+                    return
+        finally:
+            metrics.active.dec()
+            await source.close()
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

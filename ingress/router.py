@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from tokenway import bus
+from tokenway import bus, sse
 from tokenway import headers as h
 
 log = logging.getLogger(__name__)
@@ -109,15 +109,33 @@ class OutputRouter:
         slot = self.slots.get(bus.rid_of(msg.subject))
         if slot is None:
             return  # the client already left
-        hdrs = msg.headers or {}
-        try:
-            event = Event(
-                seq=int(hdrs[h.SEQ]),
-                kind=hdrs.get(h.KIND, h.KIND_CHUNK),
-                payload=msg.data,
-                status=int(hdrs.get(h.STATUS, 200)),
-            )
-        except (KeyError, ValueError):
-            log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
-            return
-        slot.put(event)
+        event = event_of(msg)
+        if event is not None:
+            slot.put(event)
+
+
+def event_of(msg: Msg) -> Event | None:
+    """A ledger message (live or read back from TW_OUT) as an output event."""
+    hdrs = msg.headers or {}
+    try:
+        return Event(
+            seq=int(hdrs[h.SEQ]),
+            kind=hdrs.get(h.KIND, h.KIND_CHUNK),
+            payload=msg.data,
+            status=int(hdrs.get(h.STATUS, 200)),
+        )
+    except (KeyError, ValueError):
+        log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
+        return None
+
+
+def sse_events(events: list[Event]) -> tuple[bytes, bool]:
+    """Events as SSE bytes (the committed chunk bytes, untouched), and whether they end it."""
+    out, done = [], False
+    for event in events:
+        payload = sse.frame([event.payload]) if event.kind == h.KIND_ERROR else event.payload
+        out.append(sse.with_id(event.seq, payload))
+        if event.terminal:
+            out.append(sse.DONE)
+            done = True
+    return b"".join(out), done

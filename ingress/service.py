@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from ingress.app import IngressContext, create_app
+from ingress.ledger_read import LedgerReader
 from ingress.router import OutputRouter
 from tokenway import bus
 from tokenway.config import Settings
@@ -54,6 +55,7 @@ class IngressService:
             nc=nc,
             router=router,
             registry=registry,
+            ledger=LedgerReader(nc.jetstream(), self.settings.request_timeout),
             model=self.served,
             model_root=str(self.model.path),
             context_length=self.model.context_length,

@@ -103,3 +103,68 @@ async def test_with_no_derender_worker_the_client_gets_a_502(nats_url: str, tmp_
         assert "no derender worker" in resp.json()["error"]["message"]
     finally:
         await stack.close()
+
+
+async def test_a_client_whose_ingress_dies_resumes_on_another_with_last_event_id(
+    nats_url: str, tmp_path: Path
+) -> None:
+    model = f"resume-{tmp_path.name}"
+    settings = make_settings(tmp_path, sim_itl=0.004, served_model_name=model)
+    stack = await start_stack(
+        nats_url, settings, ["ingress", "render", "schedule", "derender", "sim"]
+    )
+    port = str(_free_port())
+    doomed = await spawn(
+        "ingress", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
+        "--served-model-name", model, "--port", port,
+    )  # fmt: skip
+    assert doomed.stderr is not None
+    body = {"model": model, "prompt": "A long story", "max_tokens": 300, "ignore_eos": True,
+            "seed": 9, "stream": True}  # fmt: skip
+    try:
+        async with asyncio.timeout(60):
+            while b"listening on" not in (line := await doomed.stderr.readline()):
+                assert line, "the ingress exited before listening"
+        expected, _ = await stream_text(stack.url, body)
+        seen = b""
+        async with httpx.AsyncClient(timeout=60) as http:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            async with http.stream("POST", url, json=body) as resp:
+                rid = resp.headers["x-request-id"]
+                async for part in resp.aiter_bytes():
+                    seen += part
+                    if seen.count(b"\nid: ") + seen.startswith(b"id: ") >= 5:
+                        break
+                doomed.send_signal(signal.SIGKILL)  # the ingress dies: no cancel goes out
+            ids = [int(line[4:]) for line in seen.decode().split("\n") if line.startswith("id: ")]
+            events = seen.decode().split("\n\n")
+            complete = [e for e in events if e.startswith("id: ") and "\ndata: " in e]
+            last = int(complete[-1].split("\n", 1)[0][4:])
+            headers = {"Last-Event-ID": str(last)}
+            async with http.stream("GET", f"{stack.url}/v1/streams/{rid}", headers=headers) as resp:
+                assert resp.status_code == 200
+                rest = b"".join([part async for part in resp.aiter_bytes()]).decode()
+        before = "\n\n".join(complete) + "\n\n"
+        docs = [
+            json.loads(e.split("data: ", 1)[1])
+            for e in (before + rest).split("\n\n")
+            if "data: {" in e
+        ]
+        assert "".join(c["text"] for d in docs for c in d["choices"]) == expected
+        resumed_ids = [int(line[4:]) for line in rest.split("\n") if line.startswith("id: ")]
+        assert resumed_ids[0] == last + 1 and ids[0] == 1  # no gap, no duplicate
+        assert rest.endswith("data: [DONE]\n\n")
+        async with httpx.AsyncClient() as http:
+            missing = await http.get(f"{stack.url}/v1/streams/nosuchrequest")
+        assert missing.status_code == 404
+    finally:
+        await stop(doomed, signal.SIGKILL)
+        await stack.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,57 @@
+"""Reading a request's output back from the TW_OUT ledger (SSE resume after a lost ingress).
+
+The only per-request JetStream consumer the ingress ever makes, and only for a client that
+comes back: an ordered consumer on `tw.out.*.<rid>` that replays what is stored, then keeps
+delivering what the owner still commits, until the stream's last event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+
+from ingress.router import Event, event_of
+from tokenway import bus
+
+
+class LedgerRead:
+    def __init__(self, sub: JetStreamContext.PushSubscription, idle_timeout: float) -> None:
+        self._sub = sub
+        self._idle = idle_timeout
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """Events in ledger order; ends when no more come within the idle timeout."""
+        while True:
+            try:
+                msg = await self._sub.next_msg(timeout=self._idle)
+            except (NatsTimeout, TimeoutError):
+                return
+            event = event_of(msg)
+            if event is not None:
+                yield [event]
+
+    async def close(self) -> None:
+        await self._sub.unsubscribe()
+
+
+class LedgerReader:
+    def __init__(self, js: JetStreamContext, idle_timeout: float) -> None:
+        self.js = js
+        self.idle_timeout = idle_timeout
+
+    async def read_from(self, rid: str) -> LedgerRead | None:
+        """A reader of the request's ledger, or None when nothing of it is stored."""
+        sub = await self.js.subscribe(
+            bus.out_subject("*", rid),
+            stream=bus.OUT_STREAM,
+            ordered_consumer=True,
+            deliver_policy=jsapi.DeliverPolicy.ALL,
+        )
+        info = await sub.consumer_info()
+        if info.num_pending == 0 and info.delivered.stream_seq == 0 and sub.pending_msgs == 0:
+            await sub.unsubscribe()
+            return None
+        return LedgerRead(sub, self.idle_timeout)
