@@ -133,6 +133,8 @@ async def wait_engines(registry: EngineRegistry, count: int, timeout: float = 20
 async def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """The whole pipeline, as `tokenway up` runs it, against the session's NATS server."""
     settings = make_settings(tmp_path_factory.mktemp("data"))
-    s = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender", "sim"])
+    s = await start_stack(
+        nats_url, settings, ["ingress", "render", "schedule", "derender", "dlq", "sim"]
+    )
     yield s
     await s.close()

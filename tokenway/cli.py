@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -90,6 +92,10 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
             stages.extend(sim_engines(s, model, served))
         elif name == "vllm":
             stages.extend(vllm_bridges(s, served))
+        elif name == "dlq":
+            from tokenway.dlq import DlqMover
+
+            stages.append(DlqMover(s))
     return stages
 
 
@@ -279,6 +285,107 @@ def _vllm(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-token-timeout", type=float, help="seconds between tokens (default 60)")
 
 
+def dlq_parser() -> argparse.ArgumentParser:
+    """`tokenway dlq`: a parser of its own, because its flags are arguments, not settings."""
+    dlq = argparse.ArgumentParser(
+        prog="tokenway dlq", description="Dead letters (TW_DLQ): list, show, replay, purge."
+    )
+    dlq.set_defaults(command="dlq")
+    verbs = dlq.add_subparsers(dest="verb", required=True)
+    move = verbs.add_parser("move", help="run the mover: exhausted deliveries → TW_DLQ")
+    _common(move)
+
+    def verb(name: str, text: str, filters: bool = False) -> argparse.ArgumentParser:
+        p = verbs.add_parser(name, help=text)
+        p.add_argument("--nats", help="NATS server URL (required)")
+        p.add_argument("--json", action="store_true", help="one JSON object per line")
+        if filters:
+            p.add_argument("--stage", help="only this stage's letters (render, schedule, ...)")
+            p.add_argument("--since", help="since a duration ago (30m, 2h) or an ISO time")
+            p.add_argument("--reason", help="only letters whose reason contains this text")
+        return p
+
+    verb("ls", "list dead letters", filters=True)
+    verb("show", "one dead letter with headers and payload").add_argument("id", type=int)
+    replay = verb("replay", "republish to the original subject (once)", filters=True)
+    replay.add_argument("ids", type=int, nargs="*", metavar="ID")
+    replay.add_argument("--all", action="store_true", help="every matching letter not replayed")
+    purge = verb("purge", "delete dead letters")
+    purge.add_argument("--stage", help="only this stage's letters")
+    purge.add_argument("--yes", action="store_true", help="do not ask")
+    return dlq
+
+
+async def _dlq(args: argparse.Namespace, url: str) -> int:
+    """`tokenway dlq <verb>`: the operations live in `tokenway.dlq`; this parses and prints."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    from tokenway import dlq
+
+    errors: list[Exception] = []  # reported once below, not as a client traceback
+
+    async def noted(exc: Exception) -> None:
+        errors.append(exc)
+
+    try:
+        nc = await nats.connect(
+            url, name="tokenway-dlq", allow_reconnect=False, connect_timeout=3, error_cb=noted
+        )
+    except Exception as exc:
+        cause = errors[-1] if errors else exc
+        raise SystemExit(f"tokenway: cannot connect to NATS at {url}: {cause!r}") from exc
+    try:
+        js = nc.jetstream()
+        try:
+            await js.stream_info(bus.DLQ_STREAM)
+        except NotFoundError:
+            raise SystemExit(f"tokenway: no {bus.DLQ_STREAM} stream at {url}") from None
+        since = None
+        if getattr(args, "since", None):
+            try:
+                since = dlq.parse_since(args.since, time.time())
+            except ValueError as exc:
+                raise SystemExit(f"tokenway: {exc}") from None
+        if args.verb == "ls":
+            letters = await dlq.list_letters(js, args.stage, since, args.reason)
+            for line in map(dlq.to_json, letters) if args.json else [dlq.format_table(letters)]:
+                print(line)
+        elif args.verb == "show":
+            try:
+                letter = await dlq.get_letter(js, args.id)
+            except dlq.LetterNotFound as exc:
+                raise SystemExit(f"tokenway: {exc}") from None
+            print(dlq.to_json(letter, full=True) if args.json else dlq.format_letter(letter))
+        elif args.verb == "replay":
+            if bool(args.ids) == args.all:
+                raise SystemExit("tokenway: dlq replay takes letter ids or --all")
+            ids = args.ids
+            if args.all:
+                letters = await dlq.list_letters(js, args.stage, since, args.reason)
+                ids = [x.id for x in letters if x.replayed is None]
+            results = await dlq.replay(js, ids)
+            for r in results:
+                status = "replayed" if r.ok else "refused"
+                line = {"id": r.id, "ok": r.ok, "detail": r.detail}
+                print(json.dumps(line) if args.json else f"{status} {r.id}: {r.detail}")
+            return 0 if all(r.ok for r in results) else 1
+        elif args.verb == "purge":
+            count = await dlq.count_letters(js, args.stage)
+            what = f"{count} dead letters" + (f" of stage {args.stage}" if args.stage else "")
+            ask = f"purge {what}? [y/N] "
+            confirmed = args.yes or (
+                sys.stdin.isatty() and await asyncio.to_thread(input, ask) == "y"
+            )
+            if not confirmed:
+                raise SystemExit(f"tokenway: not purging {what} without --yes")
+            purged = await dlq.purge(js, args.stage)
+            print(json.dumps({"purged": purged}) if args.json else f"purged {purged} dead letters")
+        return 0
+    finally:
+        await nc.close()
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="tokenway",
@@ -310,6 +417,8 @@ def parser() -> argparse.ArgumentParser:
         "vllm", help="bridge to vLLM token-only servers (vllm serve ... --enable-scale-out)"
     )
     _common(vllm), _vllm(vllm)
+    # Listed for --help only: main() hands `dlq ...` to dlq_parser().
+    sub.add_parser("dlq", add_help=False, help="dead letters: ls, show, replay, purge, move")
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
     return root
@@ -318,7 +427,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     # We only use transformers' tokenizers; its "PyTorch was not found" advice is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = dlq_parser().parse_args(argv[1:]) if argv[:1] == ["dlq"] else parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
     if isinstance(flags.get("vllm_url"), list):
         flags["vllm_url"] = ",".join(flags["vllm_url"])
@@ -326,8 +436,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
         return
+    if args.command == "dlq":
+        if not settings.nats:
+            raise SystemExit("tokenway: dlq commands need --nats URL (or TOKENWAY_NATS)")
+        if args.verb == "move":
+            _run(settings, ["dlq"])
+        else:
+            raise SystemExit(asyncio.run(_dlq(args, settings.nats)))
+        return
     if args.command == "up":
-        _run(settings, ["ingress", "render", "schedule", "derender", "sim"], announce=True)
+        _run(settings, ["ingress", "render", "schedule", "derender", "dlq", "sim"], announce=True)
     elif args.command == "engine":
         _run(settings, [args.kind])
     else:
