@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -78,7 +79,7 @@ async def test_up_serves_a_stream_and_stops_cleanly_on_ctrl_c(up) -> None:
 async def test_each_stage_runs_as_its_own_process(tmp_path: Path) -> None:
     async with nats_server(tmp_path / "nats") as server:
         common = ["--nats", server.url, "--data-dir", str(tmp_path / "data")]
-        port = str(_free_port())
+        port = str(free_port())
         procs = [
             await spawn("ingress", *common, "--port", port),
             await spawn("render", *common),
@@ -109,9 +110,15 @@ async def test_help_lists_the_stages() -> None:
         assert stage in out.decode()
 
 
-def _free_port() -> int:
-    import socket
+async def logged(proc: asyncio.subprocess.Process, text: bytes) -> None:
+    """Until a stage process logs `text` (it logs when it serves); fails if it exits first."""
+    assert proc.stderr is not None
+    async with asyncio.timeout(60):
+        while text not in (line := await proc.stderr.readline()):
+            assert line, f"the process exited before logging {text!r}"
 
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -119,10 +126,8 @@ def _free_port() -> int:
 
 async def _wait_ready(nats_url: str, ingress: asyncio.subprocess.Process) -> None:
     """Until the ingress logs that it listens and an engine is in the registry."""
-    assert ingress.stderr is not None
+    await logged(ingress, b"listening on")
     async with asyncio.timeout(60):
-        while b"listening on" not in (line := await ingress.stderr.readline()):
-            assert line, "the ingress exited before listening"
         nc = await nats.connect(nats_url)
         try:
             registry = EngineRegistry(await bus.engines_kv(nc.jetstream(), Settings()), None, 5.0)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import make_settings, start_stack
-from tests.test_cli import spawn, stop
+from tests.test_cli import free_port, logged, spawn, stop
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -24,10 +24,7 @@ async def derender_process(nats_url: str, data: Path, model: str) -> asyncio.sub
     proc = await spawn(
         "derender", "--nats", nats_url, "--data-dir", str(data), "--served-model-name", model
     )
-    assert proc.stderr is not None
-    async with asyncio.timeout(60):
-        while b"derender serving" not in (line := await proc.stderr.readline()):
-            assert line, "the derender process exited before serving"
+    await logged(proc, b"derender serving")
     return proc
 
 
@@ -113,18 +110,15 @@ async def test_a_client_whose_ingress_dies_resumes_on_another_with_last_event_id
     stack = await start_stack(
         nats_url, settings, ["ingress", "render", "schedule", "derender", "sim"]
     )
-    port = str(_free_port())
+    port = str(free_port())
     doomed = await spawn(
         "ingress", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
         "--served-model-name", model, "--port", port,
     )  # fmt: skip
-    assert doomed.stderr is not None
     body = {"model": model, "prompt": "A long story", "max_tokens": 300, "ignore_eos": True,
             "seed": 9, "stream": True}  # fmt: skip
     try:
-        async with asyncio.timeout(60):
-            while b"listening on" not in (line := await doomed.stderr.readline()):
-                assert line, "the ingress exited before listening"
+        await logged(doomed, b"listening on")
         expected, _ = await stream_text(stack.url, body)
         seen = b""
         async with httpx.AsyncClient(timeout=60) as http:
@@ -160,11 +154,3 @@ async def test_a_client_whose_ingress_dies_resumes_on_another_with_last_event_id
     finally:
         await stop(doomed, signal.SIGKILL)
         await stack.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
