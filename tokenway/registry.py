@@ -34,7 +34,6 @@ class EngineRegistry:
         self.engines: dict[str, EngineInfo] = {}
         self.changed = Signal()
         self.on_removed: list[Callable[[str], None]] = []
-        self.ready = asyncio.Event()
 
     def alive(self) -> list[EngineInfo]:
         """Engines whose last heartbeat is within a TTL (a safety net under the markers)."""
@@ -58,8 +57,7 @@ class EngineRegistry:
                     update.cancel()
                     break
                 entry = update.result()
-                if entry is None:  # the initial snapshot is complete
-                    self.ready.set()
+                if entry is None:  # the end of the initial snapshot
                     continue
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                     self._remove(entry.key)
