@@ -46,7 +46,9 @@ async def js(server: str) -> AsyncIterator[JetStreamContext]:
     await nc.close()
 
 
-async def wait_letters(js: JetStreamContext, count: int, subject: str = "tw.dlq.*") -> list:
+async def wait_letters(
+    js: JetStreamContext, count: int, subject: str = bus.dlq_subject("*")
+) -> list:
     """The first `count` messages on `subject` in TW_DLQ, waiting on the server for each."""
     config = jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0)
     sub = await js.pull_subscribe(subject, stream=bus.DLQ_STREAM, config=config)
@@ -113,9 +115,9 @@ async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
     await mover  # finishes the advisory in hand: the delete and the ack
 
     dead = msgspec.json.decode(moved.data, type=DeadLetter)
-    assert moved.subject == "tw.dlq.render"
+    assert moved.subject == bus.dlq_subject("render")
     assert dead.reason == "max deliveries (2) exhausted"
-    assert (dead.stage, dead.delivered, dead.subject) == ("render", 2, "tw.render.poison")
+    assert (dead.stage, dead.delivered, dead.subject) == ("render", 2, bus.render_subject("poison"))
     assert dead.payload == b"crashes the worker"
     assert dead.headers[h.RID] == "rid-1"
     with pytest.raises(NotFoundError):
@@ -146,7 +148,7 @@ def letters_fixture(now: float) -> list[DeadLetter]:
     return [
         DeadLetter(
             stage="render",
-            subject="tw.render.m",
+            subject=bus.render_subject("m"),
             reason="undecodable render request: " + "x" * 100,
             headers=old_hdrs,
             payload=b"p1",
@@ -154,7 +156,7 @@ def letters_fixture(now: float) -> list[DeadLetter]:
         ),
         DeadLetter(
             stage="schedule",
-            subject="tw.sched.m",
+            subject=bus.sched_subject("m"),
             reason="max deliveries (5) exhausted",
             delivered=5,
             headers={h.RID: "r2", h.REPLY: "i1"},
@@ -163,7 +165,7 @@ def letters_fixture(now: float) -> list[DeadLetter]:
         ),
         DeadLetter(
             stage="render",
-            subject="tw.render.m",
+            subject=bus.render_subject("m"),
             reason="max deliveries (5) exhausted",
             delivered=5,
             headers={h.MSG_ID: "r3", h.RID: "r3", h.REPLY: "i1"},
@@ -193,7 +195,7 @@ async def test_ls_filters_by_stage_reason_and_since(js: JetStreamContext) -> Non
     assert table.splitlines()[0].split() == [
         *["ID", "TIME", "STAGE", "SUBJECT", "DELIVERIES", "REPLAYED", "REASON"]
     ]
-    assert "tw.sched.m" in table and "…" in table  # the long reason is cut
+    assert bus.sched_subject("m") in table and "…" in table  # the long reason is cut
 
 
 async def test_show_replay_once_and_purge(js: JetStreamContext) -> None:
@@ -208,7 +210,7 @@ async def test_show_replay_once_and_purge(js: JetStreamContext) -> None:
 
     (done,) = await dlq.replay(js, [a])
     assert done.ok, done.detail
-    again = await js.get_last_msg(bus.RENDER_STREAM, "tw.render.m")
+    again = await js.get_last_msg(bus.RENDER_STREAM, bus.render_subject("m"))
     assert again.data == b"p1"
     assert again.headers[h.MSG_ID] == f"r1:replay:{a}"  # fresh: "r1" would be a duplicate
     assert again.headers[h.RID] == "r1" and h.DEADLINE not in again.headers  # passed deadline
