@@ -51,7 +51,9 @@ class LedgerReader:
             deliver_policy=jsapi.DeliverPolicy.ALL,
         )
         info = await sub.consumer_info()
-        if info.num_pending == 0 and info.delivered.stream_seq == 0 and sub.pending_msgs == 0:
+        # consumer_seq counts what this consumer delivered (stream_seq may have moved past
+        # other requests' messages it skipped): nothing pending, nothing delivered = unknown.
+        if info.num_pending == 0 and info.delivered.consumer_seq == 0 and sub.pending_msgs == 0:
             await sub.unsubscribe()
             return None
         return LedgerRead(sub, self.idle_timeout)
