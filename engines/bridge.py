@@ -1,7 +1,8 @@
 """The engine-bridge shell: binds any `Engine` to NATS.
 
 It registers the engine in `tw-engines` with heartbeats, takes work on
-`tw.engine.<id>.generate`, aborts on `tw.engine.<id>.abort`, numbers each attempt's
+`tw.engine.<id>.generate`, aborts on `tw.engine.<id>.abort` (and drops the work of a dead
+owner on `tw.orphan.<rid>`), numbers each attempt's
 deltas, and sends everything produced in one event-loop turn (one engine step) as one
 `TokenStep` message per owner.
 """
@@ -76,6 +77,7 @@ class Bridge:
         self.engine = engine
         self.id = engine.info().id
         self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self.owners: dict[tuple[str, int], str] = {}  # who each running attempt reports to
         self._outbox: dict[str, list[TokenDelta]] = {}
         self._flush_pending = False
         self._nc: NATS | None = None
@@ -90,6 +92,7 @@ class Bridge:
             self._group = group
             await nc.subscribe(bus.engine_subject(self.id, "generate"), cb=self._on_generate)
             await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
+            await nc.subscribe(bus.orphan_subject(), cb=self._on_abort)
             group.create_task(heartbeat(kv, self.engine.info, self.settings.engine_ttl, stop))
             log.info(
                 "engine %s (%s) serving %s",
@@ -121,6 +124,7 @@ class Bridge:
         assert self._group is not None
         key = (work.rid, work.attempt)
         self.tasks[key] = self._group.create_task(self._run(work))
+        self.owners[key] = work.owner
         self.idle.clear()
         await msg.respond(_encoder.encode(EngineReply(accepted=True)))
 
@@ -130,9 +134,14 @@ class Bridge:
         except msgspec.DecodeError:
             log.warning("engine %s: undecodable abort ignored", self.id)
             return
-        task = self.tasks.get((abort.rid, abort.attempt))
-        if task is not None:
-            task.cancel()
+        if abort.owner is None:
+            keys = [(abort.rid, abort.attempt)]
+        else:  # orphaned: whatever of this request runs for an owner that is gone
+            keys = [k for k, o in self.owners.items() if k[0] == abort.rid and o != abort.owner]
+        for key in keys:
+            task = self.tasks.get(key)
+            if task is not None:
+                task.cancel()
 
     async def _run(self, work: EngineWork) -> None:
         seq = 0
@@ -178,6 +187,7 @@ class Bridge:
             )
         finally:
             self.tasks.pop((work.rid, work.attempt), None)
+            self.owners.pop((work.rid, work.attempt), None)
             if not self.tasks:
                 self.idle.set()
 

@@ -2,8 +2,8 @@
 
 `async with FakeVllm() as fake:` serves `POST /inference/v1/generate` and
 `POST /inference/v1/abort_requests` with uvicorn on 127.0.0.1 (a free port) at `fake.url`.
-Output is deterministic, like the simulated engine's: the seed (or the prompt) picks
-"sentences" of token IDs; EOS comes at a natural length unless `ignore_eos`. `fake.knobs`
+Output is deterministic, the simulated engine's own toy model continuing the prompt over
+"sentences" of token IDs; EOS comes at a sentence end unless `ignore_eos`. `fake.knobs`
 shapes timing and failures and may be changed while requests run; `requests`, `aborted`,
 `disconnected` and `running` are there to assert on, and `wait_until` waits for them.
 
@@ -20,8 +20,6 @@ import math
 import random
 import socket
 import time
-import zlib
-from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +28,8 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
-from engines.sim import corpus_sentences, natural_length, token_stream
+from engines.sim import CorpusModel, Sequence, corpus_sentences
+from tokenway.wire import SamplingParams
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATHS = ("/inference/v1/abort_requests", "/abort_requests")
@@ -58,6 +57,7 @@ class Knobs:
     fail_first: int | None = None  # … for the first N requests only (None: always)
     capability: int | None = None  # 403, 404 or 501: no token-only route
     die_after: int | None = None  # close the connection after K token events, no finish
+    die_first: int | None = None  # … in the first N requests only (None: in every one)
     error_after: int | None = None  # an error event (vLLM's GenerationError) after K events
     stall_after: int | None = None  # go silent after K events until aborted or left
 
@@ -113,42 +113,6 @@ def default_sentences(vocab_size: int, count: int = 64) -> list[list[int]]:
             for _ in range(count)]  # fmt: skip
 
 
-class _Sequence:
-    """One choice's output, step by step, with the simulated engine's finish rules."""
-
-    def __init__(self, fake: FakeVllm, prompt: list[int], params: dict[str, Any], index: int):
-        seed = params.get("seed")
-        base = seed if seed is not None else zlib.crc32(array("I", prompt).tobytes())
-        self.seed = base + index
-        self.tokens = token_stream(fake.sentences, self.seed)
-        knobs = fake.knobs
-        max_tokens = params.get("max_tokens")
-        self.limit = max_tokens if max_tokens is not None else knobs.max_model_len - len(prompt)
-        self.min_tokens = params.get("min_tokens", 0)
-        self.eos = fake.eos_token_id
-        self.natural = (
-            None
-            if params.get("ignore_eos")
-            else max(natural_length(self.seed, knobs.output_len), self.min_tokens)
-        )
-        self.stop_ids = set(params.get("stop_token_ids") or [])
-        self.made = 0
-
-    def step(self, chunk: int) -> tuple[list[int], str | None, int | None]:
-        out: list[int] = []
-        for _ in range(chunk):
-            tid = self.eos if self.made == self.natural else next(self.tokens)
-            out.append(tid)
-            self.made += 1
-            if self.made > self.min_tokens and tid == self.eos:
-                return out, "stop", None
-            if self.made > self.min_tokens and tid in self.stop_ids:
-                return out, "stop", tid
-            if self.made >= self.limit:
-                return out, "length", None
-        return out, None, None
-
-
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -170,7 +134,7 @@ class FakeVllm:
         self.knobs = knobs or Knobs()
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        self.sentences = sentences or default_sentences(vocab_size)
+        self.model = CorpusModel(sentences or default_sentences(vocab_size))
         self.engine_id = engine_id  # the `remote_engine_id` a prefill answers with
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
@@ -220,7 +184,7 @@ class FakeVllm:
         self, token_ids: list[int], sampling_params: dict[str, Any], index: int = 0
     ) -> tuple[list[int], str, int | None]:
         """The whole output of choice `index` for a request, as this fake generates it."""
-        seq = _Sequence(self, token_ids, sampling_params, index)
+        seq = self._sequence(token_ids, sampling_params, index)
         out: list[int] = []
         while True:
             ids, finish, reason = seq.step(1)
@@ -398,15 +362,27 @@ class FakeVllm:
         run.disconnected = True
         run.stop.set()
 
-    def _sequences(self, rec: Received) -> list[tuple[int, _Sequence]]:
+    def _sequences(self, rec: Received) -> list[tuple[int, Sequence]]:
         params = rec.body["sampling_params"]
         n = params.get("n", 1)
         for i in range(n):
             rec.outputs[i] = []
-        return [(i, _Sequence(self, rec.body["token_ids"], params, i)) for i in range(n)]
+        return [(i, self._sequence(rec.body["token_ids"], params, i)) for i in range(n)]
+
+    def _sequence(self, prompt: list[int], params: dict[str, Any], index: int) -> Sequence:
+        if params.get("max_tokens") is None:  # vLLM's default: what the context leaves
+            params = {**params, "max_tokens": self.knobs.max_model_len - len(prompt)}
+        converted = msgspec.convert(params, SamplingParams, strict=False)
+        return Sequence(
+            self.model, self.eos_token_id, prompt, converted, index, self.knobs.output_len
+        )
+
+    def _dies(self, rec: Received) -> bool:
+        first = self.knobs.die_first
+        return first is None or self.requests.index(rec) < first
 
     def _step(
-        self, rec: Received, index: int, seq: _Sequence
+        self, rec: Received, index: int, seq: Sequence
     ) -> tuple[list[int], str | None, int | None, dict[str, Any] | None]:
         ids, finish, reason = seq.step(max(self.knobs.chunk_size, 1))
         rec.outputs[index] += ids
@@ -428,7 +404,7 @@ class FakeVllm:
         while sequences and not stopped:
             for index, seq in list(sequences):
                 k = self.knobs
-                if k.die_after is not None and events >= k.die_after:
+                if k.die_after is not None and events >= k.die_after and self._dies(rec):
                     return True
                 if k.error_after is not None and events >= k.error_after:
                     error = _error(500, "InternalServerError", "Internal server error")
@@ -470,7 +446,7 @@ class FakeVllm:
         stopped = await run.pause(self.knobs.ttft)
         while sequences and not stopped:
             k = self.knobs
-            if k.die_after is not None and steps >= k.die_after:
+            if k.die_after is not None and steps >= k.die_after and self._dies(rec):
                 return True
             if k.stall_after is not None and steps >= k.stall_after:
                 await run.stop.wait()

@@ -1,16 +1,14 @@
 """A simulated engine: real token IDs of the model's vocabulary, engine-like timing, no GPU.
 
-Output is deterministic: the sampling seed (or, without one, the prompt) picks sentences
-from a multilingual corpus, so detokenization meets CJK, emoji and combining marks. Every
+Output is deterministic: a toy language model over a multilingual corpus continues the
+context (so detokenization meets CJK, emoji and combining marks, and a relayed sequence
+continues as the unbroken one would). Every
 running sequence advances on one shared step clock, like a batch in a real engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-import zlib
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -24,6 +22,7 @@ from tokenway.wire import (
     FinishReason,
     LogprobEntry,
     Role,
+    SamplingParams,
     TokenLogprob,
 )
 
@@ -54,20 +53,93 @@ def corpus_sentences(tokenizer: Tokenizer) -> list[list[int]]:
     ]
 
 
-def seed_of(work: EngineWork) -> int:
-    if work.sampling_params.seed is not None:
-        return work.sampling_params.seed
-    return zlib.crc32(array("I", work.token_ids).tobytes())
+def seed_of(params: SamplingParams, index: int) -> int:
+    """Choice `index`'s seed; without one the output is greedy-like: a function of the prompt."""
+    return (params.seed or 0) + index
 
 
-def token_stream(sentences: list[list[int]], seed: int) -> Iterator[int]:
-    rng = random.Random(seed)
-    while True:
-        yield from sentences[rng.randrange(len(sentences))]
+END = -1  # a sentence's end, in the successor table
+ORDER = 3  # context tokens the model looks at
 
 
-def natural_length(seed: int, mean: int) -> int:
-    return random.Random(seed ^ 0x5EED).randint(max(1, mean // 2), max(1, mean * 3 // 2))
+class CorpusModel:
+    """A deterministic toy language model trained on the corpus.
+
+    The next token is a function of the seed, the context's length and its last tokens
+    (the longest suffix of up to three the corpus knows); at a sentence's end the model may
+    stop, or start a sentence the seed and context pick. Being a function of the context, a
+    sequence resumed from a prefix of its own output (a relay) continues exactly as the
+    unbroken one would have, as a greedy or seeded real model does.
+    """
+
+    def __init__(self, sentences: list[list[int]]) -> None:
+        self.sentences = sentences
+        self.table: dict[tuple[int, ...], list[int]] = {}
+        for sentence in sentences:
+            seq = [*sentence, END]
+            for i in range(1, len(seq)):
+                for k in range(1, min(ORDER, i) + 1):
+                    self.table.setdefault(tuple(seq[i - k : i]), []).append(seq[i])
+        self.mean_sentence = sum(map(len, sentences)) / len(sentences)
+
+    def tokens(self, prompt: list[int], seed: int, output_len: int) -> Iterator[tuple[int, bool]]:
+        """(next token, whether the model would rather stop there), forever; it stops at one
+        sentence end in so many that outputs run about `output_len` tokens."""
+        stop_odds = max(1, round(output_len / self.mean_sentence))
+        tail = tuple(prompt[-ORDER:])
+        position = len(prompt)  # in the key too, or a repeated phrase would loop for ever
+        while True:
+            candidates = next(
+                (c for k in range(len(tail)) if (c := self.table.get(tail[k:]))), None
+            )
+            key = hash((seed, position, *tail))  # ints hash alike in every process
+            tid = END if candidates is None else candidates[key % len(candidates)]
+            wants_stop = False
+            if tid == END:  # a sentence ended (or the context is unknown): begin another
+                wants_stop = candidates is not None and (key >> 8) % stop_odds == 0
+                tid = self.sentences[(key >> 16) % len(self.sentences)][0]
+            yield tid, wants_stop
+            tail = (*tail, tid)[-ORDER:]
+            position += 1
+
+
+class Sequence:
+    """One choice's output, step by step, with an engine's finish rules: EOS is masked until
+    `min_tokens`, a stop token ID ends with itself as the reason, `max_tokens` ends with
+    "length"."""
+
+    def __init__(
+        self,
+        model: CorpusModel,
+        eos: int,
+        prompt: list[int],
+        params: SamplingParams,
+        index: int,
+        output_len: int,
+    ) -> None:
+        self.tokens = model.tokens(prompt, seed_of(params, index), output_len)
+        self.eos = eos
+        self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
+        self.min_tokens = params.min_tokens
+        self.ignore_eos = params.ignore_eos
+        self.stop_ids = set(params.stop_token_ids)
+        self.made = 0
+
+    def step(self, chunk: int) -> tuple[list[int], FinishReason | None, int | None]:
+        out: list[int] = []
+        for _ in range(chunk):
+            tid, wants_stop = next(self.tokens)
+            if wants_stop and not self.ignore_eos and self.made >= self.min_tokens:
+                tid = self.eos
+            out.append(tid)
+            self.made += 1
+            if self.made > self.min_tokens and tid == self.eos:
+                return out, "stop", None
+            if self.made > self.min_tokens and tid in self.stop_ids:
+                return out, "stop", tid
+            if self.made >= self.limit:
+                return out, "length", None
+        return out, None, None
 
 
 class StepClock:
@@ -92,7 +164,7 @@ class StepClock:
 class SimEngine:
     def __init__(self, config: SimConfig, tokenizer: Tokenizer) -> None:
         self.config = config
-        self.sentences = corpus_sentences(tokenizer)
+        self.model = CorpusModel(corpus_sentences(tokenizer))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
@@ -125,41 +197,18 @@ class SimEngine:
 
     async def _sequence(self, work: EngineWork, emit: Emit, index: int) -> None:
         params = work.sampling_params
-        seed = seed_of(work) + index
-        tokens = token_stream(self.sentences, seed)
-        limit = params.max_tokens if params.max_tokens is not None else 1 << 30
-        # Like a real engine, EOS is masked until min_tokens.
-        natural = (
-            None
-            if params.ignore_eos
-            else max(natural_length(seed, self.config.output_len), params.min_tokens)
-        )
-        stop_ids = set(params.stop_token_ids)
-        made = 0
+        c = self.config
+        seq = Sequence(self.model, c.eos_token_id, work.token_ids, params, index, c.output_len)
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time
         while True:
             await self.clock.tick()
-            out: list[int] = []
-            finish: FinishReason | None = None
-            reason: int | str | None = None
-            for _ in range(self.config.chunk_size):
-                tid = self.config.eos_token_id if made == natural else next(tokens)
-                out.append(tid)
-                made += 1
-                if made > params.min_tokens and tid == self.config.eos_token_id:
-                    finish = "stop"
-                elif made > params.min_tokens and tid in stop_ids:
-                    finish, reason = "stop", tid
-                elif made >= limit:
-                    finish = "length"
-                if finish:
-                    break
+            out, finish, reason = seq.step(self.config.chunk_size)
             kv = self._handoff(work) if finish else None
             emit(out, finish, reason, self._logprobs(out, params.logprobs), index, kv)
             if finish:
                 return
-            if self.config.stall_after is not None and made >= self.config.stall_after:
+            if self.config.stall_after is not None and seq.made >= self.config.stall_after:
                 await asyncio.Event().wait()  # alive but silent, until aborted
 
     def _handoff(self, work: EngineWork) -> dict[str, object] | None:

@@ -26,10 +26,11 @@ TOKENWAY = [sys.executable, "-m", "tokenway.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_TTFT": "0", "TOKENWAY_SIM_ITL": "0.001"}
 
 
-async def spawn(*args: str) -> asyncio.subprocess.Process:
+async def spawn(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        *TOKENWAY, *args, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
+        *TOKENWAY, *args, env={**ENV, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
 
 
 async def stop(proc: asyncio.subprocess.Process, sig: int = signal.SIGINT) -> int:

@@ -74,6 +74,11 @@ def cancel_subject(rid: str = "*") -> str:
     return f"tw.cancel.{rid}"
 
 
+def orphan_subject(rid: str = "*") -> str:
+    """A new owner tells every engine bridge to drop the request's work for the dead one."""
+    return f"tw.orphan.{rid}"
+
+
 def dlq_subject(stage: str) -> str:
     return f"tw.dlq.{stage}"
 

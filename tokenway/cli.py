@@ -231,6 +231,11 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
         "--breaker-threshold", type=int, help="engine failures in a row that open its breaker (3)"
     )
     g.add_argument("--max-inflight", type=int, help="requests one schedule worker owns (1024)")
+    g.add_argument(
+        "--relay-attempts",
+        type=int,
+        help="times a request continues on another engine after one fails it (3)",
+    )
     g.add_argument("--queue-max-msgs", type=int, help="queued requests per stage (10000)")
 
 

@@ -60,6 +60,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     derender_timeout: PositiveFloat = 10.0
     derender_retries: Annotated[int, Meta(ge=0)] = 2  # same chunk, same state, another worker
     engine_timeout: PositiveFloat = 10.0  # bridge accept / abort replies
+    # after an engine fails an attempt, continue from the committed output this many times
+    relay_attempts: Annotated[int, Meta(ge=0)] = 3
+    relay_backoff: Annotated[float, Meta(ge=0)] = 0.05  # seconds, times the relay's number
     ack_wait: PositiveFloat = 30.0
     max_deliver: PositiveInt = 5
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import NotFoundError
 
 from tokenway import bus
 from tokenway import headers as h
@@ -53,6 +57,50 @@ async def publish_error(
         error_body(info),
         headers=out_headers(rid, seq, h.KIND_ERROR, status=info.status),
     )
+
+
+@dataclass
+class Committed:
+    """What a request's ledger holds: where a new owner picks it up."""
+
+    seq: int  # the last Tw-Seq
+    attempt: int  # the highest Tw-Attempt
+    ended: bool  # an end, a whole response or an error is stored: nothing is left to do
+    state: bytes | None  # the last stream_state
+    tokens: array  # every committed output token ID, in order
+
+
+_ENDS = (h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR)
+
+
+async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | None:
+    """The request's committed output, or None when nothing of it is stored."""
+    subject = bus.out_subject(reply, rid)
+    try:
+        last = await js.get_last_msg(bus.OUT_STREAM, subject)
+    except NotFoundError:
+        return None
+    found = Committed(seq=0, attempt=0, ended=False, state=None, tokens=array("i"))
+    sub = await js.subscribe(
+        subject,
+        stream=bus.OUT_STREAM,
+        ordered_consumer=True,
+        deliver_policy=jsapi.DeliverPolicy.ALL,
+    )
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5.0)
+            hdrs = msg.headers or {}
+            found.seq = int(hdrs.get(h.SEQ, found.seq))
+            found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))
+            found.ended = hdrs.get(h.KIND, h.KIND_CHUNK) in _ENDS
+            if h.STREAM_STATE in hdrs:
+                found.state = h.decode_state(hdrs[h.STREAM_STATE])
+            found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))
+            if msg.metadata.sequence.stream >= last.seq:
+                return found
+    finally:
+        await sub.unsubscribe()
 
 
 async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -> None:

@@ -146,9 +146,13 @@ class EngineReply(Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
 
 
-class EngineAbort(Struct, kw_only=True):
+class EngineAbort(Struct, kw_only=True, omit_defaults=True):
+    """Stop an attempt; on `tw.orphan.<rid>`, every attempt of the rid not run for `owner`
+    (the request's new owner, after the last one died)."""
+
     rid: str
     attempt: int
+    owner: str | None = None
 
 
 class TokenLogprob(Struct, array_like=True, omit_defaults=True):

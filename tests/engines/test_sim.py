@@ -10,15 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from engines.sim import (
-    SimConfig,
-    SimEngine,
-    StepClock,
-    corpus_sentences,
-    natural_length,
-    seed_of,
-    token_stream,
-)
+from engines.sim import SimConfig, SimEngine, StepClock, corpus_sentences
 from tokenway.model import default_model_dir
 from tokenway.wire import EngineWork, FinishReason, LogprobEntry, SamplingParams
 
@@ -102,9 +94,9 @@ async def run(engine: SimEngine, w: EngineWork) -> Emits:
     return emits
 
 
-async def test_the_same_seed_gives_the_same_tokens(engine: SimEngine) -> None:
+async def test_the_same_seed_and_prompt_give_the_same_tokens(engine: SimEngine) -> None:
     a = await run(engine, work(seed=7, max_tokens=30, ignore_eos=True))
-    b = await run(engine, work("r2", prompt=[5, 6, 7], seed=7, max_tokens=30, ignore_eos=True))
+    b = await run(engine, work("r2", seed=7, max_tokens=30, ignore_eos=True))
     c = await run(engine, work(seed=8, max_tokens=30, ignore_eos=True))
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
@@ -115,21 +107,61 @@ async def test_without_a_seed_the_prompt_picks_the_output(engine: SimEngine) -> 
     b = await run(engine, work("r2", prompt=[0, 6366], max_tokens=30, ignore_eos=True))
     c = await run(engine, work(prompt=[0, 6367], max_tokens=30, ignore_eos=True))
     assert a.tokens == b.tokens != c.tokens
-    assert seed_of(work(prompt=[0, 6366])) != seed_of(work(prompt=[0, 6367]))
-    assert seed_of(work(seed=3)) == 3
 
 
-async def test_output_is_corpus_sentences_in_vocabulary(
+async def test_output_follows_the_corpus_in_vocabulary(
     engine: SimEngine, tokenizer: Tokenizer
 ) -> None:
     emits = await run(engine, work(seed=1, max_tokens=200, ignore_eos=True))
-    stream = token_stream(corpus_sentences(tokenizer), 1)
-    assert emits.tokens == list(itertools.islice(stream, 200))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     assert all(0 <= t < vocab for t in emits.tokens)
+    sentences = corpus_sentences(tokenizer)
+    pairs = {(s[i], s[i + 1]) for s in sentences for i in range(len(s) - 1)}
+    starts = {s[0] for s in sentences}
+    # Each token continues the corpus or begins one of its sentences.
+    tokens = emits.tokens
+    assert tokens[0] in starts
+    assert all((a, b) in pairs or b in starts for a, b in itertools.pairwise(tokens))
     corpus = resources.files("engines").joinpath("corpus.txt").read_text(encoding="utf-8")
-    text = tokenizer.decode(emits.tokens)
-    assert any(text.startswith(" " + line) for line in corpus.splitlines() if line)
+    text = tokenizer.decode(tokens)
+    assert any(text.startswith(" " + line[:8]) for line in corpus.splitlines() if line)
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+async def test_a_relayed_sequence_continues_as_the_unbroken_one(
+    engine: SimEngine, seed: int
+) -> None:
+    """Prompt + a prefix of the output, with the budgets reduced by it, gives the rest."""
+    prompt = [0, 6366]
+    whole = await run(engine, work(prompt=prompt, seed=seed, max_tokens=400, min_tokens=30))
+    assert whole.finish == ("stop", None)
+    for k in (1, 13, 29, len(whole.tokens) - 1):
+        rest = await run(
+            engine,
+            work(prompt=prompt + whole.tokens[:k], seed=seed, max_tokens=400 - k,
+                 min_tokens=max(30 - k, 0)),
+        )  # fmt: skip
+        assert rest.tokens == whole.tokens[k:]
+        assert rest.finish == whole.finish
+
+
+async def test_eos_comes_at_sentence_ends_about_output_len_apart(
+    engine: SimEngine, tokenizer: Tokenizer
+) -> None:
+    ends = {s[-1] for s in corpus_sentences(tokenizer)}
+    lengths = []
+    for seed in range(60):
+        emits = await run(engine, work(seed=seed, max_tokens=1000))
+        assert emits.tokens[-1] == EOS and EOS not in emits.tokens[:-1]
+        assert emits.finish == ("stop", None)
+        assert len(emits.tokens) == 1 or emits.tokens[-2] in ends
+        lengths.append(len(emits.tokens))
+    assert OUTPUT_LEN / 2 <= sum(lengths) / len(lengths) <= OUTPUT_LEN * 2
+
+
+async def natural(engine: SimEngine, seed: int) -> int:
+    """Tokens before EOS when nothing limits the sequence."""
+    return len((await run(engine, work(seed=seed, max_tokens=1000))).tokens) - 1
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 50])
@@ -141,24 +173,14 @@ async def test_max_tokens_finishes_with_length_after_exactly_max_tokens(
     assert emits.finish == ("length", None)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-async def test_eos_comes_at_the_natural_length(engine: SimEngine, seed: int) -> None:
-    natural = natural_length(seed, OUTPUT_LEN)
-    assert OUTPUT_LEN // 2 <= natural <= OUTPUT_LEN * 3 // 2
-    emits = await run(engine, work(seed=seed, max_tokens=1000))
-    assert len(emits.tokens) == natural + 1
-    assert emits.tokens[-1] == EOS and EOS not in emits.tokens[:-1]
-    assert emits.finish == ("stop", None)
-
-
-async def test_ignore_eos_runs_past_the_natural_length(engine: SimEngine) -> None:
+async def test_ignore_eos_runs_past_every_sentence_end(engine: SimEngine) -> None:
     limit = 3 * OUTPUT_LEN
     emits = await run(engine, work(seed=0, max_tokens=limit, ignore_eos=True))
     assert len(emits.tokens) == limit and EOS not in emits.tokens
     assert emits.finish == ("length", None)
 
 
-async def test_max_tokens_before_the_natural_length_wins(engine: SimEngine) -> None:
+async def test_max_tokens_before_eos_wins(engine: SimEngine) -> None:
     emits = await run(engine, work(seed=0, max_tokens=3))
     assert len(emits.tokens) == 3 and EOS not in emits.tokens
     assert emits.finish == ("length", None)
@@ -190,17 +212,17 @@ async def test_a_stop_token_id_finishes_with_it_as_the_stop_reason(engine: SimEn
 
 
 async def test_eos_does_not_finish_before_min_tokens(engine: SimEngine) -> None:
-    natural = natural_length(0, OUTPUT_LEN)
-    min_tokens = natural + 5
-    emits = await run(engine, work(seed=0, max_tokens=natural + 10, min_tokens=min_tokens))
+    free = await natural(engine, 0)
+    min_tokens = free + 5
+    emits = await run(engine, work(seed=0, max_tokens=free + 10, min_tokens=min_tokens))
     assert len(emits.tokens) > min_tokens
     assert emits.finish[1] is None and emits.finish[0] in ("stop", "length")
 
 
 async def test_eos_is_never_emitted_before_min_tokens(engine: SimEngine) -> None:
-    natural = natural_length(0, OUTPUT_LEN)
-    emits = await run(engine, work(seed=0, max_tokens=natural + 20, min_tokens=natural + 5))
-    assert EOS not in emits.tokens[: natural + 5]
+    free = await natural(engine, 0)
+    emits = await run(engine, work(seed=0, max_tokens=free + 500, min_tokens=free + 5))
+    assert EOS not in emits.tokens[: free + 5]
     assert emits.finish == ("stop", None)
 
 
@@ -217,9 +239,9 @@ async def test_each_emit_carries_chunk_size_tokens(
 
 async def test_a_chunk_stops_at_eos(tokenizer: Tokenizer) -> None:
     engine = make_engine(tokenizer, chunk_size=4)
-    natural = natural_length(9, OUTPUT_LEN)
+    free = await natural(make_engine(tokenizer), 9)
     emits = await run(engine, work(seed=9, max_tokens=1000))
-    assert len(emits.tokens) == natural + 1 and emits.tokens[-1] == EOS
+    assert len(emits.tokens) == free + 1 and emits.tokens[-1] == EOS
     assert all(len(ids) == 4 for ids, _, _ in emits.calls[:-1])
 
 

@@ -46,9 +46,8 @@ _reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
 
 def cost(r: Owned) -> int:
-    """Tokens a request may hold on the engine that decodes it."""
-    params = r.request.sampling_params
-    return len(r.request.token_ids) + (params.max_tokens or 0) * max(params.n, 1)
+    """Tokens the live attempt may hold on the engine that decodes it."""
+    return len(r.prompt) + (r.params.max_tokens or 0) * max(r.params.n, 1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class Dispatcher:
         self.freed.fire()
 
     def release(self, r: Owned) -> None:
-        """Give back what the request held (on every exit path, exactly once)."""
+        """Give back what the attempt held (on every exit path, exactly once)."""
         if r.engine is not None:
             self._release(r.engine, len(r.choices), cost(r))
             r.engine = None
@@ -106,7 +105,7 @@ class Dispatcher:
 
     def release_prefill(self, r: Owned) -> None:
         if r.prefill_engine is not None and r.prefill_held:
-            self._release(r.prefill_engine, 1, len(r.request.token_ids))
+            self._release(r.prefill_engine, 1, len(r.prompt))
             r.prefill_held = False
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -115,7 +114,7 @@ class Dispatcher:
         """Hand the request to an engine (or a P/D pair); wait for room until its deadline."""
         tried: set[str] = set()
         hashes = affinity.block_hashes(
-            r.request.token_ids, self.settings.kv_block_size, salt=r.request.cache_salt
+            r.prompt, self.settings.kv_block_size, salt=r.request.cache_salt
         )
         while not r.ended.is_set():
             plan = await self._wait_turn(r, tried, hashes)
@@ -147,6 +146,8 @@ class Dispatcher:
                     for e in self.registry.alive()
                     if e.id not in tried and self.breakers.admits(e.id, now)
                 ]
+                # A relay goes to another engine than the ones that failed it, if any.
+                engines = [e for e in engines if e.id not in r.avoid] or engines
                 if self._waiting[0] is entry:
                     plan = self._plan(r, engines, hashes, now)
                     if plan is not None and self._claim(plan, now):
@@ -186,9 +187,7 @@ class Dispatcher:
                 f"the largest engine has {biggest}"
             )
         n = len(r.choices)
-        prefill = routing.pick(
-            engines, self.seqs, self.tokens, len(r.request.token_ids), 1, "prefill"
-        )
+        prefill = routing.pick(engines, self.seqs, self.tokens, len(r.prompt), 1, "prefill")
         decode = routing.pick(engines, self.seqs, self.tokens, need, n, "decode")
         if prefill is not None and decode is not None:
             return Plan(engine=decode, prefill=prefill)
@@ -206,10 +205,10 @@ class Dispatcher:
         r.prefill_attempt = r.attempt
         r.prefill_done.clear()
         params = msgspec.structs.replace(
-            r.request.sampling_params, max_tokens=1, min_tokens=0, n=1, stop=[], logprobs=None
+            r.params, max_tokens=1, min_tokens=0, n=1, stop=[], logprobs=None
         )
-        kv = {**(r.request.kv_transfer_params or {}), "do_remote_decode": True}
-        self._hold(prefill.id, 1, len(r.request.token_ids))
+        kv = {**(r.client_kv or {}), "do_remote_decode": True}
+        self._hold(prefill.id, 1, len(r.prompt))
         r.prefill_held = True
         if not await self._send(prefill, r, params, kv, tried):
             self.release_prefill(r)
@@ -228,10 +227,10 @@ class Dispatcher:
         """The attempt whose tokens the client sees (union, or P/D's decode leg)."""
         r.attempt += 1
         r.next_delta = 0
-        kv = r.prefill_kv if r.prefill_kv is not None else r.request.kv_transfer_params
+        kv = r.prefill_kv if r.prefill_kv is not None else r.client_kv
         self._hold(engine.id, len(r.choices), cost(r))
         r.engine = engine.id
-        if await self._send(engine, r, r.request.sampling_params, kv, tried):
+        if await self._send(engine, r, r.params, kv, tried):
             return True
         self.release(r)
         return False
@@ -249,7 +248,7 @@ class Dispatcher:
             rid=r.rid,
             attempt=r.attempt,
             owner=self.owner_id,
-            token_ids=r.request.token_ids,
+            token_ids=r.prompt,
             sampling_params=params,  # type: ignore[arg-type]
             priority=r.request.priority,
             kv_transfer_params=kv,

@@ -2,14 +2,18 @@
 
 Pure: the shell feeds it engine deltas and derender results and asks what to do next. A
 request has one `Choice` per `n`; each streams and commits on its own, and the request
-ends when every choice has committed its last chunk.
+ends when every choice has committed its last chunk. When an engine fails an attempt, the
+request rolls back to what is committed and a relay attempt continues from there.
 """
 
 from __future__ import annotations
 
 import asyncio
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tokenway.errors import EngineFailed
 from tokenway.wire import (
@@ -19,8 +23,13 @@ from tokenway.wire import (
     GenerateRequest,
     LogprobEntry,
     OutputContext,
+    SamplingParams,
     TokenDelta,
 )
+
+
+class RelayRefused(EngineFailed):
+    """An attempt failed after output that a new attempt could not continue faithfully."""
 
 
 @dataclass(eq=False)
@@ -34,7 +43,8 @@ class Choice:
     engine_done: bool = False  # the engine reported this choice's end
     done: bool = False  # its last chunk is committed
     busy: bool = False  # a derender + commit is in flight
-    committed_tokens: int = 0
+    # Committed output token IDs, 4 bytes each: what a relay appends to the prompt.
+    committed: array = field(default_factory=lambda: array("i"))
 
     def take(self, ctx: OutputContext, prompt: list[int]) -> DerenderEntry:
         tokens, self.pending = self.pending, []
@@ -58,6 +68,12 @@ class Choice:
         if entry.logprobs is not None:
             self.pending_logprobs = entry.logprobs + (self.pending_logprobs or [])
 
+    def roll_back(self) -> None:
+        """Forget what the failed attempt sent beyond the committed output."""
+        self.pending, self.pending_logprobs = [], None
+        self.finish = self.stop_reason = None
+        self.engine_done = False
+
 
 @dataclass(eq=False)
 class Owned:
@@ -71,6 +87,14 @@ class Owned:
     next_delta: int = 0  # the per-attempt seq expected next from the engine
     out_seq: int = 0  # last per-request output sequence published to TW_OUT
     choices: list[Choice] = field(default_factory=list)
+    # What the live attempt runs: the request's own, or a relay's (prompt + committed output)
+    prompt: list[int] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    relays: int = 0  # attempts started after an engine failed one
+    broken: ErrorInfo | None = None  # why the live attempt failed at the engine
+    trouble: asyncio.Event = field(default_factory=asyncio.Event)  # set with `broken`
+    avoid: set[str] = field(default_factory=set)  # engines that failed this request
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # no derender in flight
     usage_busy: bool = False  # the closing usage chunk (n > 1) is being made
     # P/D handoff: the prefill leg runs as its own attempt; its tokens are never shown.
     prefill_engine: str | None = None
@@ -85,6 +109,14 @@ class Owned:
     def __post_init__(self) -> None:
         if not self.choices:
             self.choices = [Choice(i) for i in range(max(self.request.sampling_params.n, 1))]
+        self.prompt = self.request.token_ids
+        self.params = self.request.sampling_params
+        self.settled.set()
+
+    @property
+    def client_kv(self) -> dict[str, object] | None:
+        """KV the client handed over (external P/D): it fits the first attempt only."""
+        return self.request.kv_transfer_params if self.relays == 0 else None
 
     @property
     def ctx(self) -> OutputContext:
@@ -99,14 +131,50 @@ class Owned:
         """The engine has nothing more to send for this attempt."""
         return all(c.engine_done or c.done for c in self.choices)
 
-    def engine_lost(self) -> None:
-        for c in self.choices:
-            c.engine_done = True
-
     def fail(self, info: ErrorInfo) -> None:
         if not self.ended.is_set():
             self.error = info
             self.ended.set()
+
+    def attempt_failed(self, info: ErrorInfo) -> None:
+        """The engine failed the live attempt: the owner relays or gives up."""
+        if not self.ended.is_set() and self.broken is None:
+            self.broken = info
+            self.trouble.set()
+
+    def relay(self) -> bool:
+        """Roll back to the committed output and set up the attempt that continues it.
+
+        The replay prompt is the prompt plus the committed output IDs (never re-rendered
+        text), the budgets shrink by what was committed, and derender resumes from each
+        choice's committed state. False when nothing is left to generate (the budget is
+        spent: the end is derendered without an engine). Raises `RelayRefused` for what
+        a new attempt cannot continue faithfully: with n > 1, choices that already
+        diverged would need one engine sequence each.
+        """
+        assert self.broken is not None
+        if len(self.choices) > 1 and any(c.committed for c in self.choices):
+            raise RelayRefused(
+                f"{self.broken.message}; a request with n={len(self.choices)} cannot be "
+                "relayed after output was sent"
+            )
+        self.broken = None
+        self.trouble.clear()
+        self.relays += 1
+        self.prefill_kv = None
+        for c in self.choices:
+            c.roll_back()
+        done = len(self.choices[0].committed)
+        original = self.request.sampling_params
+        self.prompt = self.request.token_ids + self.choices[0].committed.tolist()
+        remaining = None if original.max_tokens is None else original.max_tokens - done
+        self.params = msgspec.structs.replace(
+            original, max_tokens=remaining, min_tokens=max(original.min_tokens - done, 0)
+        )
+        if remaining is not None and remaining <= 0:
+            self.choices[0].finish, self.choices[0].engine_done = "length", True
+            return False
+        return True
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -122,8 +190,8 @@ class Owned:
 
     def accept(self, delta: TokenDelta) -> bool:
         """Apply an engine delta; True when there is something new to derender."""
-        if self.ended.is_set() or delta.attempt != self.attempt:
-            return False  # stale: an old attempt, or after the end
+        if self.ended.is_set() or delta.attempt != self.attempt or self.broken is not None:
+            return False  # stale: an old or failed attempt, or after the end
         if not 0 <= delta.index < len(self.choices):
             self.fail(EngineFailed(f"engine sent choice {delta.index} of a request with "
                                    f"n={len(self.choices)}").info())  # fmt: skip
@@ -132,7 +200,7 @@ class Owned:
         if choice.engine_done or choice.done:
             return False
         if delta.seq != self.next_delta:
-            self.fail(
+            self.attempt_failed(
                 EngineFailed(
                     f"lost output from engine {self.engine}: "
                     f"expected chunk {self.next_delta}, got {delta.seq}"
@@ -141,8 +209,7 @@ class Owned:
             return False
         self.next_delta += 1
         if delta.error is not None:
-            choice.engine_done = True
-            self.fail(EngineFailed(delta.error).info())
+            self.attempt_failed(EngineFailed(delta.error).info())
             return False
         choice.pending.extend(delta.token_ids)
         if delta.logprobs is not None:
@@ -155,7 +222,7 @@ class Owned:
 
     def take_ready(self) -> list[tuple[Choice, DerenderEntry]]:
         """Entries to derender now: streams chunk by chunk, non-stream all at the very end."""
-        if self.ended.is_set():
+        if self.ended.is_set() or self.broken is not None:
             return []
         prompt = self.request.token_ids
         if not self.stream:
@@ -181,7 +248,7 @@ class Owned:
 
     def usage_entry(self) -> DerenderEntry:
         self.usage_busy = True
-        total = sum(c.committed_tokens for c in self.choices)
+        total = sum(len(c.committed) for c in self.choices)
         return DerenderEntry(context=self.ctx, usage_total=total)
 
     def is_last(self, choice: Choice) -> bool:

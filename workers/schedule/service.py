@@ -3,7 +3,10 @@
 Pulls `tw.sched.<model>` only while engines have room, dispatches to an engine, turns the
 engine's token steps into derender calls (one call per batch of ready requests), commits the
 results to `TW_OUT`, and holds the request's message un-acked, with in-progress acks, until
-the request ends. Every path (done, error, cancel, deadline) ends in one `_finish`.
+the request ends. When an engine fails an attempt the owner relays: a new attempt on another
+engine continues from the committed output. A request redelivered after its owner died is
+first read back from its ledger. Every path (done, error, cancel, deadline) ends in one
+`_finish`.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ from tokenway.wire import (
     DerenderEntry,
     DerenderReply,
     DerenderResult,
+    EngineAbort,
     GenerateRequest,
     TokenStep,
 )
 from tokenway.worker import consume
 from workers.schedule.dispatch import Dispatcher
-from workers.schedule.owned import Choice, Owned
+from workers.schedule.owned import Choice, Owned, RelayRefused
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +157,14 @@ class ScheduleService:
     async def _own(self, r: Owned, arrived: float) -> None:
         assert self.dispatcher is not None
         try:
-            await self.dispatcher.dispatch(r, arrived)
-            await asyncio.wait_for(r.ended.wait(), max(r.deadline - time.time(), 0))
+            if r.msg.metadata.num_delivered > 1 and not await self._read_back(r):
+                return  # its last owner finished it
+            while not r.ended.is_set():
+                if not r.trouble.is_set() or await self._relay(r):
+                    await self.dispatcher.dispatch(r, arrived)
+                await wait_any(r.ended, r.trouble, timeout=max(r.deadline - time.time(), 0))
+                if not (r.ended.is_set() or r.trouble.is_set()):
+                    raise TimeoutError
         except TimeoutError:
             r.fail(DeadlineExceeded(
                 f"request {r.rid} passed its deadline after {r.out_seq} chunks"
@@ -166,6 +176,58 @@ class ScheduleService:
             r.fail(internal(exc))
         finally:
             await self._finish(r)
+
+    async def _relay(self, r: Owned) -> bool:
+        """The live attempt failed at its engine (or its owner died): roll back to the
+        committed output and prepare the attempt that continues it on another engine.
+        False when no engine is needed any more."""
+        assert self.dispatcher is not None and r.broken is not None
+        if r.relays >= self.settings.relay_attempts:
+            raise EngineFailed(f"{r.broken.message} (after {r.relays} relays)")
+        await wait_any(r.settled, r.ended)  # what is in flight commits, or not, first
+        if r.ended.is_set():
+            return False
+        if r.engine is not None:
+            r.avoid.add(r.engine)
+            await self.dispatcher.abort(r.engine, r.rid, r.attempt)
+        self.dispatcher.release(r)
+        log.warning("request %s: %s; relaying after %d committed chunks (relay %d)",
+                    r.rid, r.broken.message, r.out_seq, r.relays + 1)  # fmt: skip
+        if not r.relay():  # the budget is spent: only the end is left to derender
+            self._kick([r])
+            return False
+        await wait_any(r.ended, timeout=self.settings.relay_backoff * (r.relays - 1))
+        return not r.ended.is_set()
+
+    async def _read_back(self, r: Owned) -> bool:
+        """A new owner after the last one died: pick the request up where its ledger ends.
+
+        False when the ledger already holds its end. Engine work the old owner started is
+        aborted, then the request relays from the committed output like after an engine
+        failure.
+        """
+        assert self._js is not None and self._nc is not None
+        await self._nc.publish(bus.orphan_subject(r.rid), _encoder.encode(
+            EngineAbort(rid=r.rid, attempt=0, owner=self.owner_id)
+        ))  # fmt: skip
+        found = await ledger.read_back(self._js, r.reply, r.rid)
+        if found is None:
+            return True  # nothing was committed: start afresh
+        if found.ended:
+            log.info("request %s was finished by its last owner", r.rid)
+            return False
+        if len(r.choices) > 1:
+            raise RelayRefused(
+                f"the owner of request {r.rid} stopped; a request with "
+                f"n={len(r.choices)} cannot be resumed after output was sent"
+            )
+        r.out_seq, r.attempt = found.seq, found.attempt
+        choice = r.choices[0]
+        choice.state, choice.committed = found.state, found.tokens
+        # Relayed like an engine failure (and counted as one relay).
+        r.attempt_failed(EngineFailed(f"the owner of request {r.rid} stopped").info())
+        log.warning("request %s: taken over after %d committed chunks", r.rid, found.seq)
+        return True
 
     async def _finish(self, r: Owned) -> None:
         """The one exit of every request: abort leftovers, tell the client, free, ack."""
@@ -204,9 +266,8 @@ class ScheduleService:
         if self.dispatcher is not None:
             self.dispatcher.engine_gone(engine_id)
         for r in self.requests.values():
-            if r.engine == engine_id:
-                r.engine_lost()  # nothing left there to abort
-                r.fail(EngineFailed(f"engine {engine_id} stopped heartbeating").info())
+            if r.engine == engine_id and not r.engine_done:
+                r.attempt_failed(EngineFailed(f"engine {engine_id} stopped heartbeating").info())
             elif r.prefill_engine == engine_id and not r.prefill_done.is_set():
                 r.prefill_done.set()  # the leg is lost; dispatch chooses again
 
@@ -223,26 +284,31 @@ class ScheduleService:
             r = self.requests.get(delta.rid)
             if r is None:
                 continue
-            healthy = r.error is None
+            healthy = r.broken is None
             assert self.dispatcher is not None
             if delta.attempt == r.prefill_attempt:
                 r.accept_prefill(delta)
-                if delta.error is None and delta.finish_reason is not None:
+                if delta.error is not None:
+                    self.dispatcher.engine_failed(step.engine)
+                elif delta.finish_reason is not None:
                     self.dispatcher.engine_served(step.engine)
             elif r.accept(delta):
                 touched.append(r)
                 if delta.seq == 0:
                     self.dispatcher.engine_served(step.engine)
-            if delta.error is not None or (healthy and r.error is not None):
+            if healthy and r.broken is not None:
                 self.dispatcher.engine_failed(step.engine)  # an error, or lost output
         self._kick(touched)
 
     def _kick(self, candidates: list[Owned]) -> None:
         items: list[Work] = []
         for r in candidates:
-            items += [(r, choice, entry) for choice, entry in r.take_ready()]
+            ready = [(r, choice, entry) for choice, entry in r.take_ready()]
             if r.needs_usage_chunk():
-                items.append((r, None, r.usage_entry()))
+                ready.append((r, None, r.usage_entry()))
+            if ready:
+                r.settled.clear()
+                items += ready
         if items:
             assert self._group is not None
             self._group.create_task(self._derender_and_commit(items))
@@ -258,6 +324,9 @@ class ScheduleService:
             for _, choice, _ in items:
                 if choice is not None:
                     choice.busy = False
+            for r, _, _ in items:
+                if not any(c.busy for c in r.choices):
+                    r.settled.set()
         self._kick(list({id(r): r for r, _, _ in items}.values()))  # what arrived meanwhile
 
     async def _derender(self, entries: list[DerenderEntry]) -> list[DerenderResult]:
@@ -315,18 +384,18 @@ class ScheduleService:
             ack = await self._js.publish_async(
                 bus.out_subject(r.reply, r.rid), payload, headers=hdrs
             )
-            acks.append((r, choice, res, kind, len(tokens), ack))
+            acks.append((r, choice, res, kind, tokens, ack))
         if acks:
             # One deadline for the batch: nats.py#985 leaves a future unresolved on errors.
             await asyncio.wait([a[-1] for a in acks], timeout=_COMMIT_TIMEOUT)
-        for r, choice, res, kind, count, ack in acks:
+        for r, choice, res, kind, tokens, ack in acks:
             cause = _failed(ack)
             if cause is not None:
                 r.fail(StageUnavailable(f"could not commit output to the ledger: {cause}").info())
                 continue
             if choice is not None:
                 choice.state = res.state
-                choice.committed_tokens += count
+                choice.committed.extend(tokens)
             if kind in (h.KIND_END, h.KIND_RESPONSE):
                 r.ended.set()
 

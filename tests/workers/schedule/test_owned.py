@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenway.errors import EngineFailed
 from tokenway.wire import (
     DerenderEntry,
@@ -11,7 +13,7 @@ from tokenway.wire import (
     SamplingParams,
     TokenDelta,
 )
-from workers.schedule.owned import Owned
+from workers.schedule.owned import Owned, RelayRefused
 
 
 def owned(stream: bool = True, attempt: int = 0, n: int = 1, usage: bool = False) -> Owned:
@@ -82,28 +84,87 @@ def test_accept_ignores_deltas_after_the_request_ended() -> None:
     assert r.choices[0].pending == []
 
 
-def test_a_seq_gap_fails_the_request_as_an_engine_failure() -> None:
+def test_a_seq_gap_breaks_the_attempt_as_an_engine_failure() -> None:
     r = owned()
     assert r.accept(delta(0, [1]))
     assert not r.accept(delta(2, [3]))
-    assert r.ended.is_set() and r.error is not None
+    assert r.trouble.is_set() and r.broken is not None and not r.ended.is_set()
     expected = EngineFailed("x").info()
     assert (
-        (r.error.status, r.error.type) == (expected.status, expected.type) == (502, "EngineError")
+        (r.broken.status, r.broken.type) == (expected.status, expected.type) == (502, "EngineError")
     )
-    assert "expected chunk 1, got 2" in r.error.message and "e1" in r.error.message
+    assert "expected chunk 1, got 2" in r.broken.message and "e1" in r.broken.message
     assert r.choices[0].pending == [1]  # nothing from the lost stretch is queued
     assert not r.engine_done  # the engine is still running: it must be aborted
+    assert not r.accept(delta(1, [2]))  # the broken attempt sends nothing more
+    assert r.take_ready() == []
 
 
-def test_an_engine_error_delta_fails_the_request() -> None:
+def test_an_engine_error_delta_breaks_the_attempt() -> None:
     r = owned()
     assert r.accept(delta(0, [1]))
     assert not r.accept(delta(1, error="engine e1: RuntimeError: boom", finish="error"))
-    assert r.engine_done and r.ended.is_set() and r.error is not None
-    assert (r.error.status, r.error.type) == (502, "EngineError")
-    assert r.error.message == "engine e1: RuntimeError: boom"
+    assert r.broken is not None and r.trouble.is_set() and not r.ended.is_set()
+    assert (r.broken.status, r.broken.type) == (502, "EngineError")
+    assert r.broken.message == "engine e1: RuntimeError: boom"
     assert r.take_ready() == []
+
+
+def committed(r: Owned, tokens: list[int], state: bytes = b"s") -> None:
+    """What the shell does when a chunk's TW_OUT publish is acknowledged."""
+    choice = r.choices[0]
+    choice.committed.extend(tokens)
+    choice.state = state
+
+
+def test_a_relay_continues_from_the_committed_output() -> None:
+    r = owned()
+    r.request.sampling_params.max_tokens = 10
+    r.request.sampling_params.min_tokens = 4
+    r.request.kv_transfer_params = {"do_remote_prefill": True}
+    assert r.client_kv is not None
+    r.accept(delta(0, [7, 8]))
+    r.take_ready()
+    committed(r, [7, 8], b"after-8")
+    r.choices[0].busy = False
+    r.accept(delta(1, [9]))  # derendered, never committed: the relay makes it again
+    r.attempt_failed(EngineFailed("engine e1: boom").info())
+    assert r.relay()
+    choice = r.choices[0]
+    assert r.prompt == [0, 6366, 7, 8]  # the request's own IDs untouched
+    assert r.request.token_ids == [0, 6366]
+    assert (r.params.max_tokens, r.params.min_tokens) == (8, 2)
+    assert choice.pending == [] and choice.state == b"after-8" and choice.finish is None
+    assert r.broken is None and not r.trouble.is_set() and r.relays == 1
+    assert r.client_kv is None  # the client's remote KV was for the first attempt only
+    # The next attempt's deltas are taken; the failed one's are not.
+    r.attempt = 1
+    r.next_delta = 0
+    assert not r.accept(delta(2, [5], attempt=0))
+    assert r.accept(delta(0, [9], attempt=1))
+    [(_, entry)] = r.take_ready()
+    assert entry.state == b"after-8" and entry.token_ids == [9]
+
+
+def test_a_relay_with_no_budget_left_only_ends_the_output() -> None:
+    r = owned()
+    r.request.sampling_params.max_tokens = 2
+    committed(r, [7, 8])
+    r.attempt_failed(EngineFailed("gone").info())
+    assert not r.relay()
+    assert r.choices[0].finish == "length" and r.engine_done
+    [(_, entry)] = r.take_ready()
+    assert entry.finish_reason == "length" and entry.token_ids == []
+
+
+def test_relay_is_refused_for_n_above_one_after_output() -> None:
+    r = owned(n=2)
+    r.attempt_failed(EngineFailed("gone").info())
+    assert r.relay()  # nothing committed: a plain retry of both choices
+    r.choices[1].committed.append(3)
+    r.attempt_failed(EngineFailed("gone again").info())
+    with pytest.raises(RelayRefused, match="n=2 cannot be relayed"):
+        r.relay()
 
 
 def test_a_choice_outside_n_fails_the_request() -> None:
@@ -213,8 +274,7 @@ def test_with_n_choices_the_last_one_closes_unless_a_usage_chunk_follows() -> No
     assert not with_usage.is_last(with_usage.choices[0])
     with_usage.choices[0].done = True
     assert with_usage.needs_usage_chunk()
-    committed = [5, 7]
-    for choice, count in zip(with_usage.choices, committed, strict=True):
-        choice.committed_tokens = count
+    for choice, count in zip(with_usage.choices, [5, 7], strict=True):
+        choice.committed.extend(range(count))
     entry = with_usage.usage_entry()
     assert entry.usage_total == 12 and not with_usage.needs_usage_chunk()

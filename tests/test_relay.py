@@ -1,0 +1,188 @@
+"""Relay, caused for real: an engine closes its socket mid-stream, an engine process is
+killed, the schedule worker owning the stream is killed. Each time the client's stream goes
+on on the same connection, and what it assembles equals a fault-free run: no duplicated
+and no missing text, consecutive event ids, one [DONE], every token counted once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from engines.bridge import Bridge
+from engines.fake_vllm import FakeVllm, Knobs
+from engines.vllm_http import VllmEndpoint, VllmEngine
+from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.streams import Streamed, post, until
+from tests.test_cli import logged, spawn, stop
+from tokenway.aio import Signal
+from tokenway.cli import resolve_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def stream(
+    url: str, body: dict, after: int = 0, fault: Callable[[], Awaitable[None]] | None = None
+) -> Streamed:
+    """Stream `body`; once `after` events arrived, cause `fault`, then read to the end."""
+    out, progress = Streamed(), Signal()
+    async with httpx.AsyncClient(timeout=60) as http:
+        reading = asyncio.create_task(post(http, url, body, out, progress))
+        if fault is not None:
+            await until(progress, lambda: len(out.times) >= after)
+            await fault()
+        await reading
+    return out
+
+
+def body(model: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": "Tell the long story of a token.", "stream": True,
+            "max_tokens": max_tokens, "ignore_eos": True, "seed": 11,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+def assert_same_stream(got: Streamed, expected: Streamed, max_tokens: int) -> None:
+    assert got.text == expected.text and got.text
+    assert got.ids == list(range(1, len(got.ids) + 1))  # no gap, no duplicate
+    assert got.done == 1
+    assert got.usage is not None and got.usage == expected.usage
+    assert got.usage["completion_tokens"] == max_tokens
+
+
+async def test_an_engine_closing_its_socket_mid_stream_is_relayed(
+    nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both engines die in their first request: the stream relays twice, ending where the
+    first engine began, each relay prompt being the prompt plus what was committed."""
+    model = f"relay-{tmp_path.name}"
+    settings = make_settings(tmp_path, served_model_name=model)
+    resolved, served = resolve_model(settings)
+    tokenizer = Tokenizer.from_file(str(resolved.path / "tokenizer.json"))
+    eos = resolved.eos_token_ids[0]
+    knobs = dict(itl=0.002, die_after=12, die_first=1)
+    fakes = [FakeVllm.for_tokenizer(tokenizer, eos, Knobs(**knobs)) for _ in range(2)]  # type: ignore[arg-type]
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
+    engines = []
+    stop_bridges = asyncio.Event()
+    try:
+        for i, fake in enumerate(fakes):
+            await fake.__aenter__()
+            endpoint = VllmEndpoint(url=fake.url, id=f"relay-{i}", model=served, max_seqs=8)
+            engines.append(VllmEngine(endpoint))
+        bridges = [
+            asyncio.create_task(Bridge(stack.settings, e).run(nats_url, stop_bridges))
+            for e in engines
+        ]
+        await wait_engines(stack.by_name["schedule"][0].registry, 2)
+        got = await stream(stack.url, body(served, 60))
+        # The engine that got the request first saw the shortest prompt: the client's own.
+        first, second = sorted(fakes, key=lambda f: len(f.requests[0].body["token_ids"]))
+        prompt = first.requests[0].body["token_ids"]
+        # The fault-free output, as the first engine would have made it alone.
+        whole, _, _ = first.expected(prompt, first.requests[0].body["sampling_params"])
+        assert got.text == tokenizer.decode(whole)
+        assert got.ids == list(range(1, len(got.ids) + 1)) and got.done == 1
+        assert got.usage == {"prompt_tokens": len(prompt), "completion_tokens": 60,
+                             "total_tokens": len(prompt) + 60}  # fmt: skip
+        # Relay 1 on the second engine, relay 2 back on the first: prompt + committed.
+        relay1 = second.requests[0].body
+        relay2 = first.requests[1].body
+        for relay in (relay1, relay2):
+            done = len(relay["token_ids"]) - len(prompt)
+            assert done > 0 and relay["token_ids"] == prompt + whole[:done]
+            assert relay["sampling_params"]["max_tokens"] == 60 - done
+        assert len(relay2["token_ids"]) > len(relay1["token_ids"])
+        assert len(relays(caplog)) == 2
+        stop_bridges.set()
+        await asyncio.gather(*bridges)
+    finally:
+        stop_bridges.set()
+        for engine, fake in zip(engines, fakes, strict=False):
+            await engine.aclose()
+            await fake.__aexit__(None, None, None)
+        await stack.close()
+
+
+async def engine_process(stack: Stack, data: Path) -> asyncio.subprocess.Process:
+    proc = await spawn(
+        "engine", "sim", "--nats", stack.settings.nats, "--data-dir", str(data),
+        "--served-model-name", stack.ingress.served, "--engine-ttl", "1", "--sim-itl", "0.01",
+    )  # fmt: skip
+    await logged(proc, b"serving")
+    return proc
+
+
+def relays(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "relaying after" in r.getMessage()]
+
+
+async def test_an_engine_process_killed_mid_stream_is_relayed(
+    nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = f"kill-engine-{tmp_path.name}"
+    settings = make_settings(tmp_path, served_model_name=model, engine_ttl=1.0)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
+    first = await engine_process(stack, tmp_path)
+    second = None
+    try:
+        registry = stack.by_name["schedule"][0].registry
+        await wait_engines(registry, 1)
+        expected = await stream(stack.url, body(model, 400))
+
+        async def kill() -> None:
+            nonlocal second
+            second = await engine_process(stack, tmp_path)
+            await wait_engines(registry, 2)
+            first.send_signal(signal.SIGKILL)  # no goodbye: its registry entry times out
+
+        got = await stream(stack.url, body(model, 400), after=5, fault=kill)
+        assert_same_stream(got, expected, 400)
+        [relay] = relays(caplog)
+        assert "stopped heartbeating" in relay
+    finally:
+        await stop(first, signal.SIGKILL)
+        if second is not None:
+            await stop(second)
+        await stack.close()
+
+
+async def test_the_owner_killed_mid_stream_is_taken_over_from_the_ledger(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """The schedule worker owning a stream is SIGKILLed; JetStream redelivers the request to
+    another worker, which reads the ledger back, aborts the orphaned engine work and relays."""
+    model = f"kill-owner-{tmp_path.name}"
+    settings = make_settings(tmp_path, served_model_name=model, sim_itl=0.004, ack_wait=2.0)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "derender", "sim"])
+    flags = ("schedule", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
+             "--served-model-name", model)  # fmt: skip
+    env = {"TOKENWAY_ACK_WAIT": "2"}  # the consumer's ack wait: how soon a request moves on
+    first = await spawn(*flags, env=env)
+    second = None
+    try:
+        await logged(first, b"owning")
+        expected = await stream(stack.url, body(model, 400))
+        (sim,) = stack.by_name["engine"]
+
+        async def kill() -> None:
+            nonlocal second
+            second = await spawn(*flags, env=env)
+            await logged(second, b"owning")
+            first.send_signal(signal.SIGKILL)
+
+        got = await stream(stack.url, body(model, 400), after=5, fault=kill)
+        assert_same_stream(got, expected, 400)
+        # The dead owner's engine sequence was aborted, not left to run out.
+        async with asyncio.timeout(10):
+            await sim.idle.wait()
+        assert sim.engine.started == 3  # fault-free, the killed owner's, the takeover's
+    finally:
+        await stop(first, signal.SIGKILL)
+        if second is not None:
+            await stop(second)
+        await stack.close()
