@@ -7,15 +7,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
+import nats
 import openai
 import pytest
 
 from tests.conftest import Stack
 from tests.test_scheduling import client, model, pipeline, sim
+from tokenway import bus, ledger
+from tokenway import headers as h
+from tokenway.wire import GenerateRequest, OutputContext, Prompt, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -220,3 +226,30 @@ async def test_a_client_leaving_cancels_and_releases_every_prompt(stack: Stack) 
                 break  # the client leaves after its first chunk
         assert stack.by_name["schedule"][0].fanout.parents, "still owned while it streams"
     await leftovers_gone(stack)
+
+
+async def test_a_direct_publisher_sends_several_prompts_and_reads_one_response(
+    stack: Stack, nats_url: str
+) -> None:
+    reply, rid = "batch-multi", f"job{secrets.token_hex(4)}"
+    request = GenerateRequest(
+        request_id=rid,
+        token_ids=[6366, 33],
+        sampling_params=SamplingParams(max_tokens=4, seed=1, ignore_eos=True),
+        context=OutputContext(response_id=f"cmpl-{rid}", model="deepseek-v4"),
+        prompts=[Prompt(token_ids=[6366, 33]), Prompt(token_ids=[1040], max_tokens=2)],
+    )
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        out = await js.subscribe(bus.out_subject(reply, rid), stream=bus.OUT_STREAM,
+                                 ordered_consumer=True)  # fmt: skip
+        await js.publish(bus.sched_subject("deepseek-v4"), msgspec.msgpack.encode(request),
+                         headers=ledger.request_headers(rid, reply))  # fmt: skip
+        msg = await out.next_msg(timeout=30)
+    finally:
+        await nc.close()
+    assert msg.headers[h.KIND] == h.KIND_RESPONSE
+    doc = json.loads(msg.data)
+    assert [c["index"] for c in doc["choices"]] == [0, 1]
+    assert doc["usage"]["prompt_tokens"] == 3 and doc["usage"]["completion_tokens"] == 6
