@@ -41,6 +41,7 @@ class SimConfig:
     # fault knobs, for tests that cause faults for real
     fail_first: int = 0  # this many requests fail at once with an engine error
     stall_after: int | None = None  # every sequence goes silent after this many tokens
+    fail_after: int | None = None  # the first request fails (engine error) after these tokens
 
 
 def corpus_sentences(tokenizer: Tokenizer) -> list[list[int]]:
@@ -190,12 +191,15 @@ class SimEngine:
         self.running += n
         try:
             async with asyncio.TaskGroup() as group:
+                doomed = self.started == 1 and self.config.fail_after is not None
                 for index in range(n):
-                    group.create_task(self._sequence(work, emit, index))
+                    group.create_task(self._sequence(work, emit, index, doomed))
+        except* RuntimeError as failed:  # a simulated fault: the engine reports it as itself
+            raise failed.exceptions[0] from None
         finally:
             self.running -= n
 
-    async def _sequence(self, work: EngineWork, emit: Emit, index: int) -> None:
+    async def _sequence(self, work: EngineWork, emit: Emit, index: int, doomed: bool) -> None:
         params = work.sampling_params
         c = self.config
         seq = Sequence(self.model, c.eos_token_id, work.token_ids, params, index, c.output_len)
@@ -208,6 +212,8 @@ class SimEngine:
             emit(out, finish, reason, self._logprobs(out, params.logprobs), index, kv)
             if finish:
                 return
+            if doomed and seq.made >= (self.config.fail_after or 0):
+                raise RuntimeError(f"simulated failure after {seq.made} tokens")
             if self.config.stall_after is not None and seq.made >= self.config.stall_after:
                 await asyncio.Event().wait()  # alive but silent, until aborted
 

@@ -29,6 +29,7 @@ class Event:
     kind: str
     payload: bytes
     status: int = 200
+    tokens: str = ""  # `Tw-Tokens`, as sent (a reader that counts tokens decodes it)
 
     @property
     def terminal(self) -> bool:
@@ -89,8 +90,8 @@ class OutputRouter:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
-    def open(self, rid: str) -> Slot:
-        slot = self.slots[rid] = Slot()
+    def open(self, rid: str, slot: Slot | None = None) -> Slot:
+        slot = self.slots[rid] = slot or Slot()
         self.idle.clear()
         return slot
 
@@ -123,6 +124,7 @@ def event_of(msg: Msg) -> Event | None:
             kind=hdrs.get(h.KIND, h.KIND_CHUNK),
             payload=msg.data,
             status=int(hdrs.get(h.STATUS, 200)),
+            tokens=hdrs.get(h.TOKENS, ""),
         )
     except (KeyError, ValueError):
         log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)

@@ -237,6 +237,17 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
         help="times a request continues on another engine after one fails it (3)",
     )
     g.add_argument("--queue-max-msgs", type=int, help="queued requests per stage (10000)")
+    g.add_argument(
+        "--max-fanout", type=int, help="multi-prompt requests one schedule worker owns (64)"
+    )
+    g.add_argument(
+        "--fanout-buffer", type=int,
+        help="output events held per prompt until every prompt's stream has begun (1024)",
+    )  # fmt: skip
+    g.add_argument(
+        "--fanout-retries", type=int,
+        help="whole-request retries of a multi-prompt request failing before output (1)",
+    )  # fmt: skip
 
 
 def _parsers(p: argparse.ArgumentParser) -> None:

@@ -67,6 +67,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     max_deliver: PositiveInt = 5
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
+    # multi-prompt requests (fan-out): how many one schedule worker owns at once (more: 429),
+    # output events held per prompt until every prompt's stream has begun (more: an error),
+    # and whole-request retries when a prompt fails before any output was sent
+    max_fanout: PositiveInt = 64
+    fanout_buffer: PositiveInt = 1024
+    fanout_retries: Annotated[int, Meta(ge=0)] = 1
 
     # routing: KV-cache affinity and circuit breakers
     kv_block_size: PositiveInt = 16  # must equal the engines' KV block size

@@ -99,10 +99,32 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     # the `logprobs` number. None: no logprobs.
     logprobs: int | None = None
     parse: ParseContext | None = None  # chat only
+    # Multi-prompt requests: each prompt runs as a sub-request whose choices are numbered
+    # from `index_base` (prompt × n, as vLLM numbers them), and whose stream ends without
+    # a usage chunk of its own (the fan-out owner closes the merged stream with one).
+    index_base: int = 0
+    closing_usage: bool = True
+
+
+# How many prompts one completions request may carry.
+MAX_PROMPTS = 1024
+
+
+class Prompt(Struct, kw_only=True, omit_defaults=True):
+    """One prompt of a multi-prompt request."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    max_tokens: int | None = None  # its output budget; None: the request's `max_tokens`
 
 
 class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
-    """A tokenized request on `tw.sched.<model>`: vLLM's GenerateRequest + output context."""
+    """A tokenized request on `tw.sched.<model>`: vLLM's GenerateRequest + output context.
+
+    With `prompts` (a completions request with several prompts) the schedule worker that
+    takes it fans out one sub-request per prompt and merges their output; `token_ids` then
+    holds the first prompt, and `context.prompt_tokens` / `prompt_tail` are set per prompt
+    by the fan-out.
+    """
 
     request_id: str
     token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
@@ -115,6 +137,7 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     kv_transfer_params: dict[str, object] | None = None
     return_token_ids: bool | None = None
     context: OutputContext = msgspec.field(default_factory=OutputContext)
+    prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS)] | None = None
 
 
 class RenderRequest(Struct, kw_only=True):

@@ -241,9 +241,19 @@ _decode_any = msgspec.json.Decoder()
 
 def merge_responses(into: bytes, other: bytes) -> bytes:
     """One response from two holding different choices of it (n > 1, non-streaming)."""
-    a, b = _decode_any.decode(into), _decode_any.decode(other)
-    a["choices"] = sorted(a["choices"] + b["choices"], key=lambda c: c["index"])
-    extra = b["usage"]["completion_tokens"]
-    a["usage"]["completion_tokens"] += extra
-    a["usage"]["total_tokens"] += extra
-    return _json.encode(a)
+    return combine_responses([into, other], same_prompt=True)
+
+
+def combine_responses(docs: list[bytes], same_prompt: bool) -> bytes:
+    """One response holding every choice of `docs`, by index, with their usage summed:
+    completion tokens always, prompt tokens when the documents answer different prompts."""
+    first, *rest = [_decode_any.decode(d) for d in docs]
+    usage_ = first["usage"]
+    for doc in rest:
+        first["choices"] += doc["choices"]
+        usage_["completion_tokens"] += doc["usage"]["completion_tokens"]
+        if not same_prompt:
+            usage_["prompt_tokens"] += doc["usage"]["prompt_tokens"]
+    first["choices"].sort(key=lambda c: c["index"])
+    usage_["total_tokens"] = usage_["prompt_tokens"] + usage_["completion_tokens"]
+    return _json.encode(first)

@@ -103,6 +103,8 @@ def _parse(ctx: OutputContext, state: StreamState, text: str, done: bool, out: O
 def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     ctx = entry.context
     if entry.usage_total is not None:
+        if not ctx.closing_usage:  # a sub-stream: the fan-out owner sums usage itself
+            return DerenderResult()
         return DerenderResult(chunks=[chunks.usage_chunk(ctx, entry.usage_total)])
     if not 0 <= entry.index < ctx.n:
         raise InvalidRequest(f"choice {entry.index} of a request with n={ctx.n}", param="index")
@@ -160,18 +162,19 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     first_chat = ctx.api == "chat" and not state.role_sent
     state.role_sent = state.role_sent or ctx.api == "chat"
     docs: list[bytes] = []
+    index = ctx.index_base + entry.index  # global across the prompts of a request
     if not ctx.stream:
         if not done:
             raise InvalidRequest("a non-streaming derender needs the finish reason")
         out.tool_calls = tools.merge(out.tool_calls) if out.tool_calls else []
-        docs.append(chunks.response(ctx, entry.index, out, state.completion_tokens))
+        docs.append(chunks.response(ctx, index, out, state.completion_tokens))
     else:
         shown = out.text or out.reasoning or out.tool_calls or (entry.logprobs and kept)
         if shown or done or first_chat or (ctx.return_token_ids and kept):
             continuous = ctx.include_usage and ctx.continuous_usage_stats
             usage = chunks.usage(ctx, state.completion_tokens) if continuous else None
-            docs.append(chunks.stream_chunk(ctx, entry.index, out, role=first_chat, usage_=usage))
-        if done and ctx.include_usage and ctx.n == 1:
+            docs.append(chunks.stream_chunk(ctx, index, out, role=first_chat, usage_=usage))
+        if done and ctx.include_usage and ctx.closing_usage and ctx.n == 1:
             docs.append(chunks.usage_chunk(ctx, state.completion_tokens))
     # Derender decided the end itself (a stop string): the owner must learn it.
     ended_here = (ending.finish, ending.stop_reason) != (entry.finish_reason, entry.stop_reason)
@@ -203,7 +206,7 @@ def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[
     """A call's entries, each on its own; then the non-streaming choices of one response are
     merged into its first entry's document (the others carry none)."""
     results: list[DerenderResult] = []
-    firsts: dict[str, int] = {}
+    firsts: dict[tuple[str, int], int] = {}  # by response and prompt (sub-requests share ids)
     for entry in entries:
         try:
             result = derender(detok, entry)
@@ -215,7 +218,7 @@ def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[
         ctx = entry.context
         if ctx.stream or ctx.n == 1 or result.error is not None:
             continue
-        first = firsts.setdefault(ctx.response_id, len(results) - 1)
+        first = firsts.setdefault((ctx.response_id, ctx.index_base), len(results) - 1)
         if first != len(results) - 1:
             merged = chunks.merge_responses(results[first].chunks[0], result.chunks[0])
             results[first].chunks, result.chunks = [merged], []

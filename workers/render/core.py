@@ -15,7 +15,14 @@ from tokenway.protocol import (
     CompletionDecoder,
     CompletionRequest,
 )
-from tokenway.wire import GenerateRequest, OutputContext, RenderRequest, StreamOptions
+from tokenway.wire import (
+    MAX_PROMPTS,
+    GenerateRequest,
+    OutputContext,
+    Prompt,
+    RenderRequest,
+    StreamOptions,
+)
 from workers.derender.detok import SEED_TOKENS
 from workers.render.chat import apply_template
 from workers.render.parse import ParserFlags, parse_context
@@ -60,16 +67,28 @@ class Renderer:
                 f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
 
-    def _prompt(self, req: CompletionRequest) -> list[int]:
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Every prompt of a completions request as token IDs: one text or ID list, or a
+        list of several (texts or ID lists)."""
         prompt = req.prompt
-        if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) != 1:
-                raise InvalidRequest(
-                    "a list of several prompts is not supported yet", param="prompt"
-                )
-            prompt = prompt[0]
+        several = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
+        prompts = prompt if several else [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise InvalidRequest(
+                f"{len(prompts)} prompts in one request, over the {MAX_PROMPTS} limit",
+                param="prompt",
+            )
+        return [self._prompt(p, req.add_special_tokens) for p in prompts]  # type: ignore[arg-type]
+
+    def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, list):
+            raise InvalidRequest(
+                f"a list of prompts holds a bare token id ({prompt}); give each prompt as a "
+                "text or a list of token IDs",
+                param="prompt",
+            )
         if not prompt:
             raise InvalidRequest("prompt is empty", param="prompt")
         bad = next((t for t in prompt if t >= self.vocab_size), None)
@@ -81,20 +100,21 @@ class Renderer:
         req = decode_body(request.api, request.body)
         self.check_model(req.model)
         reject_unsupported(req)
-        parse = None
+        parse, more = None, []
         if isinstance(req, ChatCompletionRequest):
             text = apply_template(self.tokenizer, req)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prefix, field = "chatcmpl", "messages"
             parse = parse_context(req, ids, self.flags, self.vocab)
         else:
-            ids = self._prompt(req)
+            ids, *more = self._prompts(req)
             prefix, field = "cmpl", "prompt"
-        if not ids:
+        if not ids or not all(more):
             raise InvalidRequest("the prompt is empty after rendering", param=field)
-        max_tokens = budget(
-            len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget
-        )
+        max_tokens = self._budget(ids, req)
+        prompts = None
+        if more:  # several prompts: each its own budget, as vLLM gives each its own
+            prompts = [Prompt(token_ids=p, max_tokens=self._budget(p, req)) for p in [ids, *more]]
         params = sampling_params(req, max_tokens)
         opts = req.stream_options
         context = OutputContext(
@@ -135,4 +155,10 @@ class Renderer:
             kv_transfer_params=req.kv_transfer_params,
             return_token_ids=req.return_token_ids,
             context=context,
+            prompts=prompts,
+        )
+
+    def _budget(self, ids: list[int], req: ChatCompletionRequest | CompletionRequest) -> int:
+        return budget(
+            len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget
         )

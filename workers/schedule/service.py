@@ -48,6 +48,7 @@ from tokenway.wire import (
 )
 from tokenway.worker import consume
 from workers.schedule.dispatch import Dispatcher
+from workers.schedule.fanout import FanOut
 from workers.schedule.owned import Choice, Owned, RelayRefused
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class ScheduleService:
         self._group: asyncio.TaskGroup | None = None
         self.registry: EngineRegistry | None = None
         self.dispatcher: Dispatcher | None = None
+        self.fanout: FanOut | None = None  # owner of multi-prompt requests
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -93,9 +95,11 @@ class ScheduleService:
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
         self.dispatcher = Dispatcher(nc, self.owner_id, self.registry, self.settings)
+        self.fanout = FanOut(nc, self.settings, self.model, self.owner_id)
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self.registry.run(stop))
+            group.create_task(self.fanout.run(stop))
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
             await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
             group.create_task(self._keepalive(stop))
@@ -128,6 +132,8 @@ class ScheduleService:
             await wait_any(stop, timeout=self.settings.ack_wait / 3)
             for r in list(self.requests.values()):
                 await r.msg.in_progress()
+            for held in self.fanout.held() if self.fanout is not None else []:
+                await held.in_progress()
             if self.dispatcher is not None:
                 self.dispatcher.index.expire(time.monotonic())
 
@@ -149,6 +155,9 @@ class ScheduleService:
             return
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
+        if request.prompts and self.fanout is not None:  # one sub-request per prompt
+            await self.fanout.take(msg, rid, reply, deadline, request)
+            return
         r = Owned(rid=rid, reply=reply, request=request, deadline=deadline, msg=msg)
         self.requests[rid] = r
         self.empty.clear()
@@ -253,6 +262,8 @@ class ScheduleService:
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = bus.rid_of(msg.subject)
+        if self.fanout is not None and self.fanout.cancel(rid):
+            return
         r = self.requests.get(rid)
         if r is not None:
             log.info("request %s cancelled", rid)

@@ -204,9 +204,28 @@ def test_a_single_element_prompt_list_is_the_prompt_itself(
     assert generate.token_ids == ids
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], ["a", 5], [], [[]]])
-def test_several_or_empty_prompts_are_400(renderer: Renderer, prompt: Any) -> None:
-    assert rejected(renderer, "completion", prompt=prompt).param == "prompt"
+@pytest.mark.parametrize("prompt", [["a", 5], [], [[]], ["a", [2], ""], [[6366], []]])
+def test_empty_or_mixed_prompts_are_400(renderer: Renderer, prompt: Any) -> None:
+    error = rejected(renderer, "completion", prompt=prompt, add_special_tokens=False)
+    assert error.param == "prompt"
+
+
+def test_several_prompts_become_one_request_with_every_prompt(renderer: Renderer, hf: Any) -> None:
+    first = hf.encode("Hello there", add_special_tokens=False)
+    generate = render(renderer, "completion", prompt=["Hello there", [6366, 33]],
+                      add_special_tokens=False, max_tokens=7)  # fmt: skip
+    assert generate.token_ids == first
+    assert generate.prompts is not None
+    assert [p.token_ids for p in generate.prompts] == [first, [6366, 33]]
+    assert [p.max_tokens for p in generate.prompts] == [7, 7]
+
+
+def test_each_prompt_gets_its_own_budget_of_the_context(small: Renderer) -> None:
+    generate = render(small, "completion", prompt=[[6366] * 4, [6366] * 10], max_tokens=None)
+    assert generate.prompts is not None
+    assert [p.max_tokens for p in generate.prompts] == [SMALL_CONTEXT - 4, SMALL_CONTEXT - 10]
+    too_long = rejected(small, "completion", prompt=[[6366] * 4, [6366] * SMALL_CONTEXT])
+    assert too_long.code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**6])
