@@ -22,7 +22,7 @@ import socket
 import time
 import zlib
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
+from engines.fake_http import QuietServer, read_body, send_json
 from engines.sim import corpus_sentences, natural_length, token_stream
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -149,12 +150,6 @@ class _Sequence:
         return out, None, None
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # tests own the process's signals
-
-
 class FakeVllm:
     def __init__(
         self,
@@ -182,7 +177,7 @@ class FakeVllm:
         self._failed = 0
         self._blocks = 0
         self._changed = asyncio.Event()
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -248,7 +243,7 @@ class FakeVllm:
             access_log=False,
             timeout_graceful_shutdown=2,
         )
-        self._server = _Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         return self
 
@@ -274,20 +269,20 @@ class FakeVllm:
         elif path in ABORT_PATHS and method == "POST":
             await self._abort(receive, send)
         elif path == GENERATE_PATH or path in ABORT_PATHS:
-            await _json(send, 405, {"detail": "Method Not Allowed"})
+            await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:
-            await _json(send, 404, {"detail": "Not Found"})
+            await send_json(send, 404, {"detail": "Not Found"})
 
     async def _abort(self, receive: Any, send: Any) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         try:
             ids = msgspec.json.decode(body).get("request_ids")
         except (msgspec.DecodeError, AttributeError) as exc:
-            await _json(send, 400, _error(400, "Bad Request", f"JSON decode error: {exc}"))
+            await send_json(send, 400, _error(400, "Bad Request", f"JSON decode error: {exc}"))
             return
         if ids is None:
             msg = "Missing 'request_ids' in request body"
-            await _json(send, 400, _error(400, "Bad Request", msg))
+            await send_json(send, 400, _error(400, "Bad Request", msg))
             return
         for rid in [ids] if isinstance(ids, str) else ids:
             self.aborted.append(rid)
@@ -301,7 +296,7 @@ class FakeVllm:
 
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError:
@@ -313,7 +308,7 @@ class FakeVllm:
         status, error = self._refusal(rec)
         if status:
             rec.status = status
-            await _json(send, status, error)
+            await send_json(send, status, error)
             return
         rec.id = REQUEST_ID_PREFIX + (headers.get("x-request-id") or str(body["request_id"]))
         run = self.active[rec.id] = _Run(rec.id)
@@ -517,7 +512,7 @@ class FakeVllm:
             "output_mode": "tokens",
             "choices": [choices[i] for i in sorted(choices)],
         }
-        await _json(send, 200, response)
+        await send_json(send, 200, response)
         return False
 
     def _handed_over(self, rec: Received) -> dict[str, Any] | None:
@@ -588,23 +583,3 @@ async def _event(send: Any, data: dict[str, Any] | str, last: bool = False) -> N
     payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
     body = b"data: " + payload + b"\n\n"
     await send({"type": "http.response.body", "body": body, "more_body": not last})
-
-
-async def _json(send: Any, status: int, doc: dict[str, Any]) -> None:
-    body = msgspec.json.encode(doc)
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]  # fmt: skip
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _read_body(receive: Any) -> bytes:
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        parts.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(parts)
