@@ -20,7 +20,7 @@ import math
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
+from engines.fake_http import QuietServer, read_body, send_json
 from engines.sim import CorpusModel, Sequence, corpus_sentences
 from tokenway.wire import SamplingParams
 
@@ -113,10 +114,6 @@ def default_sentences(vocab_size: int, count: int = 64) -> list[list[int]]:
             for _ in range(count)]  # fmt: skip
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # tests own the process's signals
 
 
 class FakeVllm:
@@ -146,7 +143,7 @@ class FakeVllm:
         self._failed = 0
         self._blocks = 0
         self._changed = asyncio.Event()
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -212,7 +209,7 @@ class FakeVllm:
             access_log=False,
             timeout_graceful_shutdown=2,
         )
-        self._server = _Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         return self
 
@@ -238,20 +235,20 @@ class FakeVllm:
         elif path in ABORT_PATHS and method == "POST":
             await self._abort(receive, send)
         elif path == GENERATE_PATH or path in ABORT_PATHS:
-            await _json(send, 405, {"detail": "Method Not Allowed"})
+            await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:
-            await _json(send, 404, {"detail": "Not Found"})
+            await send_json(send, 404, {"detail": "Not Found"})
 
     async def _abort(self, receive: Any, send: Any) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         try:
             ids = msgspec.json.decode(body).get("request_ids")
         except (msgspec.DecodeError, AttributeError) as exc:
-            await _json(send, 400, _error(400, "Bad Request", f"JSON decode error: {exc}"))
+            await send_json(send, 400, _error(400, "Bad Request", f"JSON decode error: {exc}"))
             return
         if ids is None:
             msg = "Missing 'request_ids' in request body"
-            await _json(send, 400, _error(400, "Bad Request", msg))
+            await send_json(send, 400, _error(400, "Bad Request", msg))
             return
         for rid in [ids] if isinstance(ids, str) else ids:
             self.aborted.append(rid)
@@ -265,7 +262,7 @@ class FakeVllm:
 
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError:
@@ -277,7 +274,7 @@ class FakeVllm:
         status, error = self._refusal(rec)
         if status:
             rec.status = status
-            await _json(send, status, error)
+            await send_json(send, status, error)
             return
         rec.id = REQUEST_ID_PREFIX + (headers.get("x-request-id") or str(body["request_id"]))
         run = self.active[rec.id] = _Run(rec.id)
@@ -493,7 +490,7 @@ class FakeVllm:
             "output_mode": "tokens",
             "choices": [choices[i] for i in sorted(choices)],
         }
-        await _json(send, 200, response)
+        await send_json(send, 200, response)
         return False
 
     def _handed_over(self, rec: Received) -> dict[str, Any] | None:
@@ -564,23 +561,3 @@ async def _event(send: Any, data: dict[str, Any] | str, last: bool = False) -> N
     payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
     body = b"data: " + payload + b"\n\n"
     await send({"type": "http.response.body", "body": body, "more_body": not last})
-
-
-async def _json(send: Any, status: int, doc: dict[str, Any]) -> None:
-    body = msgspec.json.encode(doc)
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]  # fmt: skip
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _read_body(receive: Any) -> bytes:
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        parts.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(parts)

@@ -78,7 +78,10 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
         elif name == "render":
             from workers.render.service import RenderService
 
-            stages.append(RenderService(s, model, served, parser_flags(s)))
+            try:
+                stages.append(RenderService(s, model, served, parser_flags(s)))
+            except ValueError as exc:
+                raise SystemExit(f"tokenway: {exc}") from exc
         elif name == "schedule":
             from workers.schedule.service import ScheduleService
 
@@ -267,6 +270,21 @@ def _parsers(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _render(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("render backend")
+    g.add_argument(
+        "--render-backend",
+        choices=["local", "vllm"],
+        help="local: the model directory's tokenizer (default); vllm: a vLLM render server at "
+        "--render-url, falling back to the local tokenizer when it fails",
+    )
+    g.add_argument("--render-url", help="http://host:port of the vLLM render server")
+    g.add_argument(
+        "--render-connect-timeout", type=float, help="seconds to connect to it (default 2)"
+    )
+    g.add_argument("--render-timeout", type=float, help="seconds for its whole reply (default 10)")
+
+
 def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
@@ -410,7 +428,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
-    _common(up), _http(up), _parsers(up), _scheduling(up), _sim(up)
+    _common(up), _http(up), _parsers(up), _render(up), _scheduling(up), _sim(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -423,6 +441,8 @@ def parser() -> argparse.ArgumentParser:
             _http(p)
         if name in ("render", "derender"):
             _parsers(p)
+        if name == "render":
+            _render(p)
         if name == "schedule":
             _scheduling(p)
     engine = sub.add_parser("engine", help="run an engine bridge")

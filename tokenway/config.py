@@ -38,6 +38,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool | None = None
+    # who renders: "local" (the model directory's tokenizer) or "vllm" (a vLLM render server at
+    # render_url, falling back to the local tokenizer when it fails)
+    render_backend: Literal["local", "vllm"] = "local"
+    render_url: str | None = None
+    render_connect_timeout: PositiveFloat = 2.0
+    render_timeout: PositiveFloat = 10.0  # for the render server's whole reply
 
     # ingress
     host: str = "127.0.0.1"

@@ -34,6 +34,11 @@ class InvalidRequest(TokenwayError):
     type = "BadRequestError"
 
 
+class Unprocessable(TokenwayError):
+    status = 422
+    type = "UnprocessableEntityError"
+
+
 class ModelNotFound(TokenwayError):
     status = 404
     type = "NotFoundError"

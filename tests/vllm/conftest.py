@@ -139,18 +139,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model."""
-    configured = _configured()
-    if configured is None:
-        pytest.skip(f"no real vLLM: {PYTHON_ENV} and {MODEL_ENV} are unset")
-    python, model = configured
-    log = Path(os.environ.get(LOG_ENV) or tmp_path_factory.mktemp("vllm") / "server.log")
-    port = _free_port()
+@contextlib.contextmanager
+def _launched(command: list[str], port: int, model: Path, log: Path) -> Iterator[VllmServer]:
+    """A vLLM process in its own process group, from ready until stopped."""
     with log.open("wb") as out:
         process = subprocess.Popen(
-            _server_command(python, model, port),
+            command,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -164,6 +158,48 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
         yield server
     finally:
         _stop(process)
+
+
+def _log_path(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    configured = os.environ.get(LOG_ENV)
+    if configured:
+        return Path(configured).with_name(f"{Path(configured).stem}-{name}.log")
+    return tmp_path_factory.mktemp("vllm") / f"{name}.log"
+
+
+def _require_vllm() -> tuple[Path, Path]:
+    configured = _configured()
+    if configured is None:
+        pytest.skip(f"no real vLLM: {PYTHON_ENV} and {MODEL_ENV} are unset")
+    return configured
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model."""
+    python, model = _require_vllm()
+    port = _free_port()
+    log = Path(os.environ.get(LOG_ENV) or tmp_path_factory.mktemp("vllm") / "server.log")
+    with _launched(_server_command(python, model, port), port, model, log) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """vLLM's GPU-less render server (`vllm launch render`) on the tiny model."""
+    python, model = _require_vllm()
+    port = _free_port()
+    command = [
+        str(python), "-m", "vllm.entrypoints.launchers.render.entry",
+        "--model", str(model),
+        "--served-model-name", SERVED_NAME,
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+    ]  # fmt: skip
+    log = _log_path(tmp_path_factory, "render")
+    with _launched(command, port, model, log) as server:
+        yield server
 
 
 @dataclass

@@ -1,7 +1,14 @@
-"""Render's pure core: an OpenAI request body → a tokenized `GenerateRequest`."""
+"""Render's pure core: an OpenAI request body → a tokenized `GenerateRequest`.
+
+`RequestBuilder` is everything render does without a tokenizer (decoding and validating the
+body, the budget, the output context); `Renderer` adds the local tokenizer and chat template.
+A remote renderer (`workers/render/backend.py`) supplies the prompt tokens in its place.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -21,6 +28,7 @@ from tokenway.wire import (
     OutputContext,
     Prompt,
     RenderRequest,
+    SamplingParams,
     StreamOptions,
 )
 from workers.derender.detok import SEED_TOKENS
@@ -28,13 +36,16 @@ from workers.render.chat import apply_template
 from workers.render.parse import ParserFlags, parse_context
 from workers.render.sampling import (
     budget,
+    keep_output_fields,
     reject_unsupported,
     requested_max_tokens,
     sampling_params,
 )
 
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
-def decode_body(api: str, body: bytes) -> ChatCompletionRequest | CompletionRequest:
+
+def decode_body(api: str, body: bytes) -> OpenAIRequest:
     """Validate an OpenAI body; a malformed one is the client's 400."""
     try:
         return (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
@@ -45,81 +56,83 @@ def decode_body(api: str, body: bytes) -> ChatCompletionRequest | CompletionRequ
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
 
 
-class Renderer:
-    def __init__(
-        self,
-        model: ModelInfo,
-        served_model_name: str,
-        flags: ParserFlags | None = None,
-        clip_budget: bool = False,
-    ) -> None:
-        self.info = model
-        self.clip_budget = clip_budget
-        self.model = served_model_name
-        self.flags = flags or ParserFlags()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(Path(model.path)))
-        self.vocab_size = len(self.tokenizer)
-        self.vocab = self.tokenizer.get_vocab()
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model:
-            raise ModelNotFound(
-                f"The model `{name}` does not exist.", param="model", code="model_not_found"
-            )
-
-    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Every prompt of a completions request as token IDs: one text or ID list, or a
-        list of several (texts or ID lists)."""
-        prompt = req.prompt
-        several = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
-        prompts = prompt if several else [prompt]
-        if len(prompts) > MAX_PROMPTS:
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """Every prompt of a completions request, checked for shape: one text or ID list, or a
+    list of several (texts or ID lists)."""
+    prompt = req.prompt
+    several = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if several else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(
+            f"{len(prompts)} prompts in one request, over the {MAX_PROMPTS} limit",
+            param="prompt",
+        )
+    for p in prompts:
+        if not isinstance(p, (str, list)):
             raise InvalidRequest(
-                f"{len(prompts)} prompts in one request, over the {MAX_PROMPTS} limit",
-                param="prompt",
-            )
-        return [self._prompt(p, req.add_special_tokens) for p in prompts]  # type: ignore[arg-type]
-
-    def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not isinstance(prompt, list):
-            raise InvalidRequest(
-                f"a list of prompts holds a bare token id ({prompt}); give each prompt as a "
+                f"a list of prompts holds a bare token id ({p}); give each prompt as a "
                 "text or a list of token IDs",
                 param="prompt",
             )
-        if not prompt:
+        if not p:
             raise InvalidRequest("prompt is empty", param="prompt")
-        bad = next((t for t in prompt if t >= self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
-        return list(prompt)
+    return prompts  # type: ignore[return-value]
 
-    def render(self, request: RenderRequest) -> GenerateRequest:
+
+@dataclass(frozen=True)
+class RequestBuilder:
+    """What render decides without a tokenizer: validation, the budget, the output context."""
+
+    info: ModelInfo
+    model: str  # the served name
+    flags: ParserFlags = field(default_factory=ParserFlags)
+    clip_budget: bool = False
+
+    def parse(self, request: RenderRequest) -> OpenAIRequest:
+        """The decoded body, refused (400/404) before anything is tokenized."""
         req = decode_body(request.api, request.body)
-        self.check_model(req.model)
+        if req.model is not None and req.model != self.model:
+            raise ModelNotFound(
+                f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
+            )
         reject_unsupported(req)
-        parse, more = None, []
-        if isinstance(req, ChatCompletionRequest):
-            text = apply_template(self.tokenizer, req)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prefix, field = "chatcmpl", "messages"
-            parse = parse_context(req, ids, self.flags, self.vocab)
-        else:
-            ids, *more = self._prompts(req)
-            prefix, field = "cmpl", "prompt"
+        if isinstance(req, CompletionRequest):
+            completion_prompts(req)
+        return req
+
+    def build(
+        self,
+        request: RenderRequest,
+        req: OpenAIRequest,
+        prompts: list[list[int]],
+        vocab: Mapping[str, int],
+        remote: SamplingParams | None = None,
+    ) -> GenerateRequest:
+        """The tokenized request for its prompts' IDs (several only for completions).
+        `vocab` finds the reasoning markers; `remote` is a render server's sampling
+        parameters, taken where tokenway's own output stage does not act on them."""
+        chat = isinstance(req, ChatCompletionRequest)
+        ids, *more = prompts
         if not ids or not all(more):
-            raise InvalidRequest("the prompt is empty after rendering", param=field)
+            raise InvalidRequest(
+                "the prompt is empty after rendering", param="messages" if chat else "prompt"
+            )
+        parse = (
+            parse_context(req, ids, self.flags, vocab)
+            if isinstance(req, ChatCompletionRequest)
+            else None
+        )
         max_tokens = self._budget(ids, req)
-        prompts = None
+        several = None
         if more:  # several prompts: each its own budget, as vLLM gives each its own
-            prompts = [Prompt(token_ids=p, max_tokens=self._budget(p, req)) for p in [ids, *more]]
+            several = [Prompt(token_ids=p, max_tokens=self._budget(p, req)) for p in prompts]
         params = sampling_params(req, max_tokens)
+        if remote is not None:
+            params = keep_output_fields(remote, params)
         opts = req.stream_options
         context = OutputContext(
             api=request.api,
-            response_id=f"{prefix}-{req.request_id or request.request_id}",
+            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or request.request_id}",
             model=self.model,
             created=request.created,
             prompt_tokens=len(ids),
@@ -155,10 +168,45 @@ class Renderer:
             kv_transfer_params=req.kv_transfer_params,
             return_token_ids=req.return_token_ids,
             context=context,
-            prompts=prompts,
+            prompts=several,
         )
 
     def _budget(self, ids: list[int], req: ChatCompletionRequest | CompletionRequest) -> int:
         return budget(
             len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget
         )
+
+
+class Renderer:
+    """Local rendering: the model directory's tokenizer and chat template."""
+
+    def __init__(
+        self,
+        model: ModelInfo,
+        served_model_name: str,
+        flags: ParserFlags | None = None,
+        clip_budget: bool = False,
+    ) -> None:
+        self.builder = RequestBuilder(model, served_model_name, flags or ParserFlags(), clip_budget)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(Path(model.path)))
+        self.vocab_size = len(self.tokenizer)
+        self.vocab = self.tokenizer.get_vocab()
+
+    def prompt_ids(self, req: OpenAIRequest) -> list[list[int]]:
+        """Token IDs per prompt: one for chat, one or several for completions."""
+        if isinstance(req, ChatCompletionRequest):
+            text = apply_template(self.tokenizer, req)
+            return [self.tokenizer.encode(text, add_special_tokens=False)]
+        return [self._prompt(p, req.add_special_tokens) for p in completion_prompts(req)]
+
+    def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        bad = next((t for t in prompt if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
+        return list(prompt)
+
+    def render(self, request: RenderRequest) -> GenerateRequest:
+        req = self.builder.parse(request)
+        return self.builder.build(request, req, self.prompt_ids(req), self.vocab)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from tokenway.errors import InvalidRequest
 from tokenway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenway.wire import SamplingParams
@@ -93,3 +95,17 @@ def sampling_params(
         logit_bias=req.logit_bias,
         logprobs=requested_logprobs(req),
     )
+
+
+# What derender and the scheduler act on: the engine must be asked exactly what the request's
+# OutputContext and budget say, whoever rendered the prompt.
+OUTPUT_FIELDS = (
+    "n", "max_tokens", "min_tokens", "stop", "logprobs", "prompt_logprobs",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+)  # fmt: skip
+
+
+def keep_output_fields(remote: SamplingParams, ours: SamplingParams) -> SamplingParams:
+    """A render server's sampling parameters (its generation-config defaults included), with
+    the fields tokenway's own output stage acts on taken from tokenway's parse."""
+    return msgspec.structs.replace(remote, **{name: getattr(ours, name) for name in OUTPUT_FIELDS})

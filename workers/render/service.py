@@ -18,7 +18,7 @@ from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, int
 from tokenway.model import ModelInfo
 from tokenway.wire import GenerateRequest, RenderRequest
 from tokenway.worker import consume, is_stream_full, overloaded
-from workers.render.core import Renderer
+from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,7 @@ class RenderService:
     ) -> None:
         self.settings = settings
         self.model = served_model_name
-        self.renderer = Renderer(
-            model, served_model_name, flags, clip_budget=settings.context_budget == "on"
-        )
+        self.backend = render_backend(settings, model, served_model_name, flags)
         self.max_payload = 0  # the server's, known once connected
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
@@ -45,8 +43,11 @@ class RenderService:
         self.max_payload = nc.max_payload
         js = nc.jetstream()
         spec = bus.render_consumer(self.settings, self.model)
-        log.info("render serving %s", self.model)
-        await consume(js, spec, lambda msg: self.handle(js, msg), stop)
+        log.info("render serving %s (%s backend)", self.model, self.settings.render_backend)
+        try:
+            await consume(js, spec, lambda msg: self.handle(js, msg), stop)
+        finally:
+            await self.backend.aclose()
         await nc.drain()
 
     async def handle(self, js: JetStreamContext, msg: Msg) -> None:
@@ -65,7 +66,7 @@ class RenderService:
         try:
             if deadline is not None and time.time() > deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
-            generate = self.renderer.render(request)
+            generate = await self.backend.render(request)
             await self._forward(js, rid, reply, deadline, generate)
         except TokenwayError as exc:
             await ledger.publish_error(js, reply, rid, 1, exc.info())

