@@ -18,6 +18,7 @@ from importlib import resources
 from tokenizers import Tokenizer
 
 from engines.bridge import Emit
+from tokenway.obfuscation import Permutation
 from tokenway.wire import (
     EngineInfo,
     EngineWork,
@@ -90,14 +91,24 @@ class StepClock:
 
 
 class SimEngine:
-    def __init__(self, config: SimConfig, tokenizer: Tokenizer) -> None:
+    """`trained_on`: a model trained on a permuted vocabulary, as an obfuscated engine
+    serves one: it speaks physical IDs only (its corpus and EOS mapped forward). The real
+    engine never holds the key; the simulation needs it to know what such a model says."""
+
+    def __init__(
+        self, config: SimConfig, tokenizer: Tokenizer, trained_on: Permutation | None = None
+    ) -> None:
         self.config = config
         self.sentences = corpus_sentences(tokenizer)
+        self.eos_token_id = config.eos_token_id
+        if trained_on is not None:
+            self.sentences = [trained_on.to_physical(s) for s in self.sentences]
+            [self.eos_token_id] = trained_on.to_physical([config.eos_token_id])
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
         self.started = 0  # requests taken, for fault knobs and tests
-        self.received_kv: list[dict[str, object] | None] = []  # what P/D handed to us
+        self.received: list[EngineWork] = []  # every attempt's work, as the engine saw it
 
     def info(self) -> EngineInfo:
         c = self.config
@@ -111,7 +122,7 @@ class SimEngine:
     async def generate(self, work: EngineWork, emit: Emit) -> None:
         """All `n` choices of a request, side by side, each a sequence of its own."""
         self.started += 1
-        self.received_kv.append(work.kv_transfer_params)
+        self.received.append(work)
         if self.started <= self.config.fail_first:
             raise RuntimeError(f"simulated failure {self.started} of {self.config.fail_first}")
         n = max(work.sampling_params.n, 1)
@@ -144,10 +155,10 @@ class SimEngine:
             finish: FinishReason | None = None
             reason: int | str | None = None
             for _ in range(self.config.chunk_size):
-                tid = self.config.eos_token_id if made == natural else next(tokens)
+                tid = self.eos_token_id if made == natural else next(tokens)
                 out.append(tid)
                 made += 1
-                if made > params.min_tokens and tid == self.config.eos_token_id:
+                if made > params.min_tokens and tid == self.eos_token_id:
                     finish = "stop"
                 elif made > params.min_tokens and tid in stop_ids:
                     finish, reason = "stop", tid
