@@ -26,6 +26,7 @@ from engines.vllm_http import VllmEndpoint, VllmEngine
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH
 from tests.conftest import Stack, make_settings, start_stack
 from tokenway import bus
+from tokenway.cli import build_stages
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineInfo, EngineReply, EngineWork, SamplingParams
@@ -147,6 +148,9 @@ async def test_the_engine_sees_only_physical_ids_and_the_client_the_same_text(
     async with scheduler(front, KEY) as owner, bridged(front, (engine, perm)):
         keyed_chat = await chat_text(front, seed=7)
         keyed = await completion(front, seed=11, stop_token_ids=[stop])
+        outside = front.ingress.model.vocab_size + 5
+        with pytest.raises(openai.BadRequestError, match=f"token ID {outside}, outside"):
+            await completion(front, seed=11, stop_token_ids=[outside])  # never sent on
         # KV affinity hashed what the engine caches: the physical prompt (while it is there).
         size = front.settings.kv_block_size
         physical = affinity.block_hashes(perm.to_physical(prompt), size)
@@ -162,6 +166,7 @@ async def test_the_engine_sees_only_physical_ids_and_the_client_the_same_text(
     assert ids_of(keyed, "token_ids") == ids_of(plain, "token_ids")
     assert keyed.logprobs.tokens == plain.logprobs.tokens  # type: ignore[union-attr]
     # The engine saw the physical prompt and stop ID, never the semantic ones.
+    assert len(engine.received) == 2
     work = engine.received[-1]
     assert work.token_ids == perm.to_physical(prompt) != prompt
     assert work.sampling_params.stop_token_ids == perm.to_physical([stop]) != [stop]
@@ -253,3 +258,22 @@ async def test_a_vllm_engine_sees_physical_ids_and_never_falls_back_to_native_wh
         assert [r.path for r in keyed_fake.requests] == [GENERATE_PATH, GENERATE_PATH]
         await plain_engine.aclose()
         await keyed_engine.aclose()
+
+
+async def test_one_process_hands_its_key_to_the_schedule_and_engine_stages_it_runs(
+    front: Stack, perm: Permutation
+) -> None:
+    """As `tokenway up --obfuscation-key …` builds them: one permutation for all, and the
+    simulated model is one trained on it (it says EOS in physical IDs)."""
+    settings = msgspec.structs.replace(front.settings, obfuscation_key=KEY, sim_engines=2)
+    owner, *bridges = build_stages(settings, ["schedule", "sim"])
+    assert isinstance(owner, ScheduleService) and owner.obfuscation is not None
+    assert owner.obfuscation.fingerprint == perm.fingerprint
+    assert len(bridges) == 2
+    for bridge in bridges:
+        assert isinstance(bridge, Bridge) and bridge.obfuscation is owner.obfuscation
+        assert bridge.info().obfuscation == perm.fingerprint
+        assert isinstance(bridge.engine, SimEngine)
+        assert [bridge.engine.eos_token_id] == perm.to_physical(front.ingress.model.eos_token_ids)
+    plain = build_stages(front.settings, ["schedule"])[0]
+    assert isinstance(plain, ScheduleService) and plain.obfuscation is None

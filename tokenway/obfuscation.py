@@ -136,11 +136,11 @@ class Permutation:
         return msgspec.structs.replace(
             work,
             token_ids=self.to_physical(work.token_ids, "the prompt"),
-            sampling_params=self._params_to_physical(work.sampling_params),
+            sampling_params=self.params_to_physical(work.sampling_params),
             native_ok=False,
         )
 
-    def _params_to_physical(self, params: SamplingParams) -> SamplingParams:
+    def params_to_physical(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, object] = {}
         if params.stop_token_ids:
             changes["stop_token_ids"] = self.to_physical(params.stop_token_ids, "stop_token_ids")

@@ -119,13 +119,18 @@ class Dispatcher:
         return usable
 
     def _affinity_hashes(self, r: Owned) -> list[int]:
-        """Block hashes of the prompt as the engines hold it: physical IDs when obfuscated."""
+        """Block hashes of the prompt as the engines hold it: physical IDs when obfuscated.
+
+        Obfuscated, every ID of the request is checked here, so an ID outside the vocabulary
+        is the client's 400 before anything is sent, not an engine failure at the bridge.
+        """
         prompt = r.request.token_ids
         if self.obfuscation is not None:
             try:
                 prompt = self.obfuscation.to_physical(prompt, "the prompt")
+                self.obfuscation.params_to_physical(r.request.sampling_params)
             except ObfuscationError as exc:
-                raise InvalidRequest(str(exc), param="prompt") from exc
+                raise InvalidRequest(str(exc)) from exc
         return affinity.block_hashes(prompt, self.settings.kv_block_size, salt=r.request.cache_salt)
 
     def _hold(self, engine: str, seqs: int, tokens: int) -> None:
