@@ -5,6 +5,11 @@ It registers the engine in `tw-engines` with heartbeats, takes work on
 owner on `tw.orphan.<rid>`), numbers each attempt's
 deltas, and sends everything produced in one event-loop turn (one engine step) as one
 `TokenStep` message per owner.
+
+With token obfuscation (`--obfuscation-key`), this is the one place where IDs change space:
+each attempt's work is mapped to physical IDs before the engine sees it, and each step
+back to semantic IDs before it leaves, so nothing above the bridge ever sees a physical
+ID. The bridge advertises the key's fingerprint and declines work mapped for another.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from nats.aio.msg import Msg
 
 from tokenway import bus
 from tokenway.config import Settings
+from tokenway.obfuscation import Permutation
 from tokenway.registry import heartbeat
 from tokenway.wire import (
     EngineAbort,
@@ -72,9 +78,13 @@ class Engine(Protocol):
 class Bridge:
     name = "engine"
 
-    def __init__(self, settings: Settings, engine: Engine) -> None:
+    def __init__(
+        self, settings: Settings, engine: Engine, obfuscation: Permutation | None = None
+    ) -> None:
         self.settings = settings
         self.engine = engine
+        self.obfuscation = obfuscation
+        self.fingerprint = obfuscation.fingerprint if obfuscation else None
         self.id = engine.info().id
         self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.owners: dict[tuple[str, int], str] = {}  # who each running attempt reports to
@@ -93,18 +103,25 @@ class Bridge:
             await nc.subscribe(bus.engine_subject(self.id, "generate"), cb=self._on_generate)
             await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
             await nc.subscribe(bus.orphan_subject(), cb=self._on_abort)
-            group.create_task(heartbeat(kv, self.engine.info, self.settings.engine_ttl, stop))
+            group.create_task(heartbeat(kv, self.info, self.settings.engine_ttl, stop))
             log.info(
-                "engine %s (%s) serving %s",
+                "engine %s (%s) serving %s%s",
                 self.id,
                 self.engine.info().role,
                 self.engine.info().model,
+                f", token IDs obfuscated (key {self.fingerprint})" if self.fingerprint else "",
             )
             await stop.wait()
             for task in list(self.tasks.values()):
                 task.cancel()
         await nc.drain()
         await self.engine.aclose()  # after the cancelled attempts sent their aborts
+
+    def info(self) -> EngineInfo:
+        """The engine's entry, with the key fingerprint owners match before sending work."""
+        info = self.engine.info()
+        info.obfuscation = self.fingerprint
+        return info
 
     async def _on_generate(self, msg: Msg) -> None:
         try:
@@ -113,6 +130,14 @@ class Bridge:
             await msg.respond(
                 _encoder.encode(EngineReply(accepted=False, error=f"bad work: {exc}"))
             )
+            return
+        if work.obfuscation != self.fingerprint:  # fail closed: never the wrong ID space
+            mine = f"key {self.fingerprint}" if self.fingerprint else "no obfuscation"
+            theirs = f"key {work.obfuscation}" if work.obfuscation else "plain token IDs"
+            reply = EngineReply(
+                accepted=False, error=f"engine {self.id} uses {mine}; the work has {theirs}"
+            )
+            await msg.respond(_encoder.encode(reply))
             return
         info = self.engine.info()
         if info.running >= info.max_seqs:
@@ -145,6 +170,7 @@ class Bridge:
 
     async def _run(self, work: EngineWork) -> None:
         seq = 0
+        obf = self.obfuscation
 
         def emit(
             token_ids: list[int],
@@ -155,6 +181,11 @@ class Bridge:
             kv_transfer_params: dict[str, object] | None = None,
         ) -> None:
             nonlocal seq
+            if obf is not None:  # back to semantic IDs; an unknown ID fails the attempt
+                token_ids = obf.to_semantic(token_ids)
+                stop_reason = obf.stop_reason_to_semantic(stop_reason)
+                if logprobs is not None:
+                    logprobs = obf.logprobs_to_semantic(logprobs)
             delta = TokenDelta(
                 rid=work.rid,
                 attempt=work.attempt,
@@ -170,7 +201,7 @@ class Bridge:
             self._queue(work.owner, delta)
 
         try:
-            await self.engine.generate(work, emit)
+            await self.engine.generate(obf.work_to_physical(work) if obf else work, emit)
         except asyncio.CancelledError:
             pass  # aborted: the owner asked, so it expects nothing more
         except Exception as exc:  # the engine failed this attempt: tell the owner why

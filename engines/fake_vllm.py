@@ -1,7 +1,10 @@
 """A fake vLLM token-only server for tests: vLLM 0.33's generate wire over real HTTP.
 
 `async with FakeVllm() as fake:` serves `POST /inference/v1/generate` and
-`POST /inference/v1/abort_requests` with uvicorn on 127.0.0.1 (a free port) at `fake.url`.
+`POST /inference/v1/abort_requests` with uvicorn on 127.0.0.1 (a free port) at `fake.url`,
+and the native OpenAI `POST /v1/completions` for token-ID prompts (the bridge's fallback
+when the token-only route is missing: `Knobs.capability`), streamed or not, with
+`token_ids` when `return_token_ids` asks for them.
 Output is deterministic, the simulated engine's own toy model continuing the prompt over
 "sentences" of token IDs; EOS comes at a sentence end unless `ignore_eos`. `fake.knobs`
 shapes timing and failures and may be changed while requests run; `requests`, `aborted`,
@@ -20,6 +23,7 @@ import math
 import random
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +34,15 @@ from tokenizers import Tokenizer
 
 from engines.fake_http import QuietServer, read_body, send_json
 from engines.sim import CorpusModel, Sequence, corpus_sentences
+from tokenway.obfuscation import Permutation
 from tokenway.wire import SamplingParams
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATHS = ("/inference/v1/abort_requests", "/abort_requests")
+COMPLETIONS_PATH = "/v1/completions"
 REQUEST_ID_PREFIX = "generate-tokens-"
+COMPLETIONS_ID_PREFIX = "cmpl-"
+COMPLETIONS_MAX_TOKENS = 16  # CompletionRequest's default when max_tokens is left out
 
 # vLLM's SamplingParams fields a client may set (sampling_params.py); the fake rejects
 # others, which vLLM would ignore, so a bridge that sends a misspelt field fails loudly.
@@ -44,6 +52,14 @@ SAMPLING_FIELDS = frozenset(
     "detokenize skip_special_tokens spaces_between_special_tokens include_stop_str_in_output "
     "logit_bias allowed_token_ids extra_args bad_words structured_outputs "
     "logprob_token_ids flat_logprobs stream_interval".split()
+)
+# CompletionRequest fields (completion/protocol.py) the fake knows; others are refused.
+COMPLETION_FIELDS = frozenset(
+    "model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty "
+    "seed stop stream stream_options temperature top_p user top_k min_p repetition_penalty "
+    "stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens "
+    "spaces_between_special_tokens allowed_token_ids priority request_id cache_salt "
+    "kv_transfer_params return_tokens_as_token_ids return_token_ids".split()
 )
 
 
@@ -70,11 +86,29 @@ class Received:
     body: dict[str, Any]
     headers: dict[str, str]
     client: tuple[str, int] | None = None  # the caller's address: one per connection
-    id: str = ""  # the id it ran under: generate-tokens-<request_id or X-Request-Id>
+    path: str = GENERATE_PATH  # or COMPLETIONS_PATH: the native route
+    # the id it ran under: generate-tokens- (or cmpl-) + request_id or X-Request-Id
+    id: str = ""
     status: int = 200
     outputs: dict[int, list[int]] = field(default_factory=dict)  # tokens sent, per choice
     finish: dict[int, str] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None  # what a prefill answered with
+    echoed: set[int] = field(default_factory=set)  # native choices that sent the prompt IDs
+
+    @property
+    def native(self) -> bool:
+        return self.path == COMPLETIONS_PATH
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.body["prompt" if self.native else "token_ids"]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Sampling fields: nested on the generate route, top-level on the native one."""
+        if self.native:
+            return {"max_tokens": COMPLETIONS_MAX_TOKENS} | self.body
+        return self.body["sampling_params"]
 
 
 class _EngineDied(Exception):
@@ -114,8 +148,6 @@ def default_sentences(vocab_size: int, count: int = 64) -> list[list[int]]:
             for _ in range(count)]  # fmt: skip
 
 
-
-
 class FakeVllm:
     def __init__(
         self,
@@ -127,14 +159,18 @@ class FakeVllm:
         engine_id: str = "fake-vllm-engine",
         max_num_seqs: int = 256,
         block_size: int = 16,
+        tokenizer: Tokenizer | None = None,
+        trained_on: Permutation | None = None,
     ) -> None:
         self.knobs = knobs or Knobs()
+        self.trained_on = trained_on
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.model = CorpusModel(sentences or default_sentences(vocab_size))
         self.engine_id = engine_id  # the `remote_engine_id` a prefill answers with
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
+        self.tokenizer = tokenizer  # the native route's `text`; "" without one
         self.requests: list[Received] = []
         self.aborted: list[str] = []  # ids named by abort_requests, in order
         self.disconnected: list[str] = []  # ids whose client left before the end
@@ -147,13 +183,27 @@ class FakeVllm:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer, eos_token_id: int, knobs: Knobs) -> FakeVllm:
-        """A fake speaking a real model's vocabulary: readable corpus text, its EOS."""
+    def for_tokenizer(
+        cls,
+        tokenizer: Tokenizer,
+        eos_token_id: int,
+        knobs: Knobs,
+        trained_on: Permutation | None = None,
+    ) -> FakeVllm:
+        """A fake speaking a real model's vocabulary: readable corpus text, its EOS.
+
+        `trained_on`: a model trained on that vocabulary permuted (token obfuscation), which
+        speaks physical IDs only; such a server has no tokenizer for the native route's text.
+        """
+        if trained_on is not None:
+            [eos_token_id] = trained_on.to_physical([eos_token_id])
         return cls(
             knobs,
             eos_token_id=eos_token_id,
             vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
             sentences=corpus_sentences(tokenizer),
+            tokenizer=None if trained_on else tokenizer,
+            trained_on=trained_on,
         )
 
     @property
@@ -230,11 +280,11 @@ class FakeVllm:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if path == GENERATE_PATH and method == "POST":
+        if path in (GENERATE_PATH, COMPLETIONS_PATH) and method == "POST":
             await self._generate(scope, receive, send)
         elif path in ABORT_PATHS and method == "POST":
             await self._abort(receive, send)
-        elif path == GENERATE_PATH or path in ABORT_PATHS:
+        elif path in (GENERATE_PATH, COMPLETIONS_PATH) or path in ABORT_PATHS:
             await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:
             await send_json(send, 404, {"detail": "Not Found"})
@@ -268,7 +318,10 @@ class FakeVllm:
         except msgspec.DecodeError:
             body = {"_undecodable": raw.decode("utf-8", "replace")}
         client = scope.get("client")
-        rec = Received(body=body, headers=headers, client=tuple(client) if client else None)
+        rec = Received(
+            body=body, headers=headers, client=tuple(client) if client else None,
+            path=scope["path"],
+        )  # fmt: skip
         self.requests.append(rec)
         self._bump()
         status, error = self._refusal(rec)
@@ -276,7 +329,10 @@ class FakeVllm:
             rec.status = status
             await send_json(send, status, error)
             return
-        rec.id = REQUEST_ID_PREFIX + (headers.get("x-request-id") or str(body["request_id"]))
+        prefix = COMPLETIONS_ID_PREFIX if rec.native else REQUEST_ID_PREFIX
+        # The native route makes up an id when none is given; generate requires one.
+        given = headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
+        rec.id = prefix + str(given)
         run = self.active[rec.id] = _Run(rec.id)
         self._bump()
         died = False
@@ -299,6 +355,9 @@ class FakeVllm:
     def _refusal(self, rec: Received) -> tuple[int, dict[str, Any]]:
         """What vLLM would refuse before generating: (status, body), or (0, {})."""
         k, body = self.knobs, rec.body
+        if rec.native:
+            problem = self._invalid_native(body)
+            return (400, _error(400, "BadRequestError", problem)) if problem else (0, {})
         if k.capability == 404:
             return 404, {"detail": "Not Found"}
         if k.capability == 501:
@@ -353,6 +412,24 @@ class FakeVllm:
             )
         return None
 
+    def _invalid_native(self, body: dict[str, Any]) -> str | None:
+        """The native route with a token-ID prompt: what vLLM (or this fake) refuses."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            return "prompt: the fake serves non-empty token-ID prompts only"
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+            return f"prompt: token IDs must lie in [0, {self.vocab_size})"
+        if not isinstance(body.get("request_id", ""), str):
+            return "request_id: a string is required"
+        unknown = sorted(set(body) - COMPLETION_FIELDS)
+        if unknown:
+            return f"unknown field(s) {unknown}"
+        if body.get("stop"):
+            return "stop strings are not simulated by the fake"
+        if body.get("n", 1) > self.max_num_seqs:
+            return f"n must be at most the server's max_num_seqs ({self.max_num_seqs})"
+        return None
+
     async def _watch_disconnect(self, receive: Any, run: _Run) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
@@ -360,19 +437,20 @@ class FakeVllm:
         run.stop.set()
 
     def _sequences(self, rec: Received) -> list[tuple[int, Sequence]]:
-        params = rec.body["sampling_params"]
+        params = rec.params
         n = params.get("n", 1)
         for i in range(n):
             rec.outputs[i] = []
-        return [(i, self._sequence(rec.body["token_ids"], params, i)) for i in range(n)]
+        return [(i, self._sequence(rec.prompt, params, i)) for i in range(n)]
 
     def _sequence(self, prompt: list[int], params: dict[str, Any], index: int) -> Sequence:
         if params.get("max_tokens") is None:  # vLLM's default: what the context leaves
             params = {**params, "max_tokens": self.knobs.max_model_len - len(prompt)}
         converted = msgspec.convert(params, SamplingParams, strict=False)
         return Sequence(
-            self.model, self.eos_token_id, prompt, converted, index, self.knobs.output_len
-        )
+            self.model, self.eos_token_id, prompt, converted, index, self.knobs.output_len,
+            self.trained_on,
+        )  # fmt: skip
 
     def _dies(self, rec: Received) -> bool:
         first = self.knobs.die_first
@@ -380,12 +458,41 @@ class FakeVllm:
 
     def _step(
         self, rec: Received, index: int, seq: Sequence
-    ) -> tuple[list[int], str | None, int | None, dict[str, Any] | None]:
+    ) -> tuple[list[int], str | None, int | None]:
         ids, finish, reason = seq.step(max(self.knobs.chunk_size, 1))
         rec.outputs[index] += ids
         if finish:
             rec.finish[index] = finish
-        return ids, finish, reason, self._logprobs(ids, rec.body["sampling_params"])
+        return ids, finish, reason
+
+    def _chunk(
+        self, rec: Received, index: int, ids: list[int], finish: str | None, reason: int | None
+    ) -> dict[str, Any]:
+        """A stream event with one choice's delta, on the route the request came by."""
+        if not rec.native:
+            lp = self._logprobs(ids, rec.params) if finish != "abort" else None
+            return _stream_event(rec.id, [_stream_choice(index, ids, finish, reason, lp)])
+        choice = self._completion_choice(rec, index, ids, finish, reason)
+        if rec.body.get("return_token_ids") and index not in rec.echoed:
+            choice["prompt_token_ids"] = rec.prompt  # each choice's first event only
+            rec.echoed.add(index)
+        return {"id": rec.id, "object": "text_completion", "created": int(time.time()),
+                "model": "fake", "choices": [choice], "kv_transfer_params": None}  # fmt: skip
+
+    def _completion_choice(
+        self, rec: Received, index: int, ids: list[int], finish: str | None, reason: int | None
+    ) -> dict[str, Any]:
+        """A CompletionResponse[Stream]Choice, as vLLM's completions route dumps it."""
+        return {
+            "index": index,
+            "text": self.tokenizer.decode(ids) if self.tokenizer else "",
+            "logprobs": self._completion_logprobs(rec, ids),
+            "finish_reason": finish,
+            "stop_reason": reason,
+            "prompt_token_ids": None,
+            "token_ids": ids if rec.body.get("return_token_ids") else None,
+            "weight_versions": None,
+        }
 
     async def _stream(self, rec: Received, run: _Run, send: Any) -> bool:
         """Server-sent events as vLLM's serve_tokens_stream_generator frames them.
@@ -412,9 +519,8 @@ class FakeVllm:
                     await run.stop.wait()
                     stopped = True
                     break
-                ids, finish, reason, logprobs = self._step(rec, index, seq)
-                choice = _stream_choice(index, ids, finish, reason, logprobs)
-                await _event(send, _stream_event(rec.id, [choice]))
+                ids, finish, reason = self._step(rec, index, seq)
+                await _event(send, self._chunk(rec, index, ids, finish, reason))
                 events += 1
                 if finish:
                     sequences.remove((index, seq))
@@ -424,20 +530,22 @@ class FakeVllm:
             return False  # nobody to tell
         for index, _ in sequences:  # aborted: vLLM still sends each choice's finish
             rec.finish[index] = "abort"
-            choice = _stream_choice(index, [], "abort", None, None)
-            await _event(send, _stream_event(rec.id, [choice]))
+            await _event(send, self._chunk(rec, index, [], "abort", None))
         if (rec.body.get("stream_options") or {}).get("include_usage"):
-            usage = {"request_id": rec.id, "usage": self._usage(rec), "output_mode": "tokens",
-                     "choices": []}  # fmt: skip
+            if rec.native:
+                usage = {"id": rec.id, "object": "text_completion", "created": int(time.time()),
+                         "model": "fake", "choices": [], "usage": self._usage(rec)}  # fmt: skip
+            else:
+                usage = {"request_id": rec.id, "usage": self._usage(rec),
+                         "output_mode": "tokens", "choices": []}  # fmt: skip
             await _event(send, usage)
         await _event(send, "[DONE]", last=True)
         return False
 
     async def _whole(self, rec: Received, run: _Run, send: Any) -> bool:
-        """One GenerateTokensResponse, as vLLM's serve_tokens_full_generator builds it."""
+        """One GenerateTokensResponse, as vLLM's serve_tokens_full_generator builds it (or a
+        CompletionResponse on the native route)."""
         sequences = self._sequences(rec)
-        choices: dict[int, dict[str, Any]] = {}
-        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i, _ in sequences}
         reasons: dict[int, int | None] = {}
         steps = 0
         stopped = await run.pause(self.knobs.ttft)
@@ -449,8 +557,7 @@ class FakeVllm:
                 await run.stop.wait()
                 break
             for index, seq in list(sequences):
-                _, finish, reasons[index], lp = self._step(rec, index, seq)
-                logprobs[index] += (lp or {}).get("content", [])
+                _, finish, reasons[index] = self._step(rec, index, seq)
                 if finish:
                     sequences.remove((index, seq))
             steps += 1
@@ -460,21 +567,25 @@ class FakeVllm:
             return False
         for index, _ in sequences:
             rec.finish[index] = "abort"
-        wants_logprobs = rec.body["sampling_params"].get("logprobs") is not None
-        for index in rec.outputs:
-            choices[index] = {
+        usage = self._usage(rec)
+        usage.update(prompt_tokens_details=None, completion_tokens_details=None)
+        if rec.native:
+            await send_json(send, 200, self._completion_response(rec, reasons, usage))
+            return False
+        choices = [
+            {
                 "index": index,
                 "finish_reason": rec.finish[index],
                 "stop_reason": reasons.get(index),
-                "token_ids": rec.outputs[index],
+                "token_ids": ids,
                 "routed_experts": None,
                 "sampling_mask": None,
                 "weight_versions": None,
-                "logprobs": {"content": logprobs[index]} if wants_logprobs else None,
+                "logprobs": self._logprobs(ids, rec.params),
             }
+            for index, ids in sorted(rec.outputs.items())
+        ]
         rec.kv_transfer_params = self._handed_over(rec)
-        usage = self._usage(rec)
-        usage.update(prompt_tokens_details=None, completion_tokens_details=None)
         response = {
             "request_id": rec.id,
             "model": "fake",
@@ -488,10 +599,24 @@ class FakeVllm:
             "kv_transfer_params": rec.kv_transfer_params,
             "ec_transfer_params": None,
             "output_mode": "tokens",
-            "choices": [choices[i] for i in sorted(choices)],
+            "choices": choices,
         }
         await send_json(send, 200, response)
         return False
+
+    def _completion_response(
+        self, rec: Received, reasons: dict[int, int | None], usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        choices = []
+        for index, ids in sorted(rec.outputs.items()):
+            choice = self._completion_choice(rec, index, ids, rec.finish[index], reasons.get(index))
+            if rec.body.get("return_token_ids"):
+                choice["prompt_token_ids"] = rec.prompt
+            choices.append(choice | {"prompt_logprobs": None, "routed_experts": None})
+        return {"id": rec.id, "object": "text_completion", "created": int(time.time()),
+                "model": "fake", "choices": choices, "service_tier": None,
+                "system_fingerprint": None, "usage": usage, "kv_transfer_params": None,
+                "ec_transfer_params": None, "metrics": None}  # fmt: skip
 
     def _handed_over(self, rec: Received) -> dict[str, Any] | None:
         """A prefill leg's answer, shaped like vLLM's NIXL connector's request_finished: only
@@ -499,7 +624,7 @@ class FakeVllm:
         asked = rec.body.get("kv_transfer_params") or {}
         if not asked.get("do_remote_decode") or rec.finish.get(0) != "length":
             return None
-        blocks = math.ceil(len(rec.body["token_ids"]) / self.block_size)
+        blocks = math.ceil(len(rec.prompt) / self.block_size)
         first, self._blocks = self._blocks, self._blocks + blocks
         return {
             "do_remote_prefill": True,
@@ -513,10 +638,36 @@ class FakeVllm:
         }
 
     def _usage(self, rec: Received) -> dict[str, Any]:
-        prompt = len(rec.body["token_ids"])
+        prompt = len(rec.prompt)
         completion = sum(len(ids) for ids in rec.outputs.values())
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "completion_tokens": completion}  # fmt: skip
+
+    def _completion_logprobs(self, rec: Received, ids: list[int]) -> dict[str, Any] | None:
+        """Completions-shaped logprobs (vLLM's CompletionLogProbs): per token its name and
+        logprob, and `logprobs + 1` candidates by name, the sampled token first; names are
+        `token_id:<id>` with `return_tokens_as_token_ids`, else the token's text."""
+        k = rec.body.get("logprobs")
+        generated = self._logprobs(ids, {"logprobs": k + 1}) if k is not None else None
+        if generated is None:
+            return None
+
+        def name(tid: int) -> str:
+            if rec.body.get("return_tokens_as_token_ids") or self.tokenizer is None:
+                return f"token_id:{tid}"
+            return self.tokenizer.decode([tid])
+
+        tokens = [name(c["token_id"]) for c in generated["content"]]
+        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [c["logprob"] for c in generated["content"]],
+            "tokens": tokens,
+            "top_logprobs": [
+                {name(t["token_id"]): t["logprob"] for t in c["top_logprobs"]}
+                for c in generated["content"]
+            ],
+        }
 
     def _logprobs(self, ids: list[int], params: dict[str, Any]) -> dict[str, Any] | None:
         """Generate-shaped logprobs: integer ids; `top_logprobs` is the sampled token first,

@@ -16,6 +16,7 @@ from importlib import resources
 from tokenizers import Tokenizer
 
 from engines.bridge import Emit
+from tokenway.obfuscation import Permutation
 from tokenway.wire import (
     EngineInfo,
     EngineWork,
@@ -107,7 +108,12 @@ class CorpusModel:
 class Sequence:
     """One choice's output, step by step, with an engine's finish rules: EOS is masked until
     `min_tokens`, a stop token ID ends with itself as the reason, `max_tokens` ends with
-    "length"."""
+    "length".
+
+    `trained_on`: the engine runs the model trained on that permutation of the vocabulary
+    (token obfuscation), so it reads and writes physical IDs: `eos`, `prompt` and `params`
+    are physical, and it says what the model says, mapped.
+    """
 
     def __init__(
         self,
@@ -117,8 +123,12 @@ class Sequence:
         params: SamplingParams,
         index: int,
         output_len: int,
+        trained_on: Permutation | None = None,
     ) -> None:
+        if trained_on is not None:
+            prompt = trained_on.to_semantic(prompt, "the prompt")
         self.tokens = model.tokens(prompt, seed_of(params, index), output_len)
+        self.trained_on = trained_on
         self.eos = eos
         self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
         self.min_tokens = params.min_tokens
@@ -130,6 +140,8 @@ class Sequence:
         out: list[int] = []
         for _ in range(chunk):
             tid, wants_stop = next(self.tokens)
+            if self.trained_on is not None:
+                [tid] = self.trained_on.to_physical([tid])
             if wants_stop and not self.ignore_eos and self.made >= self.min_tokens:
                 tid = self.eos
             out.append(tid)
@@ -163,14 +175,24 @@ class StepClock:
 
 
 class SimEngine:
-    def __init__(self, config: SimConfig, tokenizer: Tokenizer) -> None:
+    """`trained_on`: a model trained on a permuted vocabulary, as an obfuscated engine
+    serves one: it speaks physical IDs only. The real engine never holds the key; the
+    simulation needs it to know what such a model says."""
+
+    def __init__(
+        self, config: SimConfig, tokenizer: Tokenizer, trained_on: Permutation | None = None
+    ) -> None:
         self.config = config
+        self.trained_on = trained_on
+        self.eos_token_id = config.eos_token_id
+        if trained_on is not None:  # the EOS of the model trained on the permuted vocabulary
+            [self.eos_token_id] = trained_on.to_physical([config.eos_token_id])
         self.model = CorpusModel(corpus_sentences(tokenizer))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
         self.started = 0  # requests taken, for fault knobs and tests
-        self.received_kv: list[dict[str, object] | None] = []  # what P/D handed to us
+        self.received: list[EngineWork] = []  # every attempt's work, as the engine saw it
 
     def info(self) -> EngineInfo:
         c = self.config
@@ -184,7 +206,7 @@ class SimEngine:
     async def generate(self, work: EngineWork, emit: Emit) -> None:
         """All `n` choices of a request, side by side, each a sequence of its own."""
         self.started += 1
-        self.received_kv.append(work.kv_transfer_params)
+        self.received.append(work)
         if self.started <= self.config.fail_first:
             raise RuntimeError(f"simulated failure {self.started} of {self.config.fail_first}")
         n = max(work.sampling_params.n, 1)
@@ -202,7 +224,10 @@ class SimEngine:
     async def _sequence(self, work: EngineWork, emit: Emit, index: int, doomed: bool) -> None:
         params = work.sampling_params
         c = self.config
-        seq = Sequence(self.model, c.eos_token_id, work.token_ids, params, index, c.output_len)
+        seq = Sequence(
+            self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
+            self.trained_on,
+        )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time
         while True:

@@ -8,6 +8,16 @@ One attempt is one generate call: streamed as server-sent events, one choice per
 
 vLLM runs (and aborts) a request under `generate-tokens-<request_id>`; each attempt sends its
 own `request_id` (`<rid>-<attempt>`), so an abort never hits another attempt.
+
+**Native fallback.** A server without the token-only route (404/501) still has the OpenAI
+completions route, which takes a token-ID prompt and returns token IDs. An attempt whose
+owner allows it (`EngineWork.native_ok`: nothing of the request committed yet, and no token
+obfuscation) streams from there instead; any other attempt fails with the capability error.
+The engine then sends such attempts straight to the native route for `NATIVE_REPROBE`
+seconds before trying the token-only route again, so a server restarted with it is picked
+up without a probe per request. A P/D prefill leg never goes native (its KV hand-over is
+the token route's), and a native attempt is aborted by closing its connection, since the
+abort route lives beside the missing one.
 """
 
 from __future__ import annotations
@@ -16,41 +26,36 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 import msgspec
-from msgspec import Struct
 
 from engines.bridge import Emit, Engine
-from tokenway.config import Settings
-from tokenway.wire import (
-    EngineInfo,
-    EngineWork,
-    FinishReason,
-    LogprobEntry,
-    Role,
-    SamplingParams,
-    TokenLogprob,
+from engines.vllm_wire import (
+    ABORT_PATH,
+    COMPLETIONS_ID_PREFIX,
+    COMPLETIONS_PATH,
+    GENERATE_PATH,
+    REQUEST_ID_PREFIX,
+    Answer,
+    completions_request,
+    decode_completion,
+    decode_generate,
+    error_message,
+    logprob_entries,
+    vllm_request,
 )
+from tokenway.config import Settings
+from tokenway.wire import EngineInfo, EngineWork, FinishReason, Role
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/inference/v1/abort_requests"
-# vLLM's serving.py runs a generate request under this prefix + the request_id we send.
-REQUEST_ID_PREFIX = "generate-tokens-"
-
-# Our sampling fields that vLLM's SamplingParams takes and that matter for token output.
-# Left out: `stop` (strings: derender matches them; a --tokens-only server rejects them),
-# `prompt_logprobs` (no place for them in an engine step), and the detokenizer's knobs
-# (`skip_special_tokens`, `spaces_between_special_tokens`, `include_stop_str_in_output`).
-PASSED_SAMPLING_FIELDS = frozenset(
-    "n temperature top_p top_k min_p seed max_tokens min_tokens stop_token_ids ignore_eos "
-    "presence_penalty frequency_penalty repetition_penalty logprobs logit_bias".split()
-)
+NATIVE_REPROBE = 60.0  # seconds native-allowed attempts skip a token route found missing
+_NATIVE_STATUSES = (404, 501)  # no such route; 403 is a route switched off on purpose
 
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
@@ -75,6 +80,10 @@ class VllmUnavailable(VllmError):
 class VllmCapabilityMissing(VllmError):
     """The server has no token-only route: 404/501, or 403 when scale-out is disabled."""
 
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 class VllmHttpError(VllmError):
     """vLLM answered with an error status, or sent an error event mid-stream."""
@@ -93,124 +102,17 @@ class VllmStreamBroken(VllmError):
 
 
 class VllmBadResponse(VllmError):
-    """The answer does not follow vLLM's generate wire."""
+    """The answer does not follow vLLM's wire."""
 
 
-# -- vLLM's wire (protocol.py: GenerateRequest, Generate[Tokens][Stream]Response) ----------
-
-
-class VllmGenerateRequest(Struct, kw_only=True, omit_defaults=True):
-    request_id: str
-    token_ids: list[int]
-    sampling_params: dict[str, object]
-    stream: bool
-    output_mode: str  # always "tokens": no tokenizer on our engines' side
-    stream_options: dict[str, bool] | None = None
-    priority: int = 0
-    kv_transfer_params: dict[str, object] | None = None
-    cache_salt: str | None = None
-
-
-class _Logprob(Struct):
-    token_id: int
-    logprob: float
-    rank: int | None = None
-
-
-class _LogprobContent(_Logprob):
-    top_logprobs: list[_Logprob] = []
-
-
-class _Logprobs(Struct):
-    content: list[_LogprobContent] | None = None
-
-
-class _Choice(Struct):
-    index: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    logprobs: _Logprobs | None = None
-
-
-class _ErrorInfo(Struct):
-    message: str = ""
-    type: str = ""
-    code: int | None = None
-
-
-class _Usage(Struct):
-    completion_tokens: int | None = None
-
-
-class _Answer(Struct):
-    """A stream event or a whole response; an error event is `{"error": {...}}`."""
-
-    request_id: str | None = None
-    choices: list[_Choice] = []
-    usage: _Usage | None = None  # the closing stream event; whole responses
-    kv_transfer_params: dict[str, object] | None = None  # whole responses only
-    error: _ErrorInfo | None = None
-
+# -- the engine ------------------------------------------------------------------------------
 
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(_Answer)
-
-
-def vllm_sampling_params(params: SamplingParams) -> dict[str, object]:
-    """Ours → vLLM's: only fields set away from their defaults, so vLLM's defaults (and its
-    server-side `max_tokens`) apply to the rest; no detokenization, we want token IDs."""
-    fields = msgspec.to_builtins(params)  # omit_defaults: only what was set
-    out: dict[str, object] = {k: v for k, v in fields.items() if k in PASSED_SAMPLING_FIELDS}
-    out["detokenize"] = False
-    return out
 
 
 def hands_kv_over(work: EngineWork) -> bool:
     """A P/D prefill leg: the engine is asked to keep the KV for a remote decode."""
     return bool(work.kv_transfer_params and work.kv_transfer_params.get("do_remote_decode"))
-
-
-def vllm_request(work: EngineWork, request_id: str, stream: bool) -> VllmGenerateRequest:
-    return VllmGenerateRequest(
-        request_id=request_id,
-        token_ids=work.token_ids,
-        sampling_params=vllm_sampling_params(work.sampling_params),
-        stream=stream,
-        output_mode="tokens",
-        stream_options={"include_usage": True} if stream else None,
-        priority=work.priority,
-        kv_transfer_params=work.kv_transfer_params,
-        cache_salt=work.cache_salt,
-    )
-
-
-def _logprobs(lp: _Logprobs | None) -> list[LogprobEntry] | None:
-    """vLLM's per-token entries (sampled token first in `top_logprobs`) → ours, as they are."""
-    if lp is None or lp.content is None:
-        return None
-    out = []
-    for c in lp.content:
-        top = [TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
-               for t in c.top_logprobs]  # fmt: skip
-        out.append(LogprobEntry(token_id=c.token_id, logprob=c.logprob, rank=c.rank, top=top))
-    return out
-
-
-def _error_message(body: bytes) -> str:
-    """vLLM's `{"error": {"message": …}}`, FastAPI's `{"detail": …}`, or the body itself."""
-    with contextlib.suppress(msgspec.DecodeError):
-        doc = msgspec.json.decode(body)
-        if isinstance(doc, dict):
-            error = doc.get("error")
-            if isinstance(error, dict) and "message" in error:
-                return str(error["message"])
-            if "detail" in doc:
-                return str(doc["detail"])
-    return body.decode("utf-8", "replace").strip()[:500] or "(empty body)"
-
-
-# -- the engine ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -233,6 +135,7 @@ class _Attempt:
     waiting: str = "first token"  # which timeout applies now
     events: int = 0
     tokens: int = 0
+    native: bool = False  # on the completions route: no abort route to call
 
 
 class VllmEngine:
@@ -242,6 +145,7 @@ class VllmEngine:
         self.endpoint = endpoint
         self.url = endpoint.url.rstrip("/")
         self.running = 0
+        self.token_route_missing_at: float | None = None  # monotonic time of the last 404/501
         self.client = httpx.AsyncClient(
             base_url=self.url,
             # Connect is bounded here; waiting for tokens by the deadlines in `generate`.
@@ -272,25 +176,63 @@ class VllmEngine:
             with self._failures(a):
                 if hands_kv_over(work):
                     await self._whole(work, a, emit)
+                elif work.native_ok and self._token_route_missing():
+                    await self._native(work, a, emit)
                 else:
-                    await self._stream(work, a, emit)
+                    await self._generate_or_native(work, a, emit)
         except (asyncio.CancelledError, VllmTimeout):
-            # Aborted, or silent past its deadline: either way vLLM should stop working on it.
-            await self._abort(a.vllm_id)
+            # Aborted, or silent past its deadline: either way vLLM should stop working on it
+            # (a native attempt stopped when its connection closed).
+            if not a.native:
+                await self._abort(a.vllm_id)
             raise
         finally:
             self.running -= n
 
-    async def _stream(self, work: EngineWork, a: _Attempt, emit: Emit) -> None:
+    def _token_route_missing(self) -> bool:
+        since = self.token_route_missing_at
+        return since is not None and time.monotonic() - since < NATIVE_REPROBE
+
+    async def _generate_or_native(self, work: EngineWork, a: _Attempt, emit: Emit) -> None:
         body = _encoder.encode(vllm_request(work, a.request_id, stream=True))
+        try:
+            await self._stream(a, emit, GENERATE_PATH, body, decode_generate)
+            return
+        except VllmCapabilityMissing as exc:
+            if exc.status not in _NATIVE_STATUSES:
+                raise
+            self.token_route_missing_at = time.monotonic()
+            if not work.native_ok:
+                raise VllmCapabilityMissing(
+                    f"{exc}; the native {COMPLETIONS_PATH} fallback is not allowed for this "
+                    "attempt (output was already committed, or token obfuscation is on)",
+                    exc.status,
+                ) from exc
+            log.warning("%s; using the native %s route", exc, COMPLETIONS_PATH)
+        await self._native(work, a, emit)
+
+    async def _native(self, work: EngineWork, a: _Attempt, emit: Emit) -> None:
+        a.native = True
+        a.vllm_id = f"{COMPLETIONS_ID_PREFIX}{a.request_id}"
+        body = _encoder.encode(completions_request(work, a.request_id))
+        await self._stream(a, emit, COMPLETIONS_PATH, body, decode_completion)
+
+    async def _stream(
+        self,
+        a: _Attempt,
+        emit: Emit,
+        path: str,
+        body: bytes,
+        decode: Callable[[str | bytes], Answer],
+    ) -> None:
         loop = asyncio.get_running_loop()
         done = False
         async with asyncio.timeout(self.endpoint.first_token_timeout) as deadline:
             async with self.client.stream(
-                "POST", GENERATE_PATH, content=body, headers=_JSON_HEADERS
+                "POST", path, content=body, headers=_JSON_HEADERS
             ) as resp:
                 if resp.status_code != 200:
-                    self._raise_status(resp.status_code, await resp.aread())
+                    self._raise_status(resp.status_code, await resp.aread(), path)
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue  # blank event separators
@@ -298,7 +240,7 @@ class VllmEngine:
                     if data == "[DONE]":
                         done = True  # read on to the body's end, so the connection is reused
                         continue
-                    self._on_answer(a, _decode(data, self.url), emit, None)
+                    self._on_answer(a, self._decode(decode, data), emit, None)
                     a.events += 1
                     a.waiting = "token"
                     deadline.reschedule(loop.time() + self.endpoint.token_timeout)
@@ -315,8 +257,8 @@ class VllmEngine:
         async with asyncio.timeout(self.endpoint.first_token_timeout):
             resp = await self.client.post(GENERATE_PATH, content=body, headers=_JSON_HEADERS)
         if resp.status_code != 200:
-            self._raise_status(resp.status_code, resp.content)
-        answer = _decode(resp.content, self.url)
+            self._raise_status(resp.status_code, resp.content, GENERATE_PATH)
+        answer = self._decode(decode_generate, resp.content)
         a.events += 1
         self._on_answer(a, answer, emit, answer.kv_transfer_params)
         if a.open:
@@ -324,8 +266,14 @@ class VllmEngine:
                 f"vLLM at {self.url} answered {a.vllm_id} without choice(s) {sorted(a.open)}"
             )
 
+    def _decode(self, decode: Callable[[str | bytes], Answer], data: str | bytes) -> Answer:
+        try:
+            return decode(data)
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise VllmBadResponse(f"vLLM at {self.url} sent an undecodable answer: {exc}") from exc
+
     def _on_answer(
-        self, a: _Attempt, answer: _Answer, emit: Emit, kv: dict[str, object] | None
+        self, a: _Attempt, answer: Answer, emit: Emit, kv: dict[str, object] | None
     ) -> None:
         if answer.error is not None:
             status = answer.error.code or 500
@@ -362,17 +310,17 @@ class VllmEngine:
                 choice.token_ids or [],
                 finish,
                 choice.stop_reason,
-                _logprobs(choice.logprobs),
+                logprob_entries(choice.logprobs),
                 choice.index,
                 kv,
             )
 
-    def _raise_status(self, status: int, body: bytes) -> None:
-        message = f"vLLM at {self.url} answered HTTP {status} on {GENERATE_PATH}: "
-        message += _error_message(body)
-        if status in (403, 404, 501):
+    def _raise_status(self, status: int, body: bytes, path: str) -> None:
+        message = f"vLLM at {self.url} answered HTTP {status} on {path}: "
+        message += error_message(body)
+        if status in (403, 404, 501) and path == GENERATE_PATH:
             hint = " (start vLLM with --tokens-only or --enable-scale-out)"
-            raise VllmCapabilityMissing(message + hint)
+            raise VllmCapabilityMissing(message + hint, status)
         raise VllmHttpError(message, status)
 
     @contextlib.contextmanager
@@ -421,15 +369,8 @@ class VllmEngine:
         if resp.status_code != 200:
             log.warning(
                 "vLLM at %s: abort of %s answered HTTP %d: %s",
-                self.url, vllm_id, resp.status_code, _error_message(resp.content),
+                self.url, vllm_id, resp.status_code, error_message(resp.content),
             )  # fmt: skip
-
-
-def _decode(data: str | bytes, url: str) -> _Answer:
-    try:
-        return _decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise VllmBadResponse(f"vLLM at {url} sent an undecodable answer: {exc}") from exc
 
 
 # -- what the CLI calls ---------------------------------------------------------------------

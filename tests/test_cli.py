@@ -194,3 +194,27 @@ def test_every_flag_is_a_setting_and_reaches_it() -> None:
     args = vars(root.parse_args(["schedule", "--kv-block-size", "32", "--engine-ttl", "9"]))
     settings = load_settings(args, env={})
     assert (settings.kv_block_size, settings.engine_ttl) == (32, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["schedule", "--obfuscation-key-file", "{tmp}/missing"], {}, "cannot read"),
+        (["up", "--port", "0"], {"TOKENWAY_OBFUSCATION_KEY": ""}, "holds 0 bytes"),
+        (["engine", "sim", "--obfuscation-key", "short"], {}, "needs at least 16"),
+    ],
+    ids=["missing-file", "empty-env", "short-flag"],
+)
+async def test_asking_for_obfuscation_without_a_usable_key_refuses_to_start(
+    tmp_path: Path, args: list[str], env: dict[str, str], says: str
+) -> None:
+    """Never a silent start without obfuscation: no NATS is ever contacted (none listens)."""
+    argv = [a.format(tmp=tmp_path) for a in args]
+    proc = await asyncio.create_subprocess_exec(
+        *TOKENWAY, *argv, "--data-dir", str(tmp_path), "--nats", "nats://127.0.0.1:1",
+        env={**ENV, **env}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode != 0
+    assert "tokenway: " in err.decode() and says in err.decode()
+    assert "Traceback" not in err.decode()

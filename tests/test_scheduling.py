@@ -70,8 +70,8 @@ async def test_pd_handoff_passes_the_prefill_kv_params_to_the_decode_leg(
             model=model(stack), messages=CHAT, max_tokens=12
         )
         assert resp.choices[0].message.content
-        assert prefill.received_kv == [{"do_remote_decode": True}]
-        [handed] = decode.received_kv
+        assert [w.kv_transfer_params for w in prefill.received] == [{"do_remote_decode": True}]
+        [handed] = [w.kv_transfer_params for w in decode.received]
         assert handed is not None and handed["do_remote_prefill"] is True
         assert handed["remote_engine_id"] == "pre-0"
 
@@ -86,7 +86,7 @@ async def test_a_failing_prefill_ends_in_a_clear_error_not_a_hang(
         )
         # The prefill leg failed; the decode engine then served the request by itself.
         assert resp.choices[0].message.content
-        assert prefill.started == 1 and decode.received_kv == [None]
+        assert prefill.started == 1 and [w.kv_transfer_params for w in decode.received] == [None]
 
 
 async def test_without_a_pd_pair_a_union_engine_serves(nats_url: str, tmp_path: Path) -> None:

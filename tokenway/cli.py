@@ -18,6 +18,7 @@ from tokenway import bus
 from tokenway.config import Settings, load_settings
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import EmbeddedNats
+from tokenway.obfuscation import ObfuscationError, Permutation, load_key
 from workers.render.parse import ParserFlags
 
 log = logging.getLogger("tokenway")
@@ -66,9 +67,21 @@ def resolve_model(s: Settings) -> tuple[ModelInfo, str]:
     return info, s.served_model_name or default_name
 
 
+def obfuscation(s: Settings, model: ModelInfo) -> Permutation | None:
+    """The token permutation when a key is configured; a key flag without a usable key
+    refuses to start rather than run unobfuscated."""
+    try:
+        key = load_key(s.obfuscation_key, s.obfuscation_key_file)
+        return None if key is None else Permutation(key, model.vocab_size)
+    except ObfuscationError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
+
+
 def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
     """Stages by name; imported here so a single-stage process loads only what it runs."""
     model, served = resolve_model(s)
+    # One permutation for every stage of this process that maps IDs (schedule, engines).
+    obf = obfuscation(s, model) if {"schedule", "sim", "vllm"} & set(which) else None
     stages: list[Stage] = []
     for name in which:
         if name == "ingress":
@@ -85,16 +98,16 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
         elif name == "schedule":
             from workers.schedule.service import ScheduleService
 
-            stages.append(ScheduleService(s, served))
+            stages.append(ScheduleService(s, served, obf))
         elif name == "derender":
             from workers.derender.service import DerenderService
 
             parser_flags(s)  # refuse unknown parser names here too
             stages.append(DerenderService(s, model.path, served))
         elif name == "sim":
-            stages.extend(sim_engines(s, model, served))
+            stages.extend(sim_engines(s, model, served, obf))
         elif name == "vllm":
-            stages.extend(vllm_bridges(s, served))
+            stages.extend(vllm_bridges(s, served, obf))
         elif name == "dlq":
             from tokenway.dlq import DlqMover
 
@@ -102,7 +115,7 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
     return stages
 
 
-def vllm_bridges(s: Settings, served: str) -> list[Stage]:
+def vllm_bridges(s: Settings, served: str, obf: Permutation | None) -> list[Stage]:
     from engines.bridge import Bridge
     from engines.vllm_http import vllm_engines
 
@@ -110,10 +123,10 @@ def vllm_bridges(s: Settings, served: str) -> list[Stage]:
         engines = vllm_engines(s, served)
     except ValueError as exc:
         raise SystemExit(f"tokenway: {exc}") from exc
-    return [Bridge(s, engine) for engine in engines]
+    return [Bridge(s, engine, obf) for engine in engines]
 
 
-def sim_engines(s: Settings, model: ModelInfo, served: str) -> list[Stage]:
+def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | None) -> list[Stage]:
     import secrets
 
     from tokenizers import Tokenizer
@@ -139,7 +152,8 @@ def sim_engines(s: Settings, model: ModelInfo, served: str) -> list[Stage]:
             itl=s.sim_itl,
             output_len=s.sim_output_len,
         )
-        bridges.append(Bridge(s, SimEngine(config, tokenizer)))
+        # With a key, the simulated model is one trained on the permuted vocabulary.
+        bridges.append(Bridge(s, SimEngine(config, tokenizer, trained_on=obf), obf))
     return bridges
 
 
@@ -319,6 +333,20 @@ def _vllm(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-token-timeout", type=float, help="seconds between tokens (default 60)")
 
 
+def _obfuscation(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "token obfuscation (the same key on every schedule and engine stage; see README)"
+    )
+    g.add_argument(
+        "--obfuscation-key",
+        help="secret key (16+ bytes) permuting token IDs between schedulers and engines; "
+        "prefer TOKENWAY_OBFUSCATION_KEY or --obfuscation-key-file over this flag",
+    )
+    g.add_argument(
+        "--obfuscation-key-file", help="read the key from this file (surrounding blanks dropped)"
+    )
+
+
 def dlq_parser() -> argparse.ArgumentParser:
     """`tokenway dlq`: a parser of its own, because its flags are arguments, not settings."""
     dlq = argparse.ArgumentParser(
@@ -428,7 +456,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
-    _common(up), _http(up), _parsers(up), _render(up), _scheduling(up), _sim(up)
+    _common(up), _http(up), _parsers(up), _render(up), _scheduling(up), _sim(up), _obfuscation(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -444,15 +472,15 @@ def parser() -> argparse.ArgumentParser:
         if name == "render":
             _render(p)
         if name == "schedule":
-            _scheduling(p)
+            _scheduling(p), _obfuscation(p)
     engine = sub.add_parser("engine", help="run an engine bridge")
     kinds = engine.add_subparsers(dest="kind", required=True)
     sim = kinds.add_parser("sim", help="simulated engines (real token IDs, no GPU)")
-    _common(sim), _sim(sim)
+    _common(sim), _sim(sim), _obfuscation(sim)
     vllm = kinds.add_parser(
         "vllm", help="bridge to vLLM token-only servers (vllm serve ... --enable-scale-out)"
     )
-    _common(vllm), _vllm(vllm)
+    _common(vllm), _vllm(vllm), _obfuscation(vllm)
     # Listed for --help only: main() hands `dlq ...` to dlq_parser().
     sub.add_parser("dlq", add_help=False, help="dead letters: ls, show, replay, purge, move")
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")

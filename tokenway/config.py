@@ -16,6 +16,10 @@ ENV_PREFIX = "TOKENWAY_"
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
+# Secrets: an empty variable is a deployment whose secret went missing, which must refuse
+# to start, never run as if obfuscation were off.
+_EMPTY_IS_SET = frozenset({"obfuscation_key", "obfuscation_key_file"})
+
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 
@@ -106,6 +110,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     engine_first_token_timeout: PositiveFloat = 600.0  # a long prefill or a queue at the engine
     engine_token_timeout: PositiveFloat = 60.0  # between two chunks of one stream
 
+    # token obfuscation (schedule and engine stages): a keyed permutation of token IDs
+    # between schedulers and engines. Secret: prefer the file or the env var to the flag.
+    obfuscation_key: str | None = None
+    obfuscation_key_file: str | None = None
+
     log_level: str = "info"
 
     @property
@@ -119,13 +128,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 def load_settings(
     flags: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None
 ) -> Settings:
-    """Merge sources: a flag left at None falls through to `TOKENWAY_<NAME>`, then the default."""
+    """Merge sources: a flag left at None falls through to `TOKENWAY_<NAME>`, then the default.
+
+    An empty variable counts as unset, except for the secrets in `_EMPTY_IS_SET`."""
     env = os.environ if env is None else env
     merged: dict[str, object] = {"data_dir": _default_data_dir(env)}
     hints = typing.get_type_hints(Settings)
     for name in Settings.__struct_fields__:
         value = env.get(ENV_PREFIX + name.upper())
-        if value is not None and value != "":
+        if value is not None and (value != "" or name in _EMPTY_IS_SET):
             # msgspec reads "true" as a bool only where the type is plain bool.
             is_bool = bool in typing.get_args(hints[name]) and value.lower() in _BOOLS
             merged[name] = _BOOLS[value.lower()] if is_bool else value

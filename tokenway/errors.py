@@ -69,6 +69,13 @@ class EngineFailed(TokenwayError):
     type = "EngineError"
 
 
+class NoCompatibleEngine(EngineFailed):
+    """Engines are registered, but none speaks this scheduler's token IDs (obfuscation)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
 class _Error(msgspec.Struct, omit_defaults=False):
     message: str
     type: str

@@ -160,6 +160,12 @@ class EngineWork(Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     kv_transfer_params: dict[str, object] | None = None
     cache_salt: str | None = None
+    # The owner's word on the engine's native completions API as a fallback for a missing
+    # token-only route: only while nothing of the request is committed (off: never).
+    native_ok: bool = False
+    # The obfuscation key fingerprint the owner mapped for (None: plain token IDs); a bridge
+    # keyed differently declines the work.
+    obfuscation: str | None = None
 
 
 class EngineReply(Struct, kw_only=True, omit_defaults=True):
@@ -229,6 +235,7 @@ class EngineInfo(Struct, kw_only=True, omit_defaults=True):
     waiting: int = 0
     kv_usage: float | None = None
     updated: float = 0.0
+    obfuscation: str | None = None  # key fingerprint when the bridge maps token IDs
 
 
 # -- derender request-reply ----------------------------------------------------------------

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
+COMPLETIONS = "/v1/completions"
 PROMPT = [11, 12, 13, 14]
 
 
@@ -47,9 +48,11 @@ def body(rid: str, stream: bool = True, usage: bool = True, **params: Any) -> di
     return doc
 
 
-async def sse(http: httpx.AsyncClient, doc: dict[str, Any]) -> tuple[list[Any], str]:
+async def sse(
+    http: httpx.AsyncClient, doc: dict[str, Any], path: str = GENERATE
+) -> tuple[list[Any], str]:
     """The `data:` payloads of a stream (decoded, `[DONE]` kept as a string) and the raw text."""
-    resp = await http.post(GENERATE, json=doc)
+    resp = await http.post(path, json=doc)
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/event-stream")
     events = [
@@ -287,3 +290,66 @@ async def test_an_aborted_whole_response_finishes_with_abort(
     doc = (await task).json()
     assert doc["choices"][0]["finish_reason"] == "abort" and doc["choices"][0]["token_ids"] == []
     assert fake.running == 0
+
+
+# -- the native completions route (the bridge's fallback) ----------------------------------
+
+
+def completion(rid: str, stream: bool = True, **fields: Any) -> dict[str, Any]:
+    doc = {"request_id": rid, "prompt": PROMPT, "stream": stream, "return_token_ids": True}
+    if stream:
+        doc["stream_options"] = {"include_usage": True}
+    return doc | fields
+
+
+async def test_the_native_route_streams_completion_chunks_with_token_ids(
+    fake: FakeVllm, http: httpx.AsyncClient
+) -> None:
+    fake.knobs.capability = 404  # the token-only route is missing; the native one is not
+    fake.knobs.chunk_size = 2
+    events, _ = await sse(http, completion("n1", max_tokens=5, ignore_eos=True), COMPLETIONS)
+    *chunks, usage, done = events
+    assert done == "[DONE]" and usage["choices"] == [] and usage["object"] == "text_completion"
+    assert usage["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5}
+    assert all(e["id"] == "cmpl-n1" and e["object"] == "text_completion" for e in chunks)
+    choices = [e["choices"][0] for e in chunks]
+    assert [c["finish_reason"] for c in choices] == [None, None, "length"]
+    assert [c["prompt_token_ids"] for c in choices] == [PROMPT, None, None]  # first only
+    ids = [t for c in choices for t in c["token_ids"]]
+    assert ids == fake.expected(PROMPT, {"max_tokens": 5, "ignore_eos": True})[0]
+    assert all(c["text"] == "" and c["logprobs"] is None for c in choices)  # no tokenizer
+
+
+async def test_the_native_route_answers_whole_with_16_tokens_by_default(
+    fake: FakeVllm, http: httpx.AsyncClient
+) -> None:
+    resp = await http.post(COMPLETIONS, json=completion("n2", stream=False, ignore_eos=True))
+    doc = resp.json()
+    assert resp.status_code == 200 and doc["id"] == "cmpl-n2" and doc["usage"]["total_tokens"] == 20
+    (choice,) = doc["choices"]
+    assert choice["token_ids"] == fake.expected(PROMPT, {"max_tokens": 16, "ignore_eos": True})[0]
+    assert choice["prompt_token_ids"] == PROMPT and choice["finish_reason"] == "length"
+    plain = await http.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2})
+    (choice,) = plain.json()["choices"]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None  # not asked
+
+
+async def test_native_logprobs_name_tokens_by_id_sampled_first(http: httpx.AsyncClient) -> None:
+    doc = completion("n3", stream=False, max_tokens=3, ignore_eos=True, logprobs=2,
+                     return_tokens_as_token_ids=True)  # fmt: skip
+    (choice,) = (await http.post(COMPLETIONS, json=doc)).json()["choices"]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(len(top) == 3 for top in lp["top_logprobs"])  # logprobs + 1
+    firsts = [next(iter(top.items())) for top in lp["top_logprobs"]]
+    assert firsts == list(zip(lp["tokens"], lp["token_logprobs"], strict=True))
+
+
+async def test_the_native_route_refuses_what_it_does_not_know(http: httpx.AsyncClient) -> None:
+    for doc, needle in [
+        (completion("b1", detokenize=False), "unknown field(s) ['detokenize']"),
+        (completion("b2", prompt="text"), "token-ID prompts"),
+        (completion("b3", prompt=[10**9]), "token IDs must lie in"),
+    ]:
+        resp = await http.post(COMPLETIONS, json=doc)
+        assert resp.status_code == 400 and needle in resp.json()["error"]["message"]

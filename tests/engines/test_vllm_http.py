@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from engines.bridge import Bridge
 from engines.fake_vllm import FakeVllm, Knobs
 from engines.vllm_http import (
+    NATIVE_REPROBE,
     VllmCapabilityMissing,
     VllmEndpoint,
     VllmEngine,
@@ -25,8 +26,8 @@ from engines.vllm_http import (
     VllmUnavailable,
     engine_id_for,
     vllm_engines,
-    vllm_request,
 )
+from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH, completions_request, vllm_request
 from tests.conftest import make_settings, start_stack, wait_engines
 from tokenway.cli import resolve_model
 from tokenway.wire import EngineWork, FinishReason, LogprobEntry, SamplingParams
@@ -90,7 +91,11 @@ class Emits:
 
 
 def work(
-    rid: str = "r", attempt: int = 0, kv: dict[str, object] | None = None, **params: object
+    rid: str = "r",
+    attempt: int = 0,
+    kv: dict[str, object] | None = None,
+    native_ok: bool = False,
+    **params: object,
 ) -> EngineWork:
     return EngineWork(
         rid=rid,
@@ -99,6 +104,7 @@ def work(
         token_ids=PROMPT,
         sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
         kv_transfer_params=kv,
+        native_ok=native_ok,
     )
 
 
@@ -317,6 +323,103 @@ async def test_a_refused_connection_raises_unavailable_naming_the_url(
     with pytest.raises(VllmUnavailable, match=f"cannot connect to vLLM at {url}"):
         await run(engine, work(max_tokens=1))
     assert engine.info().running == 0
+
+
+# -- native fallback: the OpenAI completions route with token IDs ---------------------------
+
+
+def paths(fake: FakeVllm) -> list[str]:
+    return [r.path for r in fake.requests]
+
+
+async def test_the_native_request_is_a_completion_request_with_token_ids() -> None:
+    w = work("q", 2, native_ok=True, n=2, seed=9, stop_token_ids=[7], logprobs=1, stop=["x"])
+    assert completions_request(w, "q-2") == {
+        "prompt": PROMPT, "n": 2, "seed": 9, "stop_token_ids": [7], "logprobs": 1,
+        "max_tokens": None,  # not this route's default of 16: up to the context
+        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "request_id": "q-2", "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [404, 501])
+async def test_a_missing_token_route_falls_back_to_native_when_the_owner_allows(
+    fake: FakeVllm, make_engine: MakeEngine, status: int
+) -> None:
+    fake.knobs.capability = status
+    engine = make_engine()
+    params = {"seed": 3, "max_tokens": 9, "ignore_eos": True}
+    emits = await run(engine, work("f", native_ok=True, **params))
+    assert paths(fake) == [GENERATE_PATH, COMPLETIONS_PATH]
+    assert fake.requests[1].body["prompt"] == PROMPT and fake.requests[1].id == "cmpl-f-0"
+    assert emits.tokens() == fake.expected(PROMPT, params)[0]
+    assert emits.calls[-1][1] == "length" and engine.info().running == 0
+    # Known missing now: the next allowed attempt goes native without asking the token route.
+    again = await run(engine, work("g", native_ok=True, **params))
+    assert paths(fake)[2:] == [COMPLETIONS_PATH] and again.tokens() == emits.tokens()
+
+
+async def test_without_the_owners_permission_native_is_never_used(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    fake.knobs.capability = 404
+    engine = make_engine()
+    await run(engine, work("a", native_ok=True, max_tokens=2))  # the route is known missing
+    with pytest.raises(VllmCapabilityMissing, match="fallback is not allowed for this attempt"):
+        await run(engine, work("b", native_ok=False, max_tokens=2))
+    assert paths(fake) == [GENERATE_PATH, COMPLETIONS_PATH, GENERATE_PATH]
+
+
+async def test_a_disabled_route_403_never_falls_back(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    fake.knobs.capability = 403
+    with pytest.raises(VllmCapabilityMissing, match="HTTP 403"):
+        await run(make_engine(), work(native_ok=True, max_tokens=2))
+    assert paths(fake) == [GENERATE_PATH]
+
+
+async def test_the_token_route_is_probed_again_after_the_reprobe_interval(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    fake.knobs.capability = 404
+    engine = make_engine()
+    await run(engine, work("a", native_ok=True, max_tokens=2))
+    fake.knobs.capability = None  # vLLM restarted with --tokens-only
+    assert engine.token_route_missing_at is not None
+    engine.token_route_missing_at -= NATIVE_REPROBE + 1
+    await run(engine, work("b", native_ok=True, max_tokens=2))
+    assert paths(fake) == [GENERATE_PATH, COMPLETIONS_PATH, GENERATE_PATH]
+
+
+async def test_native_logprobs_and_choices_map_like_the_token_routes(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    fake.knobs.capability = 501
+    params = {"n": 2, "seed": 5, "max_tokens": 4, "ignore_eos": True, "logprobs": 2}
+    emits = await run(make_engine(), work(native_ok=True, **params))
+    for i in range(2):
+        assert emits.tokens(i) == fake.expected(PROMPT, params, i)[0]
+    entries = [e for batch in emits.logprobs for e in batch or []]
+    assert sorted(e.token_id for e in entries) == sorted(emits.tokens(0) + emits.tokens(1))
+    for e in entries:  # logprobs + 1 candidates named by id, the sampled token first
+        assert len(e.top) == 3 and e.top[0].token_id == e.token_id
+        assert e.top[0].logprob == e.logprob and e.rank is None  # this route has no ranks
+
+
+async def test_cancelling_a_native_attempt_closes_its_connection(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    fake.knobs.capability = 404
+    fake.knobs.stall_after = 1
+    emits = Emits()
+    task = asyncio.create_task(make_engine().generate(work("c", native_ok=True), emits))
+    await emits.first.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await fake.wait_until(lambda: fake.disconnected == ["cmpl-c-0"])
+    assert fake.aborted == []  # no abort call: that route is missing with the token route
 
 
 # -- identity and the CLI factory ----------------------------------------------------------

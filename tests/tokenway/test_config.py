@@ -39,6 +39,12 @@ def test_an_empty_env_var_counts_as_unset() -> None:
     assert load_settings({}, {"TOKENWAY_PORT": ""}).port == 8000
 
 
+def test_an_empty_secret_is_kept_so_that_it_is_refused_not_taken_for_off() -> None:
+    env = {"TOKENWAY_OBFUSCATION_KEY": "", "TOKENWAY_OBFUSCATION_KEY_FILE": ""}
+    settings = load_settings({}, env)
+    assert (settings.obfuscation_key, settings.obfuscation_key_file) == ("", "")
+
+
 def test_env_strings_are_converted_to_the_field_types() -> None:
     env = {
         "TOKENWAY_PORT": "9000",

@@ -5,6 +5,11 @@ A request costs its prompt tokens plus its `max_tokens` budget on the engine tha
 (and its prompt on the prefill engine while that leg runs). An owner only pulls work while
 some engine has room, so the waiting line here is short; within it, lower `priority` goes
 first (vLLM's convention), then arrival.
+
+With token obfuscation, engines are only those advertising this scheduler's key fingerprint
+(or, without a key, none): work never reaches an engine of the other ID space, and a request
+finding only such engines ends with a 503 saying so. Affinity hashes the physical prompt, as
+the engines' KV caches hold it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from prometheus_client import Histogram
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, EngineFailed
+from tokenway.errors import DeadlineExceeded, EngineFailed, InvalidRequest, NoCompatibleEngine
+from tokenway.obfuscation import ObfuscationError, Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
 from workers.schedule import affinity, routing
@@ -61,12 +67,19 @@ class Plan:
 
 class Dispatcher:
     def __init__(
-        self, nc: NATS, owner_id: str, registry: EngineRegistry, settings: Settings
+        self,
+        nc: NATS,
+        owner_id: str,
+        registry: EngineRegistry,
+        settings: Settings,
+        obfuscation: Permutation | None = None,
     ) -> None:
         self.nc = nc
         self.owner_id = owner_id
         self.registry = registry
         self.settings = settings
+        self.obfuscation = obfuscation
+        self.fingerprint = obfuscation.fingerprint if obfuscation else None
         self.index = affinity.PrefixIndex(ttl=settings.affinity_ttl)
         self.breakers = Breakers(
             threshold=settings.breaker_threshold,
@@ -83,7 +96,41 @@ class Dispatcher:
     # -- capacity ---------------------------------------------------------------------------
 
     def free_slots(self) -> int:
-        return routing.free_slots(self.registry.alive(), self.seqs, self.tokens)
+        alive = self.registry.alive()
+        # With only incompatible engines, their room still lets requests in, so that each
+        # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
+        return routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
+
+    def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
+        return [e for e in engines if e.obfuscation == self.fingerprint]
+
+    def _compatible(self) -> list[EngineInfo]:
+        """Live engines in our token-ID space; a 503 when only engines of another are there."""
+        alive = self.registry.alive()
+        usable = self._matching(alive)
+        if alive and not usable:
+            ours = f"key {self.fingerprint}" if self.fingerprint else "no obfuscation key"
+            raise NoCompatibleEngine(
+                f"no engine for model {alive[0].model} uses this scheduler's token "
+                f"obfuscation ({ours}); {len(alive)} registered engine(s) use "
+                f"{'another key or none' if self.fingerprint else 'an obfuscation key'}"
+            )
+        return usable
+
+    def _affinity_hashes(self, r: Owned) -> list[int]:
+        """Block hashes of the prompt as the engines hold it: physical IDs when obfuscated.
+
+        Obfuscated, every ID of the request is checked here, so an ID outside the vocabulary
+        is the client's 400 before anything is sent, not an engine failure at the bridge.
+        """
+        prompt = r.prompt
+        if self.obfuscation is not None:
+            try:
+                prompt = self.obfuscation.to_physical(prompt, "the prompt")
+                self.obfuscation.params_to_physical(r.params)
+            except ObfuscationError as exc:
+                raise InvalidRequest(str(exc)) from exc
+        return affinity.block_hashes(prompt, self.settings.kv_block_size, salt=r.request.cache_salt)
 
     def _hold(self, engine: str, seqs: int, tokens: int) -> None:
         self.seqs[engine] += seqs
@@ -113,9 +160,7 @@ class Dispatcher:
     async def dispatch(self, r: Owned, arrived: float) -> None:
         """Hand the request to an engine (or a P/D pair); wait for room until its deadline."""
         tried: set[str] = set()
-        hashes = affinity.block_hashes(
-            r.prompt, self.settings.kv_block_size, salt=r.request.cache_salt
-        )
+        hashes = self._affinity_hashes(r)
         while not r.ended.is_set():
             plan = await self._wait_turn(r, tried, hashes)
             if plan is None:
@@ -143,7 +188,7 @@ class Dispatcher:
                 now = time.monotonic()
                 engines = [
                     e
-                    for e in self.registry.alive()
+                    for e in self._compatible()
                     if e.id not in tried and self.breakers.admits(e.id, now)
                 ]
                 # A relay goes to another engine than the ones that failed it, if any.
@@ -253,6 +298,9 @@ class Dispatcher:
             priority=r.request.priority,
             kv_transfer_params=kv,
             cache_salt=r.request.cache_salt,
+            # The native API is a fallback for a first try only, and never for obfuscated IDs.
+            native_ok=r.out_seq == 0 and self.obfuscation is None,
+            obfuscation=self.fingerprint,
         )
         try:
             msg = await self.nc.request(

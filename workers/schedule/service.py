@@ -31,10 +31,12 @@ from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
     EngineFailed,
+    InvalidRequest,
     StageTimeout,
     StageUnavailable,
     internal,
 )
+from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
 from tokenway.wire import (
@@ -71,9 +73,12 @@ Work = tuple[Owned, Choice | None, DerenderEntry]
 class ScheduleService:
     name = "schedule"
 
-    def __init__(self, settings: Settings, model: str) -> None:
+    def __init__(
+        self, settings: Settings, model: str, obfuscation: Permutation | None = None
+    ) -> None:
         self.settings = settings
         self.model = model
+        self.obfuscation = obfuscation
         self.owner_id = f"s{secrets.token_hex(4)}"
         self.requests: dict[str, Owned] = {}
         self.empty = asyncio.Event()
@@ -94,7 +99,9 @@ class ScheduleService:
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
-        self.dispatcher = Dispatcher(nc, self.owner_id, self.registry, self.settings)
+        self.dispatcher = Dispatcher(
+            nc, self.owner_id, self.registry, self.settings, self.obfuscation
+        )
         self.fanout = FanOut(nc, self.settings, self.model, self.owner_id)
         async with asyncio.TaskGroup() as group:
             self._group = group
@@ -178,7 +185,7 @@ class ScheduleService:
             r.fail(DeadlineExceeded(
                 f"request {r.rid} passed its deadline after {r.out_seq} chunks"
             ).info())  # fmt: skip
-        except (EngineFailed, StageUnavailable, DeadlineExceeded) as exc:
+        except (EngineFailed, StageUnavailable, DeadlineExceeded, InvalidRequest) as exc:
             r.fail(exc.info())
         except Exception as exc:  # a bug fails this request, never the worker
             log.exception("owning %s failed", r.rid)
