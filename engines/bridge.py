@@ -88,6 +88,7 @@ class Bridge:
         self.id = engine.info().id
         self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.owners: dict[tuple[str, int], str] = {}  # who each running attempt reports to
+        self.orphaned: set[tuple[str, int]] = set()  # attempts dropped for a request's new owner
         self._outbox: dict[str, list[TokenDelta]] = {}
         self._flush_pending = False
         self._nc: NATS | None = None
@@ -163,6 +164,7 @@ class Bridge:
             keys = [(abort.rid, abort.attempt)]
         else:  # orphaned: whatever of this request runs for an owner that is gone
             keys = [k for k, o in self.owners.items() if k[0] == abort.rid and o != abort.owner]
+            self.orphaned.update(keys)
         for key in keys:
             task = self.tasks.get(key)
             if task is not None:
@@ -200,27 +202,29 @@ class Bridge:
             seq += 1
             self._queue(work.owner, delta)
 
+        key = (work.rid, work.attempt)
         try:
             await self.engine.generate(obf.work_to_physical(work) if obf else work, emit)
         except asyncio.CancelledError:
-            pass  # aborted: the owner asked, so it expects nothing more
+            if key in self.orphaned:  # an owner thought dead may be alive: it must know
+                self._fail(work, seq, f"engine {self.id}: dropped for the request's new owner")
+            # else aborted: the owner asked, so it expects nothing more
         except Exception as exc:  # the engine failed this attempt: tell the owner why
             log.exception("engine %s failed %s", self.id, work.rid)
-            self._queue(
-                work.owner,
-                TokenDelta(
-                    rid=work.rid,
-                    attempt=work.attempt,
-                    seq=seq,
-                    finish_reason="error",
-                    error=f"engine {self.id}: {type(exc).__name__}: {exc}",
-                ),
-            )
+            self._fail(work, seq, f"engine {self.id}: {type(exc).__name__}: {exc}")
         finally:
-            self.tasks.pop((work.rid, work.attempt), None)
-            self.owners.pop((work.rid, work.attempt), None)
+            self.tasks.pop(key, None)
+            self.owners.pop(key, None)
+            self.orphaned.discard(key)
             if not self.tasks:
                 self.idle.set()
+
+    def _fail(self, work: EngineWork, seq: int, error: str) -> None:
+        """The attempt's last delta: it ended without a finish, and why."""
+        delta = TokenDelta(
+            rid=work.rid, attempt=work.attempt, seq=seq, finish_reason="error", error=error
+        )
+        self._queue(work.owner, delta)
 
     def _queue(self, owner: str, delta: TokenDelta) -> None:
         self._outbox.setdefault(owner, []).append(delta)

@@ -7,18 +7,23 @@ delivering what the owner still commits, until the stream's last event.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
+from nats.js.errors import NotFoundError
 
 from ingress.router import Event, event_of
 from tokenway import bus
 
 
 class LedgerRead:
-    def __init__(self, sub: JetStreamContext.PushSubscription, idle_timeout: float) -> None:
+    def __init__(
+        self, js: JetStreamContext, sub: JetStreamContext.PushSubscription, idle_timeout: float
+    ) -> None:
+        self._js = js
         self._sub = sub
         self._idle = idle_timeout
 
@@ -34,7 +39,11 @@ class LedgerRead:
                 yield [event]
 
     async def close(self) -> None:
+        """Unsubscribe and delete the consumer: the server would keep it a while otherwise."""
+        info = await self._sub.consumer_info()
         await self._sub.unsubscribe()
+        with contextlib.suppress(NotFoundError):
+            await self._js.delete_consumer(info.stream_name, info.name)
 
 
 class LedgerReader:
@@ -54,6 +63,6 @@ class LedgerReader:
         # consumer_seq counts what this consumer delivered (stream_seq may have moved past
         # other requests' messages it skipped): nothing pending, nothing delivered = unknown.
         if info.num_pending == 0 and info.delivered.consumer_seq == 0 and sub.pending_msgs == 0:
-            await sub.unsubscribe()
+            await LedgerRead(self.js, sub, self.idle_timeout).close()
             return None
-        return LedgerRead(sub, self.idle_timeout)
+        return LedgerRead(self.js, sub, self.idle_timeout)

@@ -186,3 +186,42 @@ async def test_the_owner_killed_mid_stream_is_taken_over_from_the_ledger(
         if second is not None:
             await stop(second)
         await stack.close()
+
+
+async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """SIGSTOP the owner: its request moves to another worker, which takes it over and
+    commits. Woken up, the stale owner still holds tokens to commit; the ledger refuses them
+    (they expect a last message that is no longer the last), so it lets the request go and
+    the client's stream stays exactly the fault-free one."""
+    model = f"freeze-owner-{tmp_path.name}"
+    settings = make_settings(tmp_path, served_model_name=model, sim_itl=0.01, ack_wait=2.0)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "derender", "sim"])
+    flags = ("schedule", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
+             "--served-model-name", model)  # fmt: skip
+    env = {"TOKENWAY_ACK_WAIT": "2"}
+    stale = await spawn(*flags, env=env)
+    second = None
+    try:
+        await logged(stale, b"owning")
+        expected = await stream(stack.url, body(model, 400))
+        got, progress = Streamed(), Signal()
+        async with httpx.AsyncClient(timeout=60) as http:
+            reading = asyncio.create_task(post(http, stack.url, body(model, 400), got, progress))
+            await until(progress, lambda: len(got.times) >= 5)
+            second = await spawn(*flags, env=env)
+            await logged(second, b"owning")
+            stale.send_signal(signal.SIGSTOP)  # tokens keep coming for it, unread
+            await logged(second, b"taken over")
+            frozen_at = len(got.times)
+            await until(progress, lambda: len(got.times) > frozen_at + 3)  # the new owner's
+            stale.send_signal(signal.SIGCONT)
+            await logged(stale, b"owned elsewhere")
+            await reading
+        assert_same_stream(got, expected, 400)
+    finally:
+        await stop(stale, signal.SIGKILL)
+        if second is not None:
+            await stop(second)
+        await stack.close()

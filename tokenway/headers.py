@@ -19,6 +19,9 @@ TRACEPARENT = "traceparent"
 
 # Set by the server on republished messages.
 STREAM_SEQUENCE = "Nats-Sequence"
+# Optimistic concurrency: stored only if the subject's last message has this sequence.
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when it does not
 
 # Output kinds on TW_OUT (the `Tw-Kind` header).
 KIND_CHUNK = "chunk"  # stream chunk(s); more follow

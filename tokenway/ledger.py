@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import api as jsapi
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from tokenway import bus
 from tokenway import headers as h
@@ -32,9 +31,14 @@ def out_headers(
     state: bytes | None = None,
     tokens: list[int] | None = None,
     status: int | None = None,
+    after: int | None = None,
 ) -> dict[str, str]:
+    """`after`: the stream sequence of the request's last ledger message as its owner knows
+    it; a publish from an owner that lost the request (another one published since) fails."""
     # Lean: every header costs the ingress parsing time, and the subject names the rid.
     hdrs = {h.MSG_ID: f"{rid}:{seq}", h.SEQ: str(seq)}
+    if after is not None:
+        hdrs[h.EXPECTED_LAST_SUBJECT_SEQ] = str(after)
     if kind != h.KIND_CHUNK:
         hdrs[h.KIND] = kind
     if attempt is not None:
@@ -49,14 +53,24 @@ def out_headers(
 
 
 async def publish_error(
-    js: JetStreamContext, reply: str, rid: str, seq: int, info: ErrorInfo
+    js: JetStreamContext,
+    reply: str,
+    rid: str,
+    seq: int,
+    info: ErrorInfo,
+    after: int | None = None,
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
     await js.publish(
         bus.out_subject(reply, rid),
         error_body(info),
-        headers=out_headers(rid, seq, h.KIND_ERROR, status=info.status),
+        headers=out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after),
     )
+
+
+def superseded(exc: APIError) -> bool:
+    """The publish was refused because another owner has written the request's ledger."""
+    return exc.err_code == h.WRONG_LAST_SEQUENCE
 
 
 @dataclass
@@ -64,6 +78,7 @@ class Committed:
     """What a request's ledger holds: where a new owner picks it up."""
 
     seq: int  # the last Tw-Seq
+    stream_seq: int  # the last message's sequence in TW_OUT (what the next publish expects)
     attempt: int  # the highest Tw-Attempt
     ended: bool  # an end, a whole response or an error is stored: nothing is left to do
     state: bytes | None  # the last stream_state
@@ -74,33 +89,26 @@ _ENDS = (h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR)
 
 
 async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | None:
-    """The request's committed output, or None when nothing of it is stored."""
+    """The request's committed output, or None when nothing of it is stored. Read message by
+    message with direct gets: rare (a takeover), and it leaves no consumer behind."""
     subject = bus.out_subject(reply, rid)
-    try:
-        last = await js.get_last_msg(bus.OUT_STREAM, subject)
-    except NotFoundError:
-        return None
-    found = Committed(seq=0, attempt=0, ended=False, state=None, tokens=array("i"))
-    sub = await js.subscribe(
-        subject,
-        stream=bus.OUT_STREAM,
-        ordered_consumer=True,
-        deliver_policy=jsapi.DeliverPolicy.ALL,
-    )
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5.0)
-            hdrs = msg.headers or {}
-            found.seq = int(hdrs.get(h.SEQ, found.seq))
-            found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))
-            found.ended = hdrs.get(h.KIND, h.KIND_CHUNK) in _ENDS
-            if h.STREAM_STATE in hdrs:
-                found.state = h.decode_state(hdrs[h.STREAM_STATE])
-            found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))
-            if msg.metadata.sequence.stream >= last.seq:
-                return found
-    finally:
-        await sub.unsubscribe()
+    found = None
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(bus.OUT_STREAM, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return found
+        found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"))
+        found.stream_seq = msg.seq
+        hdrs = msg.headers or {}
+        found.seq = int(hdrs.get(h.SEQ, found.seq))
+        found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))
+        found.ended = hdrs.get(h.KIND, h.KIND_CHUNK) in _ENDS
+        if h.STREAM_STATE in hdrs:
+            found.state = h.decode_state(hdrs[h.STREAM_STATE])
+        found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))
+        seq = msg.seq + 1
 
 
 async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -> None:

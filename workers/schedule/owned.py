@@ -105,6 +105,11 @@ class Owned:
     error: ErrorInfo | None = None
     cancelled: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    # The ledger: the stream sequence of this request's last message there, which the next
+    # publish expects (a fence against an owner that lost the request while it stalled).
+    ledger_seq: int = 0
+    committing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one publish at a time
+    superseded: bool = False  # another owner has the request: leave everything to it
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -179,6 +184,11 @@ class Owned:
     def cancel(self) -> None:
         self.cancelled = True
         self.ended.set()
+
+    def supersede(self) -> None:
+        """Another worker owns the request now (this one stalled past the ack wait)."""
+        self.superseded = True
+        self.cancel()
 
     def accept_prefill(self, delta: TokenDelta) -> None:
         """The prefill leg's end brings the KV hand-over parameters; its tokens are dropped."""

@@ -20,9 +20,10 @@ from collections import OrderedDict
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 from tokenway import bus, ledger
 from tokenway import headers as h
@@ -68,6 +69,8 @@ _DERENDER_BACKOFF = 0.05
 
 # A derender work item: the request, its choice (None: the closing usage chunk), the entry.
 Work = tuple[Owned, Choice | None, DerenderEntry]
+# What to commit of one result: its choice, the result, kind, payload and its tokens.
+Publication = tuple[Choice | None, DerenderResult, str, bytes, list[int]]
 
 
 class ScheduleService:
@@ -237,7 +240,7 @@ class ScheduleService:
                 f"the owner of request {r.rid} stopped; a request with "
                 f"n={len(r.choices)} cannot be resumed after output was sent"
             )
-        r.out_seq, r.attempt = found.seq, found.attempt
+        r.out_seq, r.attempt, r.ledger_seq = found.seq, found.attempt, found.stream_seq
         choice = r.choices[0]
         choice.state, choice.committed = found.state, found.tokens
         # Relayed like an engine failure (and counted as one relay).
@@ -255,13 +258,21 @@ class ScheduleService:
                 # A prefill still running, or holding KV for a decode that will not come.
                 await self.dispatcher.abort(r.prefill_engine, r.rid, r.prefill_attempt)
         if r.error is not None and not r.cancelled:
-            try:
-                await ledger.publish_error(self._js, r.reply, r.rid, r.out_seq + 1, r.error)
-            except Exception:
-                log.exception("could not deliver the error of %s", r.rid)
+            async with r.committing:
+                try:
+                    await ledger.publish_error(
+                        self._js, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq
+                    )
+                except APIError as exc:
+                    if not ledger.superseded(exc):
+                        raise
+                    log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
+                except Exception:
+                    log.exception("could not deliver the error of %s", r.rid)
         self.requests.pop(r.rid, None)
         self.dispatcher.release(r)
-        await r.msg.ack()
+        if not r.superseded:  # its new owner holds the message now
+            await r.msg.ack()
         if not self.requests:
             self.empty.set()
 
@@ -383,8 +394,7 @@ class ScheduleService:
 
     async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
         """Publish each result to TW_OUT; a choice's state advances only once it is stored."""
-        assert self._js is not None
-        acks = []
+        batches: dict[str, tuple[Owned, list[Publication]]] = {}
         for (r, choice, entry), res in zip(items, results, strict=True):
             if r.ended.is_set():
                 continue
@@ -392,30 +402,43 @@ class ScheduleService:
                 r.fail(res.error)
                 continue
             publish = self._publication(r, choice, entry, res)
-            if publish is None:
-                continue
-            kind, payload, tokens = publish
-            r.out_seq += 1
-            hdrs = ledger.out_headers(
-                r.rid, r.out_seq, kind, attempt=r.attempt, state=res.state, tokens=tokens
-            )
-            ack = await self._js.publish_async(
-                bus.out_subject(r.reply, r.rid), payload, headers=hdrs
-            )
-            acks.append((r, choice, res, kind, tokens, ack))
-        if acks:
-            # One deadline for the batch: nats.py#985 leaves a future unresolved on errors.
-            await asyncio.wait([a[-1] for a in acks], timeout=_COMMIT_TIMEOUT)
-        for r, choice, res, kind, tokens, ack in acks:
-            cause = _failed(ack)
-            if cause is not None:
-                r.fail(StageUnavailable(f"could not commit output to the ledger: {cause}").info())
-                continue
-            if choice is not None:
-                choice.state = res.state
-                choice.committed.extend(tokens)
-            if kind in (h.KIND_END, h.KIND_RESPONSE):
-                r.ended.set()
+            if publish is not None:
+                batches.setdefault(r.rid, (r, []))[1].append((choice, res, *publish))
+        await asyncio.gather(*(self._commit_request(r, pubs) for r, pubs in batches.values()))
+
+    async def _commit_request(self, r: Owned, pubs: list[Publication]) -> None:
+        """One request's publications, in order, each fenced on the one before it."""
+        assert self._js is not None
+        async with r.committing:
+            for choice, res, kind, payload, tokens in pubs:
+                if r.ended.is_set():
+                    return
+                seq = r.out_seq + 1
+                hdrs = ledger.out_headers(
+                    r.rid, seq, kind, attempt=r.attempt, state=res.state, tokens=tokens,
+                    after=r.ledger_seq,
+                )  # fmt: skip
+                try:
+                    ack = await self._js.publish(
+                        bus.out_subject(r.reply, r.rid), payload, headers=hdrs,
+                        timeout=_COMMIT_TIMEOUT,
+                    )  # fmt: skip
+                except APIError as exc:
+                    if ledger.superseded(exc):
+                        log.warning("request %s is owned elsewhere now; letting it go", r.rid)
+                        r.supersede()
+                    else:
+                        r.fail(StageUnavailable(f"could not commit output: {exc}").info())
+                    return
+                except (NatsTimeout, ConnectionClosedError) as exc:
+                    r.fail(StageUnavailable(f"could not commit output: {exc!r}").info())
+                    return
+                r.out_seq, r.ledger_seq = seq, ack.seq
+                if choice is not None:
+                    choice.state = res.state
+                    choice.committed.extend(tokens)
+                if kind in (h.KIND_END, h.KIND_RESPONSE):
+                    r.ended.set()
 
     @staticmethod
     def _publication(
@@ -439,14 +462,3 @@ class ScheduleService:
         kind = h.KIND_END if last and r.is_last(choice) else h.KIND_CHUNK
         choice.done = last
         return kind, frame(res.chunks), tokens
-
-
-def _failed(ack: asyncio.Future) -> str | None:
-    """Why a publish was not acknowledged, or None when it was."""
-    if not ack.done():
-        ack.cancel()
-        return f"no answer within {_COMMIT_TIMEOUT:.0f}s"
-    if ack.cancelled():
-        return "cancelled"
-    exc = ack.exception()
-    return None if exc is None else repr(exc)

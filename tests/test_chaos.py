@@ -1,0 +1,205 @@
+"""Chaos: under concurrent streaming load, one fault at a time, caused for real.
+
+Each case runs a stage as OS processes (two of them, or one for the ingress) beside the rest
+of the pipeline in-process, streams a load once without a fault, then again while the fault
+happens: an engine, a schedule worker, a derender worker or a render worker is SIGKILLed, an
+ingress is SIGKILLed and its clients resume on another with `Last-Event-ID`, or the NATS
+server (file storage) restarts. Every stream must end with the text of the fault-free run,
+consecutive event ids and one [DONE] (or with an explicit error event), and nothing may be
+left behind: owned requests, engine capacity or sequences, ingress routes and
+subscriptions, consumers. The longest any client waited across the fault is the fault's
+recovery time; run with `-s` to see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.streams import Streamed, post, resume, until
+from tests.test_cancel import consumer_names
+from tests.test_cli import free_port, logged, spawn, stop
+from tokenway import bus
+from tokenway.aio import Signal
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+STREAMS = 6
+TOKENS = 150
+ITL = 0.01  # engine seconds per token: a stream lasts TOKENS × ITL
+STAGES = ["ingress", "render", "schedule", "derender", "sim"]
+# How soon each kind of loss is noticed: a request moves on after its ack wait, an engine
+# leaves the registry after its TTL, a derender call is retried after its timeout.
+TIMING = {"ack_wait": 2.0, "engine_ttl": 1.0, "derender_timeout": 1.0, "sim_itl": ITL}
+ENV = {f"TOKENWAY_{k.upper()}": str(v) for k, v in TIMING.items()}
+# What a stage process logs once it serves.
+READY = {"engine": b"serving", "schedule": b"owning", "derender": b"derender serving",
+         "render": b"render serving", "ingress": b"listening on"}  # fmt: skip
+
+
+@dataclass
+class Chaos:
+    stack: Stack
+    tmp: Path
+    procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+    url: str = ""  # where the clients connect
+
+    async def spawn(self, stage: str, *extra: str) -> asyncio.subprocess.Process:
+        args = ["engine", "sim"] if stage == "engine" else [stage]
+        proc = await spawn(
+            *args, "--nats", self.stack.settings.nats, "--data-dir", str(self.tmp),
+            "--served-model-name", self.stack.ingress.served, *extra, env=ENV,
+        )  # fmt: skip
+        self.procs.append(proc)
+        await logged(proc, READY[stage])
+        return proc
+
+
+@contextlib.asynccontextmanager
+async def chaos(nats_url: str, tmp: Path, stage: str, processes: int) -> AsyncIterator[Chaos]:
+    model = f"chaos-{stage}-{tmp.name}"
+    settings = make_settings(tmp, served_model_name=model, request_timeout=60.0, **TIMING)
+    # The faulted stage runs as processes only; the clients' ingress also runs in-process.
+    absent = {"engine": "sim", "ingress": ""}.get(stage, stage)
+    names = [s for s in STAGES if s != absent]
+    stack = await start_stack(nats_url, settings, names)
+    c = Chaos(stack, tmp, url=stack.url)
+    try:
+        for _ in range(processes):
+            await c.spawn(stage, *(["--port", str(free_port())] if stage == "ingress" else []))
+        if stage == "engine":
+            await wait_engines(stack.ingress.registry, processes)
+        yield c
+    finally:
+        for proc in c.procs:
+            await stop(proc, signal.SIGKILL)
+        await stack.close()
+
+
+def load(model: str) -> list[dict]:
+    return [
+        {
+            "model": model,
+            "prompt": f"Chaos stream {i}: tell a long story.",
+            "stream": True,
+            "max_tokens": TOKENS,
+            "ignore_eos": True,
+            "seed": i,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(STREAMS)
+    ]
+
+
+async def run_load(
+    c: Chaos,
+    url: str,
+    when: Callable[[list[Streamed]], bool] | None = None,
+    fault: Callable[[], Awaitable[None]] | None = None,
+) -> list[Streamed]:
+    """Every stream of the load at once; `fault` once `when` holds."""
+    bodies = load(c.stack.ingress.served)
+    out = [Streamed() for _ in bodies]
+    progress = Signal()
+    async with httpx.AsyncClient(timeout=120) as http:
+        tasks = [
+            asyncio.create_task(post(http, url, b, s, progress))
+            for b, s in zip(bodies, out, strict=True)
+        ]
+        if fault is not None and when is not None:
+            await until(progress, lambda: when(out))
+            await fault()
+        await asyncio.gather(*tasks)
+        for s in out:
+            if s.cut:  # its ingress died: the client comes back to another one
+                await resume(http, c.stack.url, s)
+    return out
+
+
+def check(got: list[Streamed], expected: list[Streamed], errors_allowed: bool) -> int:
+    """Each stream equals its fault-free run, or ended with an error event; the count of those."""
+    failed = 0
+    for g, e in zip(got, expected, strict=True):
+        assert g.ids == list(range(1, len(g.ids) + 1)), "a gap or a duplicated event"
+        assert g.done == 1
+        if g.error is not None:
+            assert errors_allowed, g.error
+            failed += 1
+            continue
+        assert g.text == e.text and g.usage == e.usage
+        assert g.usage is not None and g.usage["completion_tokens"] == TOKENS
+    return failed
+
+
+async def nothing_left(c: Chaos, consumers: set[str]) -> None:
+    """No owned request, engine capacity or sequence, route or consumer left behind, in
+    this process and (through the bus) in the stage processes."""
+    stack = c.stack
+    async with asyncio.timeout(15):
+        for schedule in stack.by_name.get("schedule", []):
+            await schedule.empty.wait()
+            assert not schedule.dispatcher.seqs and not schedule.dispatcher.tokens
+        for bridge in stack.by_name.get("engine", []):
+            await bridge.idle.wait()
+        await stack.ingress.router.idle.wait()
+        registry = stack.ingress.registry
+        while True:  # engines report their running sequences with every heartbeat
+            changed = registry.changed.waiter()
+            if all(e.running == 0 for e in registry.alive()):
+                break
+            await changed.wait()
+    assert all(not b.tasks for b in stack.by_name.get("engine", []))
+    assert not stack.ingress.router.slots
+    assert await consumer_names(stack.settings.nats) == consumers
+    nc = await nats.connect(stack.settings.nats)
+    try:
+        js = nc.jetstream()
+        model = stack.ingress.served
+        for spec in (bus.render_consumer(stack.settings, model),
+                     bus.sched_consumer(stack.settings, model)):  # fmt: skip
+            info = await js.consumer_info(spec.stream, spec.durable)
+            assert (info.num_pending, info.num_ack_pending) == (0, 0), spec.durable
+    finally:
+        await nc.close()
+
+
+def report(fault: str, got: list[Streamed], baseline: list[Streamed], failed: int) -> None:
+    normal = max(s.longest_wait for s in baseline)
+    waited = max(s.longest_wait for s in got)
+    print(
+        f"\nchaos {fault}: longest client wait {waited:.2f} s (fault-free {normal:.2f} s), "
+        f"{len(got) - failed}/{len(got)} streams completed, {failed} explicit errors"
+    )
+
+
+def started(n: int) -> Callable[[list[Streamed]], bool]:
+    return lambda streams: all(len(s.times) >= n for s in streams)
+
+
+@pytest.mark.parametrize("stage", ["engine", "schedule", "derender", "render"])
+async def test_killing_a_worker_process_loses_nothing(
+    nats_url: str, tmp_path: Path, stage: str
+) -> None:
+    async with chaos(nats_url, tmp_path, stage, processes=2) as c:
+        consumers = await consumer_names(nats_url)
+        expected = await run_load(c, c.url)
+        doomed = c.procs[0]
+
+        async def kill() -> None:
+            doomed.send_signal(signal.SIGKILL)
+
+        # Render works before the first token: its fault comes while requests are rendered.
+        when = (lambda streams: True) if stage == "render" else started(5)
+        got = await run_load(c, c.url, when, kill)
+        failed = check(got, expected, errors_allowed=False)
+        report(stage, got, expected, failed)
+        await nothing_left(c, consumers)
