@@ -2,7 +2,7 @@
 against the same simulated engine driven directly, in one run.
 
 The pipeline runs as separate OS processes (nats-server, ingress, render, schedule, derender,
-one simulated engine) so that resident memory and CPU are per stage. The direct baseline runs
+simulated engines) so that resident memory and CPU are per stage. The direct baseline runs
 `SimEngine.generate` in this process with the same timing and the same output, timestamping
 every emit: the simulated model's next token depends on the seed and the context, so the
 direct path feeds the prompt IDs the pipeline's engine receives (each chat body rendered by
