@@ -2,11 +2,11 @@
 against the same simulated engine driven directly, in one run.
 
 The pipeline runs as separate OS processes (nats-server, ingress, render, schedule, derender,
-one simulated engine) so that resident memory and CPU are per stage. The direct baseline runs
-`SimEngine.generate` in this process with the same timing and the same output (both paths pass
-`seed=i` for stream i, so the engine emits the same token sequences), timestamping every emit.
-Its prompt ids are the raw prompt text tokenized with the default model's tokenizer (the sim
-engine's output and timing do not depend on them once the seed is set).
+simulated engines) so that resident memory and CPU are per stage. The direct baseline runs
+`SimEngine.generate` in this process with the same timing and the same output, timestamping
+every emit: the simulated model's next token depends on the seed and the context, so the
+direct path feeds the prompt IDs the pipeline's engine receives (each chat body rendered by
+the local renderer, chat template applied) with the same `seed=i` for stream i.
 
     python bench/e2e.py --concurrency 200 --max-tokens 200 --itl 0.01 --chunk-size 1 \
         [--json out.json]
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -28,10 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -40,14 +41,17 @@ from tokenizers import Tokenizer
 from engines.sim import SimConfig, SimEngine
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import server_binary
-from tokenway.wire import EngineWork, SamplingParams
+from tokenway.wire import EngineInfo, EngineWork, SamplingParams
+from workers.render.core import Renderer, decode_body
 
 ROOT = Path(__file__).resolve().parent.parent  # the stages run from the project root
 
 # Every process of the pipeline, as named in the report.
 PROCESSES = ("nats-server", "ingress", "render", "schedule", "derender", "engine")
 PROMPT = "Request {i}: explain, step by step, how tokens stream from an engine to a client."
+PROMPT_ALLOWANCE = 256  # tokens: more than PROMPT takes, chat template included
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class BenchConfig:
     warmup: int = 8  # streams sent (and finished) before anything is measured
     ready_timeout: float = 60.0
     stop_timeout: float = 10.0  # SIGTERM → SIGKILL
-    sample_interval: float = 0.05  # RSS sampling while loaded
+    sample_interval: float = 0.05  # RSS sampling while loaded, seconds
 
 
 # -- statistics (pure) ---------------------------------------------------------------------
@@ -187,7 +191,11 @@ class _Chunk(msgspec.Struct):
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
 
 
-def chat_body(cfg: BenchConfig, i: int) -> dict[str, Any]:
+def chat_body(cfg: BenchConfig, i: int, continuous_usage: bool = False) -> dict[str, Any]:
+    """Stream i's request; `continuous_usage`: every chunk reports the tokens so far."""
+    options = {"include_usage": True} | (
+        {"continuous_usage_stats": True} if continuous_usage else {}
+    )
     return {
         "model": DEFAULT_MODEL_NAME,
         "messages": [{"role": "user", "content": PROMPT.format(i=i)}],
@@ -195,16 +203,27 @@ def chat_body(cfg: BenchConfig, i: int) -> dict[str, Any]:
         "ignore_eos": True,
         "seed": i,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": options,
     }
+
+
+def rendered_prompts(cfg: BenchConfig, model: ModelInfo) -> list[list[int]]:
+    """The prompt IDs the pipeline's engine receives for each stream's chat body."""
+    renderer = Renderer(model, DEFAULT_MODEL_NAME)
+    return [
+        renderer.prompt_ids(decode_body("chat", json.dumps(chat_body(cfg, i)).encode()))[0]
+        for i in range(cfg.concurrency)
+    ]
 
 
 @dataclass
 class OpenStreams:
-    """How many streams are delivering content right now, and the most at once."""
+    """How many streams are delivering content right now, and the most at once; with
+    continuous usage stats, also how many output tokens all streams have received so far."""
 
     now: int = 0
     peak: int = 0
+    tokens: int = 0
 
     def opened(self) -> None:
         self.now += 1
@@ -242,6 +261,8 @@ async def stream_chat(
                                 counted = True
                                 load.opened()
                         if chunk.usage is not None:
+                            if load is not None:
+                                load.tokens += chunk.usage.completion_tokens - trace.tokens
                             trace.tokens = chunk.usage.completion_tokens
         if trace.tokens != body["max_tokens"]:
             raise RuntimeError(f"got {trace.tokens} tokens, asked for {body['max_tokens']}")
@@ -298,6 +319,13 @@ class Proc:
             return ""
 
 
+def sim_engines(cfg: BenchConfig) -> int:
+    """Enough simulated engines that their KV budget holds every stream at once: an owner
+    holds a request back until an engine has room for its prompt and whole `max_tokens`."""
+    per_engine = EngineInfo(id="", model="").max_tokens  # what a simulated engine announces
+    return max(1, math.ceil(cfg.concurrency * (cfg.max_tokens + PROMPT_ALLOWANCE) / per_engine))
+
+
 class Pipeline:
     """nats-server (with monitoring) and every stage as its own process; stopped on exit."""
 
@@ -350,6 +378,7 @@ class Pipeline:
             "--sim-ttft", str(cfg.ttft), "--sim-itl", str(cfg.itl),
             "--sim-chunk-size", str(cfg.chunk_size), "--sim-output-len", str(cfg.max_tokens),
             "--sim-max-seqs", str(max(256, cfg.concurrency)),
+            "--sim-engines", str(sim_engines(cfg)),
         ]  # fmt: skip
         self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
         for stage in ("render", "schedule", "derender"):
@@ -411,11 +440,71 @@ async def running_pipeline(cfg: BenchConfig, workdir: Path) -> AsyncIterator[Pip
 # -- the run ---------------------------------------------------------------------------------
 
 
-async def sample_rss(pipeline: Pipeline, peak: dict[str, int], interval: float) -> None:
+@dataclass(frozen=True)
+class Sample:
+    """Every process's RSS (kB) at one moment of the load, with the load at that moment."""
+
+    t: float  # perf_counter seconds
+    open_streams: int
+    tokens: int  # output tokens received by all clients (continuous usage stats only)
+    rss: dict[str, int]
+
+
+async def sample_rss(
+    pipeline: Pipeline, load: OpenStreams, samples: list[Sample], interval: float
+) -> None:
     while True:
-        for name, kb in pipeline.rss().items():
-            peak[name] = max(peak.get(name, 0), kb)
+        samples.append(Sample(time.perf_counter(), load.now, load.tokens, pipeline.rss()))
         await asyncio.sleep(interval)
+
+
+def peak_rss(samples: list[Sample]) -> dict[str, int]:
+    """The highest RSS sampled, per process."""
+    return {name: max(s.rss[name] for s in samples) for name in samples[0].rss} if samples else {}
+
+
+async def warm_up(cfg: BenchConfig, pipeline: Pipeline, clients: list[httpx.AsyncClient]) -> None:
+    """Every stage's lazy paths run once before anything is measured, and every client opens
+    its keep-alive connection, so TTFT holds no TCP connect."""
+    warm = await asyncio.gather(
+        *(stream_chat(clients[i], pipeline.url, chat_body(cfg, 10**6 + i), None)
+          for i in range(cfg.warmup))
+    )  # fmt: skip
+    failed = [t.error for t in warm if t.error]
+    if failed:
+        raise RuntimeError(f"warm-up failed: {failed[0]}")
+    await asyncio.gather(*(c.get(f"{pipeline.url}/health") for c in clients))
+
+
+@dataclass
+class Load:
+    """What the N streams of the load phase left: traces, RSS samples, open-stream counts."""
+
+    traces: list[StreamTrace]
+    samples: list[Sample]
+    streams: OpenStreams
+
+
+async def run_load(
+    cfg: BenchConfig,
+    pipeline: Pipeline,
+    clients: list[httpx.AsyncClient],
+    continuous_usage: bool = False,
+) -> Load:
+    """N streams at once through the pipeline, every process's RSS sampled throughout."""
+    streams, samples = OpenStreams(), []
+    sampler = asyncio.create_task(sample_rss(pipeline, streams, samples, cfg.sample_interval))
+    try:
+        traces = await asyncio.gather(
+            *(stream_chat(clients[i], pipeline.url, chat_body(cfg, i, continuous_usage), streams)
+              for i in range(cfg.concurrency))
+        )  # fmt: skip
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    samples.append(Sample(time.perf_counter(), streams.now, streams.tokens, pipeline.rss()))
+    return Load(list(traces), samples, streams)
 
 
 def memory_report(
@@ -466,36 +555,26 @@ async def open_clients(stack: contextlib.AsyncExitStack, count: int) -> list[htt
     ]
 
 
+def machine_load() -> dict[str, Any]:
+    """Other work on the machine skews every figure: keep what the load was, for the reader."""
+    return {"cpus": os.cpu_count(), "loadavg_1m_before": os.getloadavg()[0]}
+
+
 async def run(cfg: BenchConfig) -> dict[str, Any]:
     """The whole benchmark; returns the report (also what `--json` writes)."""
-    # Other work on the machine skews every figure: keep what the load was, for the reader.
-    machine = {"cpus": os.cpu_count(), "loadavg_1m_before": os.getloadavg()[0]}
+    machine = machine_load()
     with tempfile.TemporaryDirectory(prefix="tw-bench-") as tmp:
         workdir = Path(tmp)
         model = load_model_info(default_model_dir(workdir / "data"))
         tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
-        prompts = [
-            tokenizer.encode(PROMPT.format(i=i), add_special_tokens=False).ids
-            for i in range(cfg.concurrency)
-        ]
+        prompts = rendered_prompts(cfg, model)
         engine = direct_engine(cfg, model, tokenizer)
 
         async with contextlib.AsyncExitStack() as stack:
             pipeline = await stack.enter_async_context(running_pipeline(cfg, workdir))
             http = await stack.enter_async_context(httpx.AsyncClient(timeout=30.0))
             clients = await open_clients(stack, max(cfg.concurrency, cfg.warmup))
-            url = pipeline.url
-
-            # Warm-up: every stage's lazy paths run once before anything is measured, and
-            # every client opens its keep-alive connection, so TTFT holds no TCP connect.
-            warm = await asyncio.gather(
-                *(stream_chat(clients[i], url, chat_body(cfg, 10**6 + i), None)
-                  for i in range(cfg.warmup))
-            )  # fmt: skip
-            failed = [t.error for t in warm if t.error]
-            if failed:
-                raise RuntimeError(f"warm-up failed: {failed[0]}")
-            await asyncio.gather(*(c.get(f"{url}/health") for c in clients))
+            await warm_up(cfg, pipeline, clients)
             await run_direct(cfg, engine, prompts[: cfg.warmup])
 
             # Idle: memory, and the bus traffic nobody asked for (heartbeats, acks).
@@ -510,24 +589,13 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
             direct = summarize(await run_direct(cfg, engine, prompts))
 
             # The pipeline, N streams at once; RSS sampled throughout, the peak kept.
-            open_streams = OpenStreams()
-            peak_rss: dict[str, int] = {}
             cpu0, client0 = pipeline.cpu(), time.process_time()
             varz0 = await pipeline.varz(http)
-            sampler = asyncio.create_task(sample_rss(pipeline, peak_rss, cfg.sample_interval))
-            try:
-                traces = await asyncio.gather(
-                    *(stream_chat(clients[i], url, chat_body(cfg, i), open_streams)
-                      for i in range(cfg.concurrency))
-                )  # fmt: skip
-            finally:
-                sampler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sampler
+            load = await run_load(cfg, pipeline, clients)
             varz1 = await pipeline.varz(http)
             cpu1, client1 = pipeline.cpu(), time.process_time()
 
-    pipe = summarize(list(traces)) | {"peak_open_streams": open_streams.peak}
+    pipe = summarize(load.traces) | {"peak_open_streams": load.streams.peak}
     cpu = {name: cpu1[name] - cpu0[name] for name in cpu0}
     cpu["bench client"] = client1 - client0
     return {
@@ -536,7 +604,7 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
         "direct": direct,
         "pipeline": pipe,
         "overhead": overhead(pipe, direct),
-        "memory": memory_report(idle_rss, peak_rss, cfg.concurrency),
+        "memory": memory_report(idle_rss, peak_rss(load.samples), cfg.concurrency),
         "nats": bus_report(varz0, varz1, background, pipe),
         "cpu": {
             name: {
@@ -619,9 +687,9 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
-    d = BenchConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arg_parser(description: str, d: BenchConfig) -> argparse.ArgumentParser:
+    """The flags of a pipeline benchmark, with `d`'s values as defaults."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="concurrent streams")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens each")
     p.add_argument("--itl", type=float, default=d.itl, help="engine seconds per token")
@@ -629,31 +697,43 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="tokens per engine step")
     p.add_argument("--idle-seconds", type=float, default=d.idle_seconds)
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up streams")
+    p.add_argument("--sample-interval", type=float, default=d.sample_interval,
+                   help="seconds between RSS samples during the load")  # fmt: skip
     p.add_argument("--json", help="also write the report to this file")
-    a = p.parse_args(argv)
-    cfg = BenchConfig(
+    return p
+
+
+def bench_config(a: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
         concurrency=a.concurrency, max_tokens=a.max_tokens, itl=a.itl, ttft=a.ttft,
         chunk_size=a.chunk_size, idle_seconds=a.idle_seconds, warmup=a.warmup,
+        sample_interval=a.sample_interval,
     )  # fmt: skip
-    return cfg, a.json
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cfg, json_path = parse_args(argv)
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop when it is installed (the stages do), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
+
+def stop_on_sigterm() -> None:
     def terminate(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the pipeline's finally: stops it
 
     signal.signal(signal.SIGTERM, terminate)
-    try:
-        import uvloop  # the stages run on uvloop when it is installed; so does the baseline
-    except ImportError:
-        report = asyncio.run(run(cfg))
-    else:
-        report = uvloop.run(run(cfg))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = arg_parser(__doc__.split("\n\n")[0], BenchConfig()).parse_args(argv)
+    stop_on_sigterm()
+    report = run_async(run(bench_config(args)))
     print(render_table(report))
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench import e2e
+from bench import e2e, owner_memory
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+in_session_loop = pytest.mark.asyncio(loop_scope="session")
 
 CONCURRENCY, MAX_TOKENS = 4, 10
 
 
+@in_session_loop
 @pytest.mark.timeout(60)
 async def test_tiny_benchmark_reports_every_figure() -> None:
     cfg = e2e.BenchConfig(
@@ -51,3 +52,35 @@ async def test_tiny_benchmark_reports_every_figure() -> None:
     assert set(report["cpu"]) == {*e2e.PROCESSES, "bench client"}
 
     assert "TTFT p50" in e2e.render_table(report)
+
+
+@in_session_loop
+@pytest.mark.timeout(60)
+async def test_tiny_owner_memory_benchmark_reports_every_process() -> None:
+    cfg = e2e.BenchConfig(
+        concurrency=3, max_tokens=40, chunk_size=8, idle_seconds=0.2, warmup=1,
+        sample_interval=0.05,
+    )  # fmt: skip
+    report = await owner_memory.run(cfg)
+
+    streams = report["pipeline"]["streams"]
+    assert streams["errors"] == 0, streams["first_error"]
+    assert streams["output_tokens"] == 3 * 40
+    memory = report["pipeline"]["memory"]
+    assert set(memory) == set(e2e.PROCESSES)
+    for name, row in memory.items():
+        assert 0 < row["idle_kb"] <= row["peak_kb"], name
+        assert row["at_100pct_kb"] > 0, name  # the clients counted every token as it came
+
+    own = report["in_process"]
+    assert own["streams"] == 3 and own["bytes_per_stream"]["owned"] > 0
+    assert set(own["bytes_per_token"]) == {"at_25pct", "at_50pct", "at_75pct", "at_100pct"}
+    for share, per_token in own["bytes_per_token"].items():
+        assert per_token >= 4, share  # an array('i') holds 4 bytes a token, at least
+    assert "per committed token" in owner_memory.render_table(report)
+
+
+def test_a_least_squares_fit_recovers_a_line() -> None:
+    assert owner_memory.fit([(0, 5), (10, 45), (20, 85), (30, 125)]) == (5.0, 4.0)
+    assert owner_memory.fit([(0, 5), (10, 45)]) is None  # too few points to tell noise
+    assert owner_memory.fit([(7, 5), (7, 6), (7, 7)]) is None  # no spread in x
