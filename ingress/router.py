@@ -3,6 +3,8 @@
 `TW_OUT` republishes what it stored to `tw.sse.<ingress>.<rid>`; this process subscribes
 once to `tw.sse.<ingress>.*` and drops each message into the request's slot. A slot is a
 small queue plus an event; a writer that fell behind takes everything queued at once.
+Republished messages are core NATS: what a reconnect loses shows as a gap in `Tw-Seq` (or,
+at a stream's tail, as nothing), and is read back from the ledger by stream sequence.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError
 
 from tokenway import bus, sse
 from tokenway import headers as h
@@ -30,6 +35,7 @@ class Event:
     payload: bytes
     status: int = 200
     tokens: str = ""  # `Tw-Tokens`, as sent (a reader that counts tokens decodes it)
+    stream_seq: int = 0  # its sequence in TW_OUT
 
     @property
     def terminal(self) -> bool:
@@ -41,6 +47,7 @@ class Slot:
         self.events: deque[Event] = deque()
         self.arrived = asyncio.Event()
         self.last_seq = 0
+        self.stream_seq = 0  # where reading the ledger back starts after
 
     def put(self, event: Event) -> None:
         if event.seq <= self.last_seq:
@@ -48,6 +55,7 @@ class Slot:
         if event.seq != self.last_seq + 1:
             log.warning("gap in output: seq %d after %d", event.seq, self.last_seq)
         self.last_seq = event.seq
+        self.stream_seq = max(self.stream_seq, event.stream_seq)
         self.events.append(event)
         self.arrived.set()
 
@@ -72,6 +80,7 @@ class OutputRouter:
     def __init__(self, nc: NATS, ingress_id: str) -> None:
         self.nc = nc
         self.ingress_id = ingress_id
+        self.js = nc.jetstream()
         self.slots: dict[str, Slot] = {}
         self.idle = asyncio.Event()  # set while no request is open
         self.idle.set()
@@ -107,28 +116,65 @@ class OutputRouter:
         task.add_done_callback(self._background.discard)
 
     async def _on_msg(self, msg: Msg) -> None:
-        slot = self.slots.get(bus.rid_of(msg.subject))
+        rid = bus.rid_of(msg.subject)
+        slot = self.slots.get(rid)
         if slot is None:
             return  # the client already left
         event = event_of(msg)
-        if event is not None:
-            slot.put(event)
+        if event is None:
+            return
+        if event.seq > slot.last_seq + 1:  # republished while we were reconnecting
+            await self._read_back(rid, slot, before=event.stream_seq)
+        slot.put(event)
+
+    async def reconnected(self) -> None:
+        """After a reconnect, what every open request missed, including its end."""
+        for rid, slot in list(self.slots.items()):
+            await self._read_back(rid, slot)
+
+    async def _read_back(self, rid: str, slot: Slot, before: int | None = None) -> None:
+        """The request's ledger messages after the slot's last, up to `before` (a stream
+        sequence) or the end, by direct gets: no consumer, in order."""
+        subject = bus.out_subject(self.ingress_id, rid)
+        seq = slot.stream_seq + 1
+        while before is None or seq < before:
+            try:
+                raw = await self.js.get_msg(bus.OUT_STREAM, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return
+            except nats.errors.Error as exc:  # NATS away again: the next reconnect retries
+                log.warning("could not read %s back from the ledger: %r", rid, exc)
+                return
+            if before is not None and raw.seq >= before:
+                return
+            event = event_of(raw)
+            if event is not None:
+                slot.put(event)
+            seq = raw.seq + 1
 
 
-def event_of(msg: Msg) -> Event | None:
-    """A ledger message (live or read back from TW_OUT) as an output event."""
+def event_of(msg: Msg | RawStreamMsg) -> Event | None:
+    """A ledger message (live, or read back from TW_OUT) as an output event."""
     hdrs = msg.headers or {}
     try:
         return Event(
             seq=int(hdrs[h.SEQ]),
             kind=hdrs.get(h.KIND, h.KIND_CHUNK),
-            payload=msg.data,
+            payload=msg.data or b"",
             status=int(hdrs.get(h.STATUS, 200)),
             tokens=hdrs.get(h.TOKENS, ""),
+            stream_seq=_stream_seq(msg, hdrs),
         )
     except (KeyError, ValueError):
         log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
         return None
+
+
+def _stream_seq(msg: Msg | RawStreamMsg, hdrs: dict[str, str]) -> int:
+    """Read back: the message's own; republished: the header the server adds."""
+    if isinstance(msg, RawStreamMsg):
+        return msg.seq or 0
+    return int(hdrs.get(h.STREAM_SEQUENCE, 0))
 
 
 def sse_events(events: list[Event]) -> tuple[bytes, bool]:

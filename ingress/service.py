@@ -45,8 +45,14 @@ class IngressService:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         return f"http://{host}:{port}"
 
+    async def _reconnected(self) -> None:
+        if self.router is not None:
+            await self.router.reconnected()
+
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = await bus.connect(nats_url, f"tokenway-ingress-{self.ingress_id}")
+        nc = await bus.connect(
+            nats_url, f"tokenway-ingress-{self.ingress_id}", reconnected=self._reconnected
+        )
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         self.registry = registry = EngineRegistry(kv, self.served, self.settings.engine_ttl)
         self.router = router = OutputRouter(nc, self.ingress_id)

@@ -43,8 +43,10 @@ def _container_nats() -> Iterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def nats_server(store: Path, max_payload: int = 8 << 20) -> AsyncIterator[EmbeddedNats]:
-    server = EmbeddedNats(store, max_payload=max_payload)
+async def nats_server(
+    store: Path, max_payload: int = 8 << 20, port: int = -1
+) -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats(store, port=port, max_payload=max_payload)
     await server.start()
     try:
         yield server

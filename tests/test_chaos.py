@@ -24,7 +24,7 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.conftest import Stack, make_settings, nats_server, start_stack, wait_engines
 from tests.streams import Streamed, post, resume, until
 from tests.test_cancel import consumer_names
 from tests.test_cli import free_port, logged, spawn, stop
@@ -67,7 +67,7 @@ class Chaos:
 @contextlib.asynccontextmanager
 async def chaos(nats_url: str, tmp: Path, stage: str, processes: int) -> AsyncIterator[Chaos]:
     model = f"chaos-{stage}-{tmp.name}"
-    settings = make_settings(tmp, served_model_name=model, request_timeout=60.0, **TIMING)
+    settings = make_settings(tmp, served_model_name=model, request_timeout=20.0, **TIMING)
     # The faulted stage runs as processes only; the clients' ingress also runs in-process.
     absent = {"engine": "sim", "ingress": ""}.get(stage, stage)
     names = [s for s in STAGES if s != absent]
@@ -75,7 +75,12 @@ async def chaos(nats_url: str, tmp: Path, stage: str, processes: int) -> AsyncIt
     c = Chaos(stack, tmp, url=stack.url)
     try:
         for _ in range(processes):
-            await c.spawn(stage, *(["--port", str(free_port())] if stage == "ingress" else []))
+            if stage == "ingress":  # the clients' ingress: the one that will die
+                port = free_port()
+                await c.spawn(stage, "--port", str(port))
+                c.url = f"http://127.0.0.1:{port}"
+            else:
+                await c.spawn(stage)
         if stage == "engine":
             await wait_engines(stack.ingress.registry, processes)
         yield c
@@ -203,3 +208,41 @@ async def test_killing_a_worker_process_loses_nothing(
         failed = check(got, expected, errors_allowed=False)
         report(stage, got, expected, failed)
         await nothing_left(c, consumers)
+
+
+async def test_killing_the_clients_ingress_then_resuming_elsewhere_loses_nothing(
+    nats_url: str, tmp_path: Path
+) -> None:
+    async with chaos(nats_url, tmp_path, "ingress", processes=1) as c:
+        consumers = await consumer_names(nats_url)
+        expected = await run_load(c, c.stack.url)
+        (doomed,) = c.procs
+
+        async def kill() -> None:
+            doomed.send_signal(signal.SIGKILL)  # no cancel goes out: the owners go on
+
+        got = await run_load(c, c.url, started(5), kill)
+        assert all(s.rid for s in got)
+        failed = check(got, expected, errors_allowed=False)
+        report("ingress", got, expected, failed)
+        await nothing_left(c, consumers)
+
+
+async def test_restarting_the_nats_server_mid_stream_loses_nothing_silently(
+    tmp_path: Path,
+) -> None:
+    """The server stops and starts again on the same port and file store while every stream
+    runs: core NATS messages in flight are lost, connections reconnect, streams and
+    consumers come back from disk. Every stream completes, or ends with an explicit error."""
+    async with nats_server(tmp_path / "nats", port=free_port()) as server:
+        async with chaos(server.url, tmp_path, "engine", processes=2) as c:
+            expected = await run_load(c, c.url)
+
+            async def restart() -> None:
+                await asyncio.to_thread(server.stop)
+                await server.start()
+
+            got = await run_load(c, c.url, started(5), restart)
+            failed = check(got, expected, errors_allowed=True)
+            report("nats", got, expected, failed)
+            await nothing_left(c, await consumer_names(server.url))

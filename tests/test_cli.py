@@ -174,7 +174,7 @@ async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Pa
         assert code == 0
 
 
-def test_every_flag_is_a_setting_and_reaches_it() -> None:
+async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     """A flag that names no setting would be silently ignored: none may."""
     import argparse
 

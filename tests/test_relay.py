@@ -20,6 +20,7 @@ from engines.vllm_http import VllmEndpoint, VllmEngine
 from tests.conftest import Stack, make_settings, start_stack, wait_engines
 from tests.streams import Streamed, post, until
 from tests.test_cli import logged, spawn, stop
+from tests.test_scheduling import model, pipeline, sim
 from tokenway.aio import Signal
 from tokenway.cli import resolve_model
 
@@ -225,3 +226,22 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
         if second is not None:
             await stop(second)
         await stack.close()
+
+
+async def test_a_pd_decode_leg_failing_mid_stream_relays_both_legs_on_the_replay_prompt(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engines = [sim("pre", "prefill"), sim("dec", "decode", fail_after=20)]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, decode)):
+        relayed = await stream(stack.url, body(model(stack), 60))
+        clean = await stream(stack.url, body(model(stack), 60))
+        assert_same_stream(relayed, clean, 60)
+        # The decode leg died after 20 tokens; the relay prefilled prompt + what was
+        # committed, then decoded from there, with the new prefill's KV hand-over.
+        first, replay = prefill.received[0], prefill.received[1]
+        done = len(replay.token_ids) - len(first.token_ids)
+        assert 0 < done <= 20 and replay.token_ids[: len(first.token_ids)] == first.token_ids
+        assert decode.received[1].token_ids == replay.token_ids
+        assert decode.received[1].sampling_params.max_tokens == 60 - done
+        kv = [w.kv_transfer_params for w in decode.received[:2]]
+        assert all(kv) and kv[0] != kv[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
@@ -213,8 +214,11 @@ def sched_consumer(s: Settings, model: str) -> ConsumerSpec:
     )
 
 
-async def connect(url: str, name: str) -> NATS:
-    """A service connection: reconnect forever, notice a dead server within seconds."""
+async def connect(
+    url: str, name: str, reconnected: Callable[[], Awaitable[None]] | None = None
+) -> NATS:
+    """A service connection: reconnect forever, notice a dead server within seconds;
+    `reconnected` runs after each reconnect (subscriptions are back by then)."""
     return await nats.connect(
         url,
         name=name,
@@ -222,6 +226,7 @@ async def connect(url: str, name: str) -> NATS:
         reconnect_time_wait=0.5,
         ping_interval=5,
         max_outstanding_pings=3,
+        reconnected_cb=reconnected,
     )
 
 
@@ -257,7 +262,7 @@ async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
             ttl=s.engine_ttl,
             limit_marker_ttl=s.engine_ttl,
             max_bytes=16 << 20,
-            storage=jsapi.StorageType.MEMORY,
+            storage=jsapi.StorageType.FILE,  # a server restart keeps the registry
             replicas=s.replicas,
         )
     )

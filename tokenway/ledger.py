@@ -8,9 +8,12 @@ from array import array
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from tokenway import bus
 from tokenway import headers as h
@@ -20,6 +23,9 @@ from tokenway.wire import DeadLetter, ErrorInfo
 log = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
+
+PUBLISH_WITHIN = 10.0  # seconds a ledger publish keeps trying (a server restart takes ~1)
+_PUBLISH_TRY = 2.0
 
 
 def out_headers(
@@ -61,11 +67,38 @@ async def publish_error(
     after: int | None = None,
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
-    await js.publish(
+    await publish(
+        js,
         bus.out_subject(reply, rid),
         error_body(info),
-        headers=out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after),
+        out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after),
+        within=PUBLISH_WITHIN,
     )
+
+
+def _transient(exc: BaseException) -> bool:
+    """NATS away, or the stream not back yet; a refusal (an API error) is an answer."""
+    return isinstance(exc, nats.errors.Error) and not isinstance(exc, APIError)
+
+
+async def publish(
+    js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
+) -> PubAck:
+    """Store one ledger message, retrying while NATS or the stream comes back (a restart).
+
+    Safe to retry: a publish that was stored but not answered is a duplicate by its message
+    id, which the server checks before the fence (the expected last subject sequence).
+    """
+    retrying = AsyncRetrying(
+        stop=stop_after_delay(within),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        retry=retry_if_exception(_transient),
+        reraise=True,
+    )
+    async for attempt in retrying:
+        with attempt:
+            return await js.publish(subject, payload, headers=headers, timeout=_PUBLISH_TRY)
+    raise AssertionError("unreachable: tenacity reraises")
 
 
 def superseded(exc: APIError) -> bool:

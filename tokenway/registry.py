@@ -7,15 +7,18 @@ into a delete that watchers see, so nobody polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
+import nats.errors
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from tokenway import bus
-from tokenway.aio import Signal
+from tokenway.aio import Signal, wait_any
 from tokenway.wire import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -46,17 +49,38 @@ class EngineRegistry:
             for callback in self.on_removed:
                 callback(key)
 
+    def _prune(self) -> None:
+        """Drop engines past their TTL: the delete that says so may have been lost."""
+        horizon = time.time() - self.ttl
+        for key in [k for k, e in self.engines.items() if e.updated < horizon]:
+            self._remove(key)
+        self.changed.fire()
+
     async def run(self, stop: asyncio.Event) -> None:
+        """Follow the bucket. Heartbeats arrive three times per TTL; a TTL of silence means
+        the watch may have died with a server restart, so it is made anew."""
         watcher = await self._kv.watchall()
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 update = asyncio.ensure_future(watcher.updates(timeout=None))
-                await asyncio.wait({update, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not update.done():
+                done, _ = await asyncio.wait(
+                    {update, stopping}, timeout=self.ttl, return_when=asyncio.FIRST_COMPLETED
+                )
+                if stopping in done:
                     update.cancel()
                     break
-                entry = update.result()
+                if not done:
+                    update.cancel()
+                    self._prune()
+                    watcher = await self._rewatch(watcher)
+                    continue
+                try:
+                    entry = update.result()
+                except nats.errors.Error as exc:
+                    log.warning("registry watch failed (%r); watching anew", exc)
+                    watcher = await self._rewatch(watcher)
+                    continue
                 if entry is None:  # the end of the initial snapshot
                     continue
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
@@ -68,7 +92,19 @@ class EngineRegistry:
                 self.changed.fire()
         finally:
             stopping.cancel()
+            with contextlib.suppress(nats.errors.Error):
+                await watcher.stop()
+
+    async def _rewatch(self, watcher: Any) -> Any:
+        """A fresh watch (its snapshot refreshes every entry); the old one while NATS is
+        away (the next TTL tries again)."""
+        with contextlib.suppress(nats.errors.Error):
             await watcher.stop()
+        try:
+            return await self._kv.watchall()
+        except nats.errors.Error as exc:
+            log.warning("registry watch not renewed (%r); trying again in a TTL", exc)
+            return watcher
 
 
 async def heartbeat(
@@ -79,9 +115,10 @@ async def heartbeat(
     while not stop.is_set():
         beat = info()
         beat.updated = time.time()
-        await kv.put(key, _encoder.encode(beat))
         try:
-            await asyncio.wait_for(stop.wait(), ttl / 3)
-        except TimeoutError:
-            pass
-    await kv.delete(key)
+            await kv.put(key, _encoder.encode(beat))
+        except nats.errors.Error as exc:  # NATS away for a moment: the next beat may land
+            log.warning("heartbeat of %s not stored: %r", key, exc)
+        await wait_any(stop, timeout=ttl / 3)
+    with contextlib.suppress(nats.errors.Error):
+        await kv.delete(key)

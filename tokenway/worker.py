@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -81,10 +82,14 @@ async def _fetch(sub: JetStreamContext.PullSubscription, want: int, wait: float)
         msgs = await sub.fetch(1, timeout=wait)
     except (TimeoutError, NatsTimeout):
         return []
+    except nats.errors.Error as exc:  # NATS away (a restart): wait a little, then pull again
+        log.warning("fetch failed: %r", exc)
+        await asyncio.sleep(wait)
+        return []
     pending = msgs[0].metadata.num_pending
     if want > 1 and pending:
         try:
             msgs += await sub.fetch(min(want - 1, pending), timeout=_DRAIN_WAIT)
-        except (TimeoutError, NatsTimeout):
-            pass  # another worker took them
+        except (TimeoutError, NatsTimeout, nats.errors.Error):
+            pass  # another worker took them, or NATS went away: the next fetch tells
     return msgs

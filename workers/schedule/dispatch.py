@@ -191,10 +191,10 @@ class Dispatcher:
                     for e in self._compatible()
                     if e.id not in tried and self.breakers.admits(e.id, now)
                 ]
-                # A relay goes to another engine than the ones that failed it, if any.
-                engines = [e for e in engines if e.id not in r.avoid] or engines
                 if self._waiting[0] is entry:
-                    plan = self._plan(r, engines, hashes, now)
+                    plan = self._relay_plan(r, engines, hashes, now) or self._plan(
+                        r, engines, hashes, now
+                    )
                     if plan is not None and self._claim(plan, now):
                         return plan
                 untried = [e for e in engines if e.role in routing.OUTPUT_ROLES]
@@ -220,6 +220,19 @@ class Dispatcher:
         for e in claimed:
             self.breakers.abandon(e.id, now)
         return False
+
+    def _relay_plan(
+        self, r: Owned, engines: list[EngineInfo], hashes: list[int], now: float
+    ) -> Plan | None:
+        """A relay goes to other engines than the ones that failed it, when they can take
+        it (a P/D relay may still need the failed decode engine, for want of another)."""
+        others = [e for e in engines if e.id not in r.avoid]
+        if not r.avoid or len(others) == len(engines):
+            return None
+        try:
+            return self._plan(r, others, hashes, now)
+        except EngineFailed:  # too small without the failed ones: they decide
+            return None
 
     def _plan(
         self, r: Owned, engines: list[EngineInfo], hashes: list[int], now: float

@@ -166,6 +166,7 @@ class Owned:
         self.broken = None
         self.trouble.clear()
         self.relays += 1
+        self.attempt += 1  # from here the failed attempt's late deltas are stale
         self.prefill_kv = None
         for c in self.choices:
             c.roll_back()

@@ -18,9 +18,10 @@ import time
 from collections import OrderedDict
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
@@ -63,7 +64,6 @@ _reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
-_COMMIT_TIMEOUT = 5.0
 _SHUTDOWN_GRACE = 10.0
 _DERENDER_BACKOFF = 0.05
 
@@ -141,7 +141,10 @@ class ScheduleService:
         while not stop.is_set():
             await wait_any(stop, timeout=self.settings.ack_wait / 3)
             for r in list(self.requests.values()):
-                await r.msg.in_progress()
+                try:
+                    await r.msg.in_progress()
+                except nats.errors.Error as exc:  # NATS away: the next round retries
+                    log.warning("in-progress ack of %s failed: %r", r.rid, exc)
             for held in self.fanout.held() if self.fanout is not None else []:
                 await held.in_progress()
             if self.dispatcher is not None:
@@ -419,9 +422,9 @@ class ScheduleService:
                     after=r.ledger_seq,
                 )  # fmt: skip
                 try:
-                    ack = await self._js.publish(
-                        bus.out_subject(r.reply, r.rid), payload, headers=hdrs,
-                        timeout=_COMMIT_TIMEOUT,
+                    ack = await ledger.publish(
+                        self._js, bus.out_subject(r.reply, r.rid), payload, hdrs,
+                        within=ledger.PUBLISH_WITHIN,
                     )  # fmt: skip
                 except APIError as exc:
                     if ledger.superseded(exc):
@@ -430,7 +433,7 @@ class ScheduleService:
                     else:
                         r.fail(StageUnavailable(f"could not commit output: {exc}").info())
                     return
-                except (NatsTimeout, ConnectionClosedError) as exc:
+                except nats.errors.Error as exc:
                     r.fail(StageUnavailable(f"could not commit output: {exc!r}").info())
                     return
                 r.out_seq, r.ledger_seq = seq, ack.seq

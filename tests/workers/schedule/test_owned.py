@@ -137,11 +137,12 @@ def test_a_relay_continues_from_the_committed_output() -> None:
     assert choice.pending == [] and choice.state == b"after-8" and choice.finish is None
     assert r.broken is None and not r.trouble.is_set() and r.relays == 1
     assert r.client_kv is None  # the client's remote KV was for the first attempt only
-    # The next attempt's deltas are taken; the failed one's are not.
-    r.attempt = 1
-    r.next_delta = 0
+    # Until the next attempt starts, and after, the failed one's deltas are stale.
     assert not r.accept(delta(2, [5], attempt=0))
-    assert r.accept(delta(0, [9], attempt=1))
+    r.attempt += 1  # what dispatch does when it starts the next attempt
+    r.next_delta = 0
+    assert not r.accept(delta(3, [5], attempt=0))
+    assert r.accept(delta(0, [9], attempt=r.attempt))
     [(_, entry)] = r.take_ready()
     assert entry.state == b"after-8" and entry.token_ids == [9]
 
