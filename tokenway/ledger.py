@@ -89,6 +89,12 @@ async def publish(
     Safe to retry: a publish that was stored but not answered is a duplicate by its message
     id, which the server checks before the fence (the expected last subject sequence).
     """
+    try:  # the usual case, without the cost of a retry loop
+        return await js.publish(subject, payload, headers=headers, timeout=_PUBLISH_TRY)
+    except nats.errors.Error as exc:
+        if not _transient(exc):
+            raise
+        log.warning("ledger publish on %s failed (%r); retrying", subject, exc)
     retrying = AsyncRetrying(
         stop=stop_after_delay(within),
         wait=wait_exponential(multiplier=0.05, max=1.0),
