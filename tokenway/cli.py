@@ -103,7 +103,10 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
             from workers.derender.service import DerenderService
 
             parser_flags(s)  # refuse unknown parser names here too
-            stages.append(DerenderService(s, model.path, served))
+            try:
+                stages.append(DerenderService(s, model.path, served))
+            except ValueError as exc:
+                raise SystemExit(f"tokenway: {exc}") from exc
         elif name == "sim":
             stages.extend(sim_engines(s, model, served, obf))
         elif name == "vllm":
@@ -299,6 +302,25 @@ def _render(p: argparse.ArgumentParser) -> None:
     g.add_argument("--render-timeout", type=float, help="seconds for its whole reply (default 10)")
 
 
+def _derender(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("derender backend (render needs it too: it adds the client body)")
+    g.add_argument(
+        "--derender-backend",
+        choices=["local", "vllm"],
+        help="local: the model directory's tokenizer (default); vllm: a vLLM derender server "
+        "at --derender-url, with no local fallback",
+    )
+    g.add_argument("--derender-url", help="http://host:port of it (default: --render-url)")
+    g.add_argument(
+        "--derender-connect-timeout", type=float, help="seconds to connect to it (default 2)"
+    )
+    g.add_argument(
+        "--derender-server-timeout",
+        type=float,
+        help="seconds for its whole reply (default 5; must be below TOKENWAY_DERENDER_TIMEOUT, 10)",
+    )
+
+
 def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
@@ -456,7 +478,8 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
-    _common(up), _http(up), _parsers(up), _render(up), _scheduling(up), _sim(up), _obfuscation(up)
+    _common(up), _http(up), _parsers(up), _render(up), _derender(up), _scheduling(up)
+    _sim(up), _obfuscation(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -471,6 +494,8 @@ def parser() -> argparse.ArgumentParser:
             _parsers(p)
         if name == "render":
             _render(p)
+        if name in ("render", "derender"):
+            _derender(p)
         if name == "schedule":
             _scheduling(p), _obfuscation(p)
     engine = sub.add_parser("engine", help="run an engine bridge")

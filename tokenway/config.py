@@ -48,6 +48,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     render_url: str | None = None
     render_connect_timeout: PositiveFloat = 2.0
     render_timeout: PositiveFloat = 10.0  # for the render server's whole reply
+    # who derenders: "local" (the model directory's tokenizer) or "vllm" (a vLLM derender
+    # server at derender_url, default render_url; never falls back: states differ)
+    derender_backend: Literal["local", "vllm"] = "local"
+    derender_url: str | None = None
+    derender_connect_timeout: PositiveFloat = 2.0
+    derender_server_timeout: PositiveFloat = 5.0  # whole reply; below derender_timeout
 
     # ingress
     host: str = "127.0.0.1"

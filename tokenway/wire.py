@@ -104,6 +104,9 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     # a usage chunk of its own (the fan-out owner closes the merged stream with one).
     index_base: int = 0
     closing_usage: bool = True
+    # The client's body, as it sent it: set by render only for `--derender-backend vllm`,
+    # whose derender server wants the original request (it rides on every derender call).
+    request_body: bytes | None = None
 
 
 # How many prompts one completions request may carry.

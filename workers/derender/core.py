@@ -203,10 +203,8 @@ def _logprobs(
 
 
 def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
-    """A call's entries, each on its own; then the non-streaming choices of one response are
-    merged into its first entry's document (the others carry none)."""
+    """A call's entries, each on its own (one bad entry fails only itself)."""
     results: list[DerenderResult] = []
-    firsts: dict[tuple[str, int], int] = {}  # by response and prompt (sub-requests share ids)
     for entry in entries:
         try:
             result = derender(detok, entry)
@@ -215,11 +213,21 @@ def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[
         except Exception as exc:  # a bug must still answer the caller, with what broke
             result = DerenderResult(error=internal(exc))
         results.append(result)
+    return merge_choices(entries, results)
+
+
+def merge_choices(
+    entries: Sequence[DerenderEntry], results: list[DerenderResult]
+) -> list[DerenderResult]:
+    """The non-streaming choices of one response merged into its first entry's document
+    (the others carry none), whichever backend derendered them."""
+    firsts: dict[tuple[str, int], int] = {}  # by response and prompt (sub-requests share ids)
+    for i, (entry, result) in enumerate(zip(entries, results, strict=True)):
         ctx = entry.context
         if ctx.stream or ctx.n == 1 or result.error is not None:
             continue
-        first = firsts.setdefault((ctx.response_id, ctx.index_base), len(results) - 1)
-        if first != len(results) - 1:
+        first = firsts.setdefault((ctx.response_id, ctx.index_base), i)
+        if first != i:
             merged = chunks.merge_responses(results[first].chunks[0], result.chunks[0])
             results[first].chunks, result.chunks = [merged], []
     return results

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
-from tokenizers import Tokenizer
 
 from tokenway import bus
 from tokenway.config import Settings
 from tokenway.wire import DerenderCall, DerenderReply, ErrorInfo
-from workers.derender.core import derender_call
-from workers.derender.detok import Detokenizer
+from workers.derender.backend import DerenderBackend, derender_backend
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +20,13 @@ _decoder = msgspec.msgpack.Decoder(DerenderCall)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def handle(detok: Detokenizer, payload: bytes) -> bytes:
+async def handle(backend: DerenderBackend, payload: bytes) -> bytes:
     """One call: every entry derendered on its own, so one bad entry fails only itself."""
     try:
         call = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         return _encoder.encode(DerenderReply(error=ErrorInfo(message=f"bad derender call: {exc}")))
-    results = derender_call(detok, call.entries)
+    results = await backend.derender(call.entries)
     for result in results:
         if result.error is not None and result.error.status >= 500:
             log.error("derender failed: %s", result.error.message)
@@ -41,15 +39,27 @@ class DerenderService:
     def __init__(self, settings: Settings, model_dir: Path, model: str) -> None:
         self.settings = settings
         self.model = model
-        self.detok = Detokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        self.backend = derender_backend(settings, model_dir)
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = await bus.connect(nats_url, f"tokenway-derender-{self.model}")
 
-        async def on_call(msg: Msg) -> None:
-            await msg.respond(handle(self.detok, msg.data))
+        async def answer(msg: Msg) -> None:
+            await msg.respond(await handle(self.backend, msg.data))
 
-        await nc.subscribe(bus.derender_subject(self.model), queue=bus.DERENDER_QUEUE, cb=on_call)
-        log.info("derender serving %s", self.model)
-        await stop.wait()
+        async with asyncio.TaskGroup() as calls:
+            # nats-py runs a subscription's callbacks one at a time: calls that wait on a
+            # server run as tasks of their own, so one slow answer does not hold the rest.
+            async def on_call(msg: Msg) -> None:
+                if self.backend.awaits_io:
+                    calls.create_task(answer(msg))
+                else:
+                    await answer(msg)
+
+            subject = bus.derender_subject(self.model)
+            sub = await nc.subscribe(subject, queue=bus.DERENDER_QUEUE, cb=on_call)
+            log.info("derender serving %s (%s backend)", self.model, self.settings.derender_backend)
+            await stop.wait()
+            await sub.drain()  # takes what was received; the task group awaits the answers
         await nc.drain()
+        await self.backend.aclose()

@@ -1,28 +1,49 @@
-"""A fake vLLM render server for tests: vLLM 0.33's render routes over real HTTP, with faults.
+"""A fake vLLM render server for tests: vLLM 0.33's render and derender routes over real HTTP,
+with faults.
 
 `async with FakeVllmRender(renderer) as fake:` serves `POST /v1/chat/completions/render` and
 `POST /v1/completions/render` with uvicorn on 127.0.0.1 at `fake.url`. It renders with
 tokenway's own local `Renderer`, so a healthy answer holds exactly the token IDs local
 rendering gives, in vLLM's JSON (a `GenerateRequest`, or a list of one for completions); a
-request the renderer refuses is a 400 with its message, as vLLM answers. `fake.knobs` injects
-faults and may change between requests; `fake.calls` records every request. `stop()` closes
+request the renderer refuses is a 400 with its message, as vLLM answers. The derender routes
+(`/v1/chat/completions/derender`, `/v1/completions/derender`) derender with tokenway's local
+core, so their text is the local backend's; the fake's `stream_state` is vLLM-shaped JSON
+holding the local core's state (`{"tw": base64, "pad": ...}`), and a streaming request with
+stop strings is refused as vLLM refuses it. `fake.knobs` injects faults (into every route)
+and may change between requests; `fake.calls` records every request. `stop()` closes
 the port (and every kept-alive connection) and `start()` opens the same port again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 import uvicorn
+from tokenizers import Tokenizer
 
 from engines.fake_http import QuietServer, read_body, send_body, send_json
 from tokenway.errors import TokenwayError
-from tokenway.wire import Api, GenerateRequest, RenderRequest
+from tokenway.wire import (
+    Api,
+    DerenderEntry,
+    GenerateRequest,
+    LogprobEntry,
+    OutputContext,
+    RenderRequest,
+    TokenLogprob,
+)
+from workers.derender import chunks
+from workers.derender.core import derender
+from workers.derender.detok import Detokenizer
+from workers.derender.vllm_http import CHAT_PATH as DERENDER_CHAT_PATH
+from workers.derender.vllm_http import COMPLETION_PATH as DERENDER_COMPLETION_PATH
 from workers.render.core import Renderer
 from workers.render.vllm_http import CHAT_PATH, COMPLETION_PATH
 
@@ -31,6 +52,10 @@ from workers.render.vllm_http import CHAT_PATH, COMPLETION_PATH
 # empty: no token IDs; vocab: a token ID past the vocabulary.
 Fault = Literal["die", "hang", "garbage", "shape", "empty", "vocab"]
 
+_ROUTES: dict[str, Api] = {
+    CHAT_PATH: "chat", COMPLETION_PATH: "completion",
+    DERENDER_CHAT_PATH: "chat", DERENDER_COMPLETION_PATH: "completion",
+}  # fmt: skip
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError"}
 
 
@@ -44,12 +69,15 @@ class Knobs:
     prefix: list[int] = field(default_factory=list)
     # Sampling parameters the server adds, as a model's generation config would.
     params: dict[str, Any] = field(default_factory=dict)
+    # Characters added to every derender stream_state, as vLLM's parser path grows it.
+    state_pad: int = 0
 
 
 @dataclass
 class Call:
     api: Api
     body: dict[str, Any]
+    derender: bool = False
 
 
 class _Died(Exception):
@@ -111,6 +139,9 @@ def vllm_generate_request(api: Api, generate: GenerateRequest, body: dict[str, A
 class FakeVllmRender:
     def __init__(self, renderer: Renderer, knobs: Knobs | None = None) -> None:
         self.renderer = renderer
+        self.detok = Detokenizer(
+            Tokenizer.from_file(str(renderer.builder.info.path / "tokenizer.json"))
+        )
         self.knobs = knobs or Knobs()
         self.calls: list[Call] = []
         self.url = ""
@@ -163,7 +194,7 @@ class FakeVllmRender:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        api: Api | None = {CHAT_PATH: "chat", COMPLETION_PATH: "completion"}.get(scope["path"])
+        api: Api | None = _ROUTES.get(scope["path"])
         if api is None or scope["method"] != "POST":
             await send_json(send, 404, {"detail": "Not Found"})
             return
@@ -173,7 +204,8 @@ class FakeVllmRender:
         except msgspec.DecodeError as exc:
             await send_json(send, 400, error_doc(400, f"JSON decode error: {exc}"))
             return
-        self.calls.append(Call(api, body))
+        derender = scope["path"] in (DERENDER_CHAT_PATH, DERENDER_COMPLETION_PATH)
+        self.calls.append(Call(api, body, derender))
         k = self.knobs
         if k.status is not None:
             await send_json(send, k.status, error_doc(k.status, k.message))
@@ -191,6 +223,8 @@ class FakeVllmRender:
             raise _Died("closing the connection mid-answer")
         elif k.fault == "garbage":
             await send_body(send, 200, b"<html><body>upstream gone</body></html>", b"text/html")
+        elif derender:
+            await self._derender(api, body, send)
         else:
             await self._render(api, raw, body, send)
 
@@ -213,3 +247,96 @@ class FakeVllmRender:
         elif k.fault == "vocab":
             doc["token_ids"].append(self.renderer.builder.info.vocab_size + 7)
         await send_json(send, 200, doc if api == "chat" else [doc])
+
+    async def _derender(self, api: Api, body: dict[str, Any], send: Any) -> None:
+        """One derender call, answered by tokenway's local core in vLLM's shapes."""
+        request = body.get("chat_request") or body.get("completion_request") or {}
+        stream = bool(body.get("stream"))
+        if stream and request.get("stop"):
+            message = "stop strings are not supported by streaming derender"
+            await send_json(send, 400, error_doc(400, message))
+            return
+        if stream:
+            gen, tail, prompt_tokens = (
+                body["generate_chunk"],
+                body["prompt_token_ids"],
+                body["prompt_tokens"],
+            )
+        elif api == "chat":
+            gen, tail, prompt_tokens = (
+                body["generate_response"],
+                body["prompt_token_ids"],
+                body["prompt_tokens"],
+            )
+        else:
+            gen, tail, prompt_tokens = (
+                body["generate_responses"][0],
+                body["prompt_token_ids"][0],
+                body["prompt_tokens"][0],
+            )
+        raw = msgspec.json.encode(request)
+        rendered = self.renderer.render(
+            RenderRequest(api=api, request_id="fake", body=raw, created=0)
+        )
+        ctx = msgspec.structs.replace(
+            rendered.context,
+            response_id=gen["request_id"],
+            created=int(time.time()),
+            stream=stream,
+            prompt_tokens=prompt_tokens,
+            prompt_tail=tail,
+            include_usage=gen.get("usage") is not None,
+            continuous_usage_stats=True,
+            closing_usage=False,
+        )
+        state = (body.get("stream_state") or {}).get("tw")
+        if not gen["choices"]:  # the generate route's closing usage chunk
+            doc = chunks.usage_chunk(ctx, gen["usage"]["completion_tokens"])
+            await send_json(send, 200, {"chunk": msgspec.json.decode(doc), "stream_state": {}})
+            return
+        choice = gen["choices"][0]
+        entry = DerenderEntry(
+            context=msgspec.structs.replace(ctx, index_base=choice["index"]),
+            state=base64.b64decode(state) if state else None,
+            token_ids=choice["token_ids"], prompt_token_ids=gen.get("prompt_token_ids"),
+            logprobs=_logprobs(choice.get("logprobs")), finish_reason=choice.get("finish_reason"),
+            stop_reason=choice.get("stop_reason"),
+        )  # fmt: skip
+        result = derender(self.detok, entry)  # raises on what vLLM would answer 400 to
+        if not stream:
+            await send_json(send, 200, msgspec.json.decode(result.chunks[0]))
+            return
+        doc = (
+            msgspec.json.decode(result.chunks[0])
+            if result.chunks
+            else _empty_chunk(ctx, api, choice["index"])
+        )
+        new_state = {
+            "tw": base64.b64encode(result.state or b"").decode(),
+            "pad": "x" * self.knobs.state_pad,
+        }
+        await send_json(send, 200, {"chunk": doc, "stream_state": new_state})
+
+
+def _logprobs(doc: dict[str, Any] | None) -> list[LogprobEntry] | None:
+    if doc is None:
+        return None
+
+    def top(e: dict[str, Any]) -> list[TokenLogprob]:
+        return [TokenLogprob(t["token_id"], t["logprob"], t.get("rank")) for t in e["top_logprobs"]]
+
+    return [
+        LogprobEntry(e["token_id"], e["logprob"], e.get("rank"), top(e)) for e in doc["content"]
+    ]
+
+
+def _empty_chunk(ctx: OutputContext, api: Api, index: int) -> dict[str, Any]:
+    """vLLM answers every call with a chunk, also when the tokens showed nothing yet."""
+    if api == "chat":
+        choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+        kind = "text_completion"
+    return {"id": ctx.response_id, "object": kind, "created": ctx.created, "model": ctx.model,
+            "choices": [choice], "usage": None}  # fmt: skip

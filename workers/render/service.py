@@ -67,6 +67,8 @@ class RenderService:
             if deadline is not None and time.time() > deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
             generate = await self.backend.render(request)
+            if self.settings.derender_backend == "vllm":
+                generate.context.request_body = request.body
             await self._forward(js, rid, reply, deadline, generate)
         except TokenwayError as exc:
             await ledger.publish_error(js, reply, rid, 1, exc.info())

@@ -55,7 +55,7 @@ _completion_reply = msgspec.json.Decoder(list[RenderedPrompt])
 _error_reply = msgspec.json.Decoder(_ErrorBody)
 
 
-def _snippet(content: bytes) -> str:
+def snippet(content: bytes) -> str:
     return content[:300].decode("utf-8", "replace").strip() or "(empty body)"
 
 
@@ -65,7 +65,7 @@ def refusal(status: int, content: bytes) -> TokenwayError:
         error = _error_reply.decode(content).error
         message, param = error.message, error.param
     except msgspec.DecodeError:
-        message, param = f"the render server refused the request: {_snippet(content)}", None
+        message, param = f"the server refused the request: {snippet(content)}", None
     return (Unprocessable if status == 422 else InvalidRequest)(message, param=param)
 
 
@@ -75,7 +75,7 @@ def prompt_from_reply(api: Api, status: int, content: bytes, vocab_size: int) ->
         raise refusal(status, content)
     if status != 200:
         reason = "server_error" if status >= 500 else "status"
-        raise RenderUnavailable(reason, f"HTTP {status}: {_snippet(content)}")
+        raise RenderUnavailable(reason, f"HTTP {status}: {snippet(content)}")
     try:
         if api == "chat":
             prompt = _chat_reply.decode(content)
@@ -87,7 +87,7 @@ def prompt_from_reply(api: Api, status: int, content: bytes, vocab_size: int) ->
     except msgspec.ValidationError as exc:
         raise RenderUnavailable("shape", str(exc)) from exc
     except msgspec.DecodeError as exc:
-        raise RenderUnavailable("undecodable", f"{exc}: {_snippet(content)}") from exc
+        raise RenderUnavailable("undecodable", f"{exc}: {snippet(content)}") from exc
     if not prompt.token_ids:
         raise RenderUnavailable("empty", "no token_ids")
     bad = next((t for t in prompt.token_ids if not 0 <= t < vocab_size), None)
@@ -96,16 +96,21 @@ def prompt_from_reply(api: Api, status: int, content: bytes, vocab_size: int) ->
     return prompt
 
 
+def sidecar_http(url: str, connect_timeout: float, timeout: float) -> httpx.AsyncClient:
+    """One pooled, keep-alive client to a vLLM server beside us (render or derender)."""
+    return httpx.AsyncClient(
+        base_url=url.rstrip("/"),
+        timeout=httpx.Timeout(timeout, connect=connect_timeout),
+        trust_env=False,  # a sidecar on the cluster network, never behind a proxy
+    )
+
+
 class VllmRenderClient:
     """One pooled, keep-alive HTTP client to a render server."""
 
     def __init__(self, url: str, vocab_size: int, connect_timeout: float, timeout: float) -> None:
         self.vocab_size = vocab_size
-        self.http = httpx.AsyncClient(
-            base_url=url.rstrip("/"),
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            trust_env=False,  # a sidecar on the cluster network, never behind a proxy
-        )
+        self.http = sidecar_http(url, connect_timeout, timeout)
 
     async def render(self, api: Api, body: bytes) -> RenderedPrompt:
         """The client's body, as it sent it, to the matching render route."""

@@ -1,0 +1,185 @@
+"""The derender backend `vllm` through the whole pipeline (real NATS, stages, HTTP, clients):
+a healthy derender server gives the client the local backend's output, with the client's
+body and the carried state on every call; a failing server ends the request with an explicit
+502/504, never silence; its 400/422 reaches the client with its message."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import pytest_asyncio
+
+from tests.conftest import Stack, make_settings, start_stack
+from tokenway.cli import build_stages, resolve_model
+from workers.render.core import Renderer
+from workers.render.fake_vllm import FakeVllmRender, Knobs
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MODEL = "derender-vllm"
+CHAT: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "Tell me about rivers and lakes."}],
+    "max_tokens": 24,
+}
+COMPLETION: dict[str, Any] = {"prompt": "The history of bridges", "max_tokens": 24}
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fake(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FakeVllmRender]:
+    settings = make_settings(tmp_path_factory.mktemp("fake-derender"), served_model_name=MODEL)
+    async with FakeVllmRender(Renderer(*resolve_model(settings))) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_stack(
+    nats_url: str, fake: FakeVllmRender, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    # Render stays local: only derender goes to the fake, which `--render-url` names.
+    settings = make_settings(
+        tmp_path_factory.mktemp("derender-vllm"), served_model_name=MODEL,
+        derender_backend="vllm", render_url=fake.url, derender_server_timeout=1.0,
+    )  # fmt: skip
+    s = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender", "sim"])
+    yield s
+    await s.close()
+
+
+async def ask(stack: Stack, path: str, body: dict[str, Any]) -> tuple[int, list[dict], dict]:
+    """(HTTP status, the stream's documents or the one response, the error if any)."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        resp = await http.post(f"{stack.url}/v1/{path}", json=body)
+    if resp.status_code != 200:
+        return resp.status_code, [], resp.json()["error"]
+    if not body.get("stream"):
+        return 200, [resp.json()], {}
+    docs = [
+        json.loads(line[6:])
+        for line in resp.text.splitlines()
+        if line.startswith("data: {")  # the [DONE] line is not a document
+    ]
+    errors = [d["error"] for d in docs if "error" in d]
+    return 200, docs, errors[0] if errors else {}
+
+
+def text(docs: list[dict]) -> dict[int, str]:
+    """Each choice's text, from stream chunks or a response."""
+    out: dict[int, str] = {}
+    for doc in docs:
+        for c in doc.get("choices", []):
+            part = c.get("delta", {}).get("content") or c.get("message", {}).get("content")
+            out[c["index"]] = out.get(c["index"], "") + (part or c.get("text") or "")
+    return out
+
+
+def finishes(docs: list[dict]) -> dict[int, str]:
+    return {c["index"]: c["finish_reason"] for d in docs for c in d.get("choices", [])
+            if c.get("finish_reason")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("chat/completions", {**CHAT, "stream": True, **USAGE}),
+        ("chat/completions", CHAT),
+        ("completions", {**COMPLETION, "stream": True, **USAGE}),
+        ("completions", COMPLETION),
+        ("chat/completions", {**CHAT, "n": 2, "seed": 3, "stream": True, **USAGE}),
+        ("chat/completions", {**CHAT, "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}),
+    ],
+    ids=["chat-stream", "chat", "completion-stream", "completion", "n2-stream", "n2-logprobs"],
+)
+async def test_a_healthy_derender_server_gives_the_local_output(
+    stack: Stack, vllm_stack: Stack, fake: FakeVllmRender, path: str, body: dict[str, Any]
+) -> None:
+    fake.reset()
+    status, local, _ = await ask(stack, path, {**body, "model": stack.ingress.served})
+    assert status == 200
+    sent = {**body, "model": MODEL}
+    status, remote, error = await ask(vllm_stack, path, sent)
+    assert status == 200 and not error
+    assert text(remote) == text(local) and all(text(remote).values())
+    assert finishes(remote) == finishes(local)
+    usage = [d["usage"] for d in remote if d.get("usage")]
+    assert usage == [d["usage"] for d in local if d.get("usage")] and len(usage) == 1
+    if not body.get("stream"):
+        assert remote[0]["choices"][0].get("logprobs") == local[0]["choices"][0].get("logprobs")
+    assert len({d["created"] for d in remote}) == 1  # one response, one timestamp
+
+    calls = [c for c in fake.calls if c.derender]
+    assert calls and not [c for c in fake.calls if not c.derender]  # render stayed local
+    key = "chat_request" if path.startswith("chat") else "completion_request"
+    assert all(c.body[key] == sent for c in calls)  # the client's body, as it sent it
+    if body.get("stream"):
+        carried = [c.body["stream_state"] for c in calls if c.body.get("stream_state")]
+        assert carried and all("tw" in s for s in carried)  # the server's own state came back
+
+
+@pytest.mark.parametrize(
+    ("knobs", "status"),
+    [
+        (Knobs(fault="die"), 502),
+        (Knobs(fault="hang"), 504),
+        (Knobs(status=503), 502),
+        (Knobs(fault="garbage"), 502),
+    ],
+    ids=["die", "hang", "503", "garbage"],
+)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_failing_derender_server_ends_the_request_with_an_error(
+    vllm_stack: Stack, fake: FakeVllmRender, knobs: Knobs, status: int, stream: bool
+) -> None:
+    fake.reset(knobs)
+    code, docs, error = await ask(vllm_stack, "chat/completions", {**CHAT, "model": MODEL,
+                                                                   "stream": stream})  # fmt: skip
+    assert error, f"no error reached the client: {code} {docs}"
+    assert (error.get("code") if code == 200 else code) == status
+    assert not text(docs).get(0)  # nothing was derendered
+    assert any(c.derender for c in fake.calls)
+
+
+async def test_a_state_past_the_bound_ends_the_stream_with_an_error(
+    vllm_stack: Stack, fake: FakeVllmRender
+) -> None:
+    """vLLM's parser path grows its state with the output: past the header bound, the stream
+    ends with an error naming it rather than committing a state no owner could read back."""
+    fake.reset(Knobs(state_pad=20_000))
+    body = {**CHAT, "model": MODEL, "stream": True}
+    code, docs, error = await ask(vllm_stack, "chat/completions", body)
+    assert (error.get("code") if code == 200 else code) == 502
+    assert "stream_state grew" in error["message"] and not text(docs).get(0)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "body", "status", "message"),
+    [
+        (Knobs(status=422, message="no such parser"), {}, 422, "no such parser"),
+        (Knobs(status=400, message="bad tokens"), {"stream": True}, 400, "bad tokens"),
+        (Knobs(), {"stream": True, "stop": ["river"]}, 400, "stop strings are not supported"),
+    ],
+    ids=["422", "400-stream", "stream-stop-strings"],
+)
+async def test_a_derender_refusal_reaches_the_client_with_its_message(
+    vllm_stack: Stack, fake: FakeVllmRender, knobs: Knobs, body: dict, status: int, message: str
+) -> None:
+    fake.reset(knobs)
+    code, _, error = await ask(vllm_stack, "chat/completions", {**CHAT, "model": MODEL, **body})
+    assert (error.get("code") if code == 200 else code) == status
+    assert message in error["message"]
+
+
+async def test_vllm_derender_without_a_url_refuses_to_start(tmp_path) -> None:
+    settings = make_settings(tmp_path, derender_backend="vllm")
+    with pytest.raises(SystemExit, match="--derender-url"):
+        build_stages(settings, ["derender"])
+    too_slow = msgspec.structs.replace(
+        settings, derender_url="http://127.0.0.1:9", derender_server_timeout=20.0
+    )
+    with pytest.raises(SystemExit, match="must be below"):
+        build_stages(too_slow, ["derender"])
