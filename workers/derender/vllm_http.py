@@ -174,8 +174,8 @@ def usage_chunk(ctx: OutputContext, completion_tokens: int) -> GenerateChunk:
 
 
 def _body(ctx: OutputContext) -> Raw:
-    if ctx.request_body is None:
-        raise InvalidRequest(
+    if ctx.request_body is None:  # a deployment mistake, not the client's
+        raise StageUnavailable(
             "derender through vLLM needs the client's request: run render with "
             "--derender-backend vllm too"
         )
