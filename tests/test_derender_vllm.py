@@ -111,6 +111,15 @@ async def test_a_healthy_derender_server_gives_the_local_output(
     if not body.get("stream"):
         assert remote[0]["choices"][0].get("logprobs") == local[0]["choices"][0].get("logprobs")
     assert len({d["created"] for d in remote}) == 1  # one response, one timestamp
+    for doc in remote if body.get("stream") else []:  # vLLM's empty answers are not sent
+        shown = [
+            c.get("text")
+            or c.get("finish_reason")
+            or c["delta"].get("role")
+            or c["delta"].get("content")
+            for c in doc["choices"]
+        ]
+        assert doc.get("usage") or any(shown), doc
 
     calls = [c for c in fake.calls if c.derender]
     assert calls and not [c for c in fake.calls if not c.derender]  # render stayed local
@@ -119,6 +128,21 @@ async def test_a_healthy_derender_server_gives_the_local_output(
     if body.get("stream"):
         carried = [c.body["stream_state"] for c in calls if c.body.get("stream_state")]
         assert carried and all("tw" in s for s in carried)  # the server's own state came back
+
+
+@pytest.mark.parametrize("knobs", [Knobs(fault="die", times=1), Knobs(status=503, times=2)],
+                         ids=["die-once", "503-twice"])  # fmt: skip
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_derender_server_failing_briefly_is_tried_again(
+    stack: Stack, vllm_stack: Stack, fake: FakeVllmRender, knobs: Knobs, stream: bool
+) -> None:
+    """The same delta and state again (derender is pure): the client sees no difference."""
+    body = {**CHAT, "stream": stream}
+    _, local, _ = await ask(stack, "chat/completions", {**body, "model": stack.ingress.served})
+    fake.reset(knobs)
+    status, remote, error = await ask(vllm_stack, "chat/completions", {**body, "model": MODEL})
+    assert status == 200 and not error and text(remote) == text(local)
+    assert fake.knobs.times is not None and fake.knobs.times < 0  # every fault was served
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,7 @@ def derender_backend(settings: Settings, model_dir: Path) -> DerenderBackend:
             "gives up before the server's failure can be reported"
         )
     client = v.VllmDerenderClient(
-        url, settings.derender_connect_timeout, settings.derender_server_timeout
-    )
+        url, settings.derender_connect_timeout, settings.derender_server_timeout,
+        settings.derender_retries, settings.derender_timeout,
+    )  # fmt: skip
     return VllmBackend(client)

@@ -15,11 +15,14 @@ with an error instead of being committed.
 
 Every answer is a chunk, the request's own error (400/422: the server's message), or the
 derender failure domain: `StageUnavailable` (502: unreachable, closed, 5xx, an answer we
-cannot use) or `StageTimeout` (504: no whole answer within the timeout).
+cannot use) or `StageTimeout` (504: no whole answer within the timeout). Refused or dropped
+connections and 5xx are tried again first, as the owner retries a derender worker.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 
@@ -32,11 +35,14 @@ from tokenway.errors import InvalidRequest, StageTimeout, StageUnavailable
 from tokenway.wire import DerenderEntry, LogprobEntry, OutputContext
 from workers.render.vllm_http import refusal, sidecar_http, snippet
 
+log = logging.getLogger(__name__)
+
 CHAT_PATH = "/v1/chat/completions/derender"
 COMPLETION_PATH = "/v1/completions/derender"
 _HEADERS = {"content-type": "application/json"}
 # Raw state bytes whose base64 still fits the `Tw-Stream-State` header bound.
 MAX_STATE_BYTES = h.MAX_STATE_BYTES * 3 // 4
+_BACKOFF = 0.05  # seconds, times the try's number
 
 
 # -- vLLM's request shapes (the fields we send) ----------------------------------------------
@@ -287,14 +293,40 @@ def carry(tokens: int, vllm_state: Raw) -> bytes:
 # -- the shell: one pooled keep-alive client ---------------------------------------------------
 
 
+class ServerFailed(StageUnavailable):
+    """Refused, dropped or a 5xx: worth another try of the same call."""
+
+
 class VllmDerenderClient:
-    def __init__(self, url: str, connect_timeout: float, timeout: float) -> None:
+    """`post` tries a call again after a `ServerFailed` (the same delta and state: derender
+    is pure), `retries` times at most and only while a whole answer still fits in `budget`
+    (the owner's wait for the worker's reply)."""
+
+    def __init__(
+        self, url: str, connect_timeout: float, timeout: float, retries: int, budget: float
+    ) -> None:
         self.timeout = timeout
+        self.retries = retries
+        self.budget = budget
         self.http = sidecar_http(url, connect_timeout, timeout)
 
     async def post(self, ctx: OutputContext, body: bytes) -> bytes:
         """The answer's body when it is a 200; raises what the failure maps to."""
         path = CHAT_PATH if ctx.api == "chat" else COMPLETION_PATH
+        give_up = time.monotonic() + self.budget - self.timeout
+        for attempt in range(1, self.retries + 2):
+            try:
+                return await self._post(path, body)
+            except ServerFailed as exc:
+                pause = _BACKOFF * attempt
+                if attempt > self.retries or time.monotonic() + pause > give_up:
+                    raise
+                log.warning("derender server failed (%s), try %d of %d", exc, attempt,
+                            self.retries + 1)  # fmt: skip
+                await asyncio.sleep(pause)  # a server restarting
+        raise AssertionError("unreachable")
+
+    async def _post(self, path: str, body: bytes) -> bytes:
         started = time.monotonic()
         try:
             resp = await self.http.post(path, content=body, headers=_HEADERS)
@@ -304,13 +336,14 @@ class VllmDerenderClient:
                 f"({type(exc).__name__} after {time.monotonic() - started:.1f}s)"
             ) from exc
         except httpx.TransportError as exc:
-            raise StageUnavailable(
+            raise ServerFailed(
                 f"the derender server could not be reached: {type(exc).__name__}: {exc}"
             ) from exc
         if resp.status_code in (400, 422):
             raise refusal(resp.status_code, resp.content)
         if resp.status_code != 200:
-            raise StageUnavailable(
+            error = ServerFailed if resp.status_code >= 500 else StageUnavailable
+            raise error(
                 f"the derender server answered HTTP {resp.status_code}: {snippet(resp.content)}"
             )
         return resp.content

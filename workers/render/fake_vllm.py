@@ -63,6 +63,7 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "Unprocessabl
 class Knobs:
     fault: Fault | None = None
     status: int | None = None  # answer with this status (5xx, or 400/422) and `message`
+    times: int | None = None  # fault/status for this many requests only (None: every one)
     message: str = "fake render failure"
     # Prepended to every prompt: a valid rendering that local rendering never gives, so a test
     # can tell whose tokens reached the engine.
@@ -207,6 +208,10 @@ class FakeVllmRender:
         derender = scope["path"] in (DERENDER_CHAT_PATH, DERENDER_COMPLETION_PATH)
         self.calls.append(Call(api, body, derender))
         k = self.knobs
+        if k.times is not None:
+            if k.times <= 0:
+                k.fault = k.status = None  # the faults were used up: healthy from now on
+            k.times -= 1
         if k.status is not None:
             await send_json(send, k.status, error_doc(k.status, k.message))
         elif k.fault == "hang":
