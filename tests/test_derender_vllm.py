@@ -92,8 +92,19 @@ def finishes(docs: list[dict]) -> dict[int, str]:
         ("completions", COMPLETION),
         ("chat/completions", {**CHAT, "n": 2, "seed": 3, "stream": True, **USAGE}),
         ("chat/completions", {**CHAT, "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}),
+        ("completions", {**COMPLETION, "prompt": ["Rain", "Snow"], "stream": True, **USAGE}),
+        ("completions", {**COMPLETION, "prompt": ["Rain", "Snow"], "n": 2, "seed": 5}),
     ],
-    ids=["chat-stream", "chat", "completion-stream", "completion", "n2-stream", "n2-logprobs"],
+    ids=[
+        "chat-stream",
+        "chat",
+        "completion-stream",
+        "completion",
+        "n2-stream",
+        "n2-logprobs",
+        "prompts-stream",
+        "prompts-n2",
+    ],
 )
 async def test_a_healthy_derender_server_gives_the_local_output(
     stack: Stack, vllm_stack: Stack, fake: FakeVllmRender, path: str, body: dict[str, Any]
