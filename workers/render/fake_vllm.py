@@ -263,24 +263,12 @@ class FakeVllmRender:
             message = "stop strings are not supported by streaming derender"
             await send_json(send, 400, error_doc(400, message))
             return
-        if stream:
-            gen, tail, prompt_tokens = (
-                body["generate_chunk"],
-                body["prompt_token_ids"],
-                body["prompt_tokens"],
-            )
-        elif api == "chat":
-            gen, tail, prompt_tokens = (
-                body["generate_response"],
-                body["prompt_token_ids"],
-                body["prompt_tokens"],
-            )
-        else:
-            gen, tail, prompt_tokens = (
-                body["generate_responses"][0],
-                body["prompt_token_ids"][0],
-                body["prompt_tokens"][0],
-            )
+        if stream or api == "chat":
+            gen = body["generate_chunk" if stream else "generate_response"]
+            tail, prompt_tokens = body["prompt_token_ids"], body["prompt_tokens"]
+        else:  # lists, one per prompt: tokenway sends one
+            keys = ("generate_responses", "prompt_token_ids", "prompt_tokens")
+            gen, tail, prompt_tokens = (body[k][0] for k in keys)
         raw = msgspec.json.encode(request)
         rendered = self.renderer.render(
             RenderRequest(api=api, request_id="fake", body=raw, created=0)
