@@ -5,6 +5,7 @@ body and the carried state on every call; a failing server ends the request with
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -218,3 +219,27 @@ async def test_vllm_derender_without_a_url_refuses_to_start(tmp_path) -> None:
     )
     with pytest.raises(SystemExit, match="must be below"):
         build_stages(too_slow, ["derender"])
+
+
+async def test_derender_calls_too_big_for_the_bus_are_split_or_refused(
+    vllm_stack: Stack, fake: FakeVllmRender
+) -> None:
+    """The client's body rides on every entry: entries that outgrow the bus's payload limit
+    (8 MiB here) together go as several calls; a whole response's choices cannot be split
+    (derender merges them), so one too big for a call is a 502 naming the limit, not silence."""
+    fake.reset()
+    pad = "x" * (2 << 20)  # an extra field: ignored by the parser, carried in the body
+    body = {**CHAT, "model": MODEL, "seed": 1, "user": pad}
+    whole = {**body, "n": 2}  # two such requests finishing together: one call of ~8.4 MB
+    answers = await asyncio.gather(*(ask(vllm_stack, "chat/completions", whole) for _ in "ab"))
+    for status, docs, error in answers:
+        assert status == 200 and not error and sorted(text(docs)) == [0, 1], error
+    for stream in (True, False):
+        status, docs, error = await ask(
+            vllm_stack, "chat/completions", {**body, "n": 5, "stream": stream}
+        )
+        if stream:  # each chunk's entry alone fits
+            assert status == 200 and not error and sorted(text(docs)) == [0, 1, 2, 3, 4]
+        else:
+            assert (error.get("code") if status == 200 else status) == 502
+            assert "exceeds the bus payload limit" in error["message"]

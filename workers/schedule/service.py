@@ -366,6 +366,8 @@ class ScheduleService:
         derender is pure, so a retry cannot duplicate output, and it never re-runs inference."""
         assert self._nc is not None
         payload = _encoder.encode(DerenderCall(entries=entries))
+        if len(payload) > self._nc.max_payload:  # entries can carry the client's body
+            return await self._derender_split(entries, len(payload))
         tries = self.settings.derender_retries + 1
         for attempt in range(1, tries + 1):
             try:
@@ -394,6 +396,35 @@ class ScheduleService:
         if len(reply.results) != len(entries):
             raise StageUnavailable("derender answered a different number of entries")
         return reply.results
+
+    async def _derender_split(
+        self, entries: list[DerenderEntry], size: int
+    ) -> list[DerenderResult]:
+        """A call over the bus's payload limit as two; a whole response's choices stay in one
+        (derender merges them), and one that alone is too big fails with the reason."""
+        keys = [
+            (e.context.response_id, e.context.index_base, i if e.context.stream else -1)
+            for i, e in enumerate(entries)
+        ]
+        groups = list(dict.fromkeys(keys))
+        if len(groups) == 1:
+            assert self._nc is not None
+            error = StageUnavailable(
+                f"a derender call of {size} bytes exceeds the bus payload limit of "
+                f"{self._nc.max_payload} bytes"
+            ).info()
+            return [DerenderResult(error=error) for _ in entries]
+        first = set(groups[: len(groups) // 2])
+        ones = [i for i, k in enumerate(keys) if k in first]
+        others = [i for i, k in enumerate(keys) if k not in first]
+        parts = await asyncio.gather(
+            self._derender([entries[i] for i in ones]),
+            self._derender([entries[i] for i in others]),
+        )
+        results = [DerenderResult()] * len(entries)
+        for i, result in zip(ones + others, parts[0] + parts[1], strict=True):
+            results[i] = result
+        return results
 
     async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
         """Publish each result to TW_OUT; a choice's state advances only once it is stored."""
