@@ -310,7 +310,9 @@ def _derender(p: argparse.ArgumentParser) -> None:
         help="local: the model directory's tokenizer (default); vllm: a vLLM derender server "
         "at --derender-url, with no local fallback",
     )
-    g.add_argument("--derender-url", help="http://host:port of it (default: --render-url)")
+    g.add_argument(
+        "--derender-url", help="http://host:port of it (default: --render-url, TOKENWAY_RENDER_URL)"
+    )
     g.add_argument(
         "--derender-connect-timeout", type=float, help="seconds to connect to it (default 2)"
     )
