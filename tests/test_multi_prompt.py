@@ -190,7 +190,11 @@ async def test_a_prompt_failing_ends_the_request_with_an_explicit_error(
     nats_url: str, tmp_path: Path
 ) -> None:
     engines = [sim("fails-always", fail_first=100)]
-    async with pipeline(nats_url, tmp_path, engines, fanout_retries=0) as (stack, _):
+    # No relays either: each would wait out the failing engine's breaker back-off.
+    async with pipeline(nats_url, tmp_path, engines, fanout_retries=0, relay_attempts=0) as (
+        stack,
+        _,
+    ):
         with pytest.raises(openai.APIStatusError) as info:
             await client(stack).completions.create(model=model(stack), prompt=PROMPTS, max_tokens=5)
         assert info.value.status_code == 502
