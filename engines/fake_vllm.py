@@ -21,7 +21,6 @@ import contextlib
 import logging
 import math
 import random
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
-from engines.fake_http import QuietServer, read_body, send_json
+from engines.fake_http import QuietServer, listening_socket, read_body, send_json
 from engines.sim import CorpusModel, Sequence, corpus_sentences
 from tokenway.obfuscation import Permutation
 from tokenway.wire import SamplingParams
@@ -243,10 +242,7 @@ class FakeVllm:
 
     async def __aenter__(self) -> FakeVllm:
         logging.getLogger("uvicorn.error").addFilter(_DEATHS)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)  # connections queue from now on, before uvicorn accepts them
-        sock.setblocking(False)
+        sock = listening_socket()
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         config = uvicorn.Config(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,7 +27,7 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
-from engines.fake_http import QuietServer, read_body, send_body, send_json
+from engines.fake_http import QuietServer, listening_socket, read_body, send_body, send_json
 from tokenway.errors import TokenwayError
 from tokenway.wire import (
     Api,
@@ -160,13 +159,7 @@ class FakeVllmRender:
     async def start(self) -> None:
         """Listen on a free port, or on the port of the last `stop()`."""
         logging.getLogger("uvicorn.error").addFilter(_DEATHS)
-        # IPPROTO_TCP named: asyncio then sets TCP_NODELAY on accepted connections (with proto
-        # 0 it does not, and Nagle against delayed ACKs costs each answer 40 ms).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
-        sock.listen(128)
-        sock.setblocking(False)
+        sock = listening_socket(self.port)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._released = asyncio.Event()
