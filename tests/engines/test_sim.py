@@ -11,8 +11,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.sim import SimConfig, SimEngine, StepClock, corpus_sentences
+from tests.engines.emits import Emits
 from tokenway.model import default_model_dir
-from tokenway.wire import EngineWork, FinishReason, LogprobEntry, SamplingParams
+from tokenway.wire import EngineWork, FinishReason, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -46,37 +47,6 @@ def engine(tokenizer: Tokenizer) -> SimEngine:
     return make_engine(tokenizer)
 
 
-class Emits:
-    """A list-collecting `Emit`."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[int], FinishReason | None, int | str | None]] = []
-        self.logprobs: list[list[LogprobEntry] | None] = []
-        self.indices: list[int] = []
-
-    def __call__(
-        self,
-        token_ids: list[int],
-        finish: FinishReason | None,
-        stop_reason: int | str | None,
-        logprobs: list[LogprobEntry] | None = None,
-        index: int = 0,
-        kv_transfer_params: object = None,
-    ) -> None:
-        self.calls.append((list(token_ids), finish, stop_reason))
-        self.indices.append(index)
-        self.logprobs.append(logprobs)
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for ids, _, _ in self.calls for t in ids]
-
-    @property
-    def finish(self) -> tuple[FinishReason | None, int | str | None]:
-        _, finish, reason = self.calls[-1]
-        return finish, reason
-
-
 def work(rid: str = "r1", prompt: list[int] | None = None, **params: object) -> EngineWork:
     return EngineWork(
         rid=rid,
@@ -90,7 +60,7 @@ def work(rid: str = "r1", prompt: list[int] | None = None, **params: object) -> 
 async def run(engine: SimEngine, w: EngineWork) -> Emits:
     emits = Emits()
     await engine.generate(w, emits)
-    assert all(f is None for _, f, _ in emits.calls[:-1])  # only the last emit finishes
+    assert all(f is None for _, f, _, _ in emits.calls[:-1])  # only the last emit finishes
     return emits
 
 
@@ -98,15 +68,15 @@ async def test_the_same_seed_and_prompt_give_the_same_tokens(engine: SimEngine) 
     a = await run(engine, work(seed=7, max_tokens=30, ignore_eos=True))
     b = await run(engine, work("r2", seed=7, max_tokens=30, ignore_eos=True))
     c = await run(engine, work(seed=8, max_tokens=30, ignore_eos=True))
-    assert a.tokens == b.tokens
-    assert a.tokens != c.tokens
+    assert a.tokens() == b.tokens()
+    assert a.tokens() != c.tokens()
 
 
 async def test_without_a_seed_the_prompt_picks_the_output(engine: SimEngine) -> None:
     a = await run(engine, work(prompt=[0, 6366], max_tokens=30, ignore_eos=True))
     b = await run(engine, work("r2", prompt=[0, 6366], max_tokens=30, ignore_eos=True))
     c = await run(engine, work(prompt=[0, 6367], max_tokens=30, ignore_eos=True))
-    assert a.tokens == b.tokens != c.tokens
+    assert a.tokens() == b.tokens() != c.tokens()
 
 
 async def test_output_follows_the_corpus_in_vocabulary(
@@ -114,12 +84,12 @@ async def test_output_follows_the_corpus_in_vocabulary(
 ) -> None:
     emits = await run(engine, work(seed=1, max_tokens=200, ignore_eos=True))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    assert all(0 <= t < vocab for t in emits.tokens)
+    assert all(0 <= t < vocab for t in emits.tokens())
     sentences = corpus_sentences(tokenizer)
     pairs = {(s[i], s[i + 1]) for s in sentences for i in range(len(s) - 1)}
     starts = {s[0] for s in sentences}
     # Each token continues the corpus or begins one of its sentences.
-    tokens = emits.tokens
+    tokens = emits.tokens()
     assert tokens[0] in starts
     assert all((a, b) in pairs or b in starts for a, b in itertools.pairwise(tokens))
     corpus = resources.files("engines").joinpath("corpus.txt").read_text(encoding="utf-8")
@@ -135,13 +105,13 @@ async def test_a_relayed_sequence_continues_as_the_unbroken_one(
     prompt = [0, 6366]
     whole = await run(engine, work(prompt=prompt, seed=seed, max_tokens=400, min_tokens=30))
     assert whole.finish == ("stop", None)
-    for k in (1, 13, 29, len(whole.tokens) - 1):
+    for k in (1, 13, 29, len(whole.tokens()) - 1):
         rest = await run(
             engine,
-            work(prompt=prompt + whole.tokens[:k], seed=seed, max_tokens=400 - k,
+            work(prompt=prompt + whole.tokens()[:k], seed=seed, max_tokens=400 - k,
                  min_tokens=max(30 - k, 0)),
         )  # fmt: skip
-        assert rest.tokens == whole.tokens[k:]
+        assert rest.tokens() == whole.tokens()[k:]
         assert rest.finish == whole.finish
 
 
@@ -152,16 +122,16 @@ async def test_eos_comes_at_sentence_ends_about_output_len_apart(
     lengths = []
     for seed in range(60):
         emits = await run(engine, work(seed=seed, max_tokens=1000))
-        assert emits.tokens[-1] == EOS and EOS not in emits.tokens[:-1]
+        assert emits.tokens()[-1] == EOS and EOS not in emits.tokens()[:-1]
         assert emits.finish == ("stop", None)
-        assert len(emits.tokens) == 1 or emits.tokens[-2] in ends
-        lengths.append(len(emits.tokens))
+        assert len(emits.tokens()) == 1 or emits.tokens()[-2] in ends
+        lengths.append(len(emits.tokens()))
     assert OUTPUT_LEN / 2 <= sum(lengths) / len(lengths) <= OUTPUT_LEN * 2
 
 
 async def natural(engine: SimEngine, seed: int) -> int:
     """Tokens before EOS when nothing limits the sequence."""
-    return len((await run(engine, work(seed=seed, max_tokens=1000))).tokens) - 1
+    return len((await run(engine, work(seed=seed, max_tokens=1000))).tokens()) - 1
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 50])
@@ -169,20 +139,20 @@ async def test_max_tokens_finishes_with_length_after_exactly_max_tokens(
     engine: SimEngine, max_tokens: int
 ) -> None:
     emits = await run(engine, work(seed=3, max_tokens=max_tokens, ignore_eos=True))
-    assert len(emits.tokens) == max_tokens
+    assert len(emits.tokens()) == max_tokens
     assert emits.finish == ("length", None)
 
 
 async def test_ignore_eos_runs_past_every_sentence_end(engine: SimEngine) -> None:
     limit = 3 * OUTPUT_LEN
     emits = await run(engine, work(seed=0, max_tokens=limit, ignore_eos=True))
-    assert len(emits.tokens) == limit and EOS not in emits.tokens
+    assert len(emits.tokens()) == limit and EOS not in emits.tokens()
     assert emits.finish == ("length", None)
 
 
 async def test_max_tokens_before_eos_wins(engine: SimEngine) -> None:
     emits = await run(engine, work(seed=0, max_tokens=3))
-    assert len(emits.tokens) == 3 and EOS not in emits.tokens
+    assert len(emits.tokens()) == 3 and EOS not in emits.tokens()
     assert emits.finish == ("length", None)
 
 
@@ -198,16 +168,16 @@ def _repeated_token(tokens: list[int]) -> tuple[int, int, int]:
 
 async def test_a_stop_token_id_finishes_with_it_as_the_stop_reason(engine: SimEngine) -> None:
     free = await run(engine, work(seed=5, max_tokens=200, ignore_eos=True))
-    stop, first, second = _repeated_token(free.tokens)
+    stop, first, second = _repeated_token(free.tokens())
     emits = await run(engine, work(seed=5, max_tokens=200, ignore_eos=True, stop_token_ids=[stop]))
-    assert emits.tokens == free.tokens[: first + 1]
+    assert emits.tokens() == free.tokens()[: first + 1]
     assert emits.finish == ("stop", stop)
     # Within min_tokens the stop token does not count: the next occurrence ends the sequence.
     emits = await run(
         engine,
         work(seed=5, max_tokens=200, ignore_eos=True, stop_token_ids=[stop], min_tokens=first + 1),
     )
-    assert emits.tokens == free.tokens[: second + 1]
+    assert emits.tokens() == free.tokens()[: second + 1]
     assert emits.finish == ("stop", stop)
 
 
@@ -215,14 +185,14 @@ async def test_eos_does_not_finish_before_min_tokens(engine: SimEngine) -> None:
     free = await natural(engine, 0)
     min_tokens = free + 5
     emits = await run(engine, work(seed=0, max_tokens=free + 10, min_tokens=min_tokens))
-    assert len(emits.tokens) > min_tokens
+    assert len(emits.tokens()) > min_tokens
     assert emits.finish[1] is None and emits.finish[0] in ("stop", "length")
 
 
 async def test_eos_is_never_emitted_before_min_tokens(engine: SimEngine) -> None:
     free = await natural(engine, 0)
     emits = await run(engine, work(seed=0, max_tokens=free + 500, min_tokens=free + 5))
-    assert EOS not in emits.tokens[: free + 5]
+    assert EOS not in emits.tokens()[: free + 5]
     assert emits.finish == ("stop", None)
 
 
@@ -232,17 +202,17 @@ async def test_each_emit_carries_chunk_size_tokens(
 ) -> None:
     engine = make_engine(tokenizer, chunk_size=chunk_size)
     emits = await run(engine, work(seed=2, max_tokens=10, ignore_eos=True))
-    assert [len(ids) for ids, _, _ in emits.calls] == sizes
+    assert [len(ids) for ids, _, _, _ in emits.calls] == sizes
     one_by_one = await run(make_engine(tokenizer), work(seed=2, max_tokens=10, ignore_eos=True))
-    assert emits.tokens == one_by_one.tokens
+    assert emits.tokens() == one_by_one.tokens()
 
 
 async def test_a_chunk_stops_at_eos(tokenizer: Tokenizer) -> None:
     engine = make_engine(tokenizer, chunk_size=4)
     free = await natural(make_engine(tokenizer), 9)
     emits = await run(engine, work(seed=9, max_tokens=1000))
-    assert len(emits.tokens) == free + 1 and emits.tokens[-1] == EOS
-    assert all(len(ids) == 4 for ids, _, _ in emits.calls[:-1])
+    assert len(emits.tokens()) == free + 1 and emits.tokens()[-1] == EOS
+    assert all(len(ids) == 4 for ids, _, _, _ in emits.calls[:-1])
 
 
 async def test_running_counts_the_sequences_in_flight(engine: SimEngine) -> None:
@@ -313,7 +283,7 @@ async def test_logprobs_come_per_token_sampled_first_then_candidates(engine: Sim
     emits = Emits()
     await engine.generate(work(seed=4, max_tokens=6, ignore_eos=True, logprobs=2), emits)
     entries = [e for batch in emits.logprobs for e in batch or []]
-    assert [e.token_id for e in entries] == emits.tokens
+    assert [e.token_id for e in entries] == emits.tokens()
     for e in entries:
         assert e.top[0].token_id == e.token_id and len(e.top) == 3
         assert all(0 <= c.token_id < engine.vocab_size for c in e.top)
@@ -327,9 +297,9 @@ async def test_n_choices_run_as_separate_sequences(engine: SimEngine) -> None:
     emits = Emits()
     await engine.generate(work(seed=5, max_tokens=8, ignore_eos=True, n=3), emits)
     by_choice: dict[int, list[int]] = {}
-    for (ids, _, _), index in zip(emits.calls, emits.indices, strict=True):
+    for ids, _, _, index in emits.calls:
         by_choice.setdefault(index, []).extend(ids)
     assert sorted(by_choice) == [0, 1, 2]
     assert all(len(ids) == 8 for ids in by_choice.values())
     assert len({tuple(ids) for ids in by_choice.values()}) == 3  # each its own seed
-    assert by_choice[0] == (await run(engine, work(seed=5, max_tokens=8, ignore_eos=True))).tokens
+    assert by_choice[0] == (await run(engine, work(seed=5, max_tokens=8, ignore_eos=True))).tokens()

@@ -29,8 +29,9 @@ from engines.vllm_http import (
 )
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH, completions_request, vllm_request
 from tests.conftest import make_settings, start_stack, wait_engines
+from tests.engines.emits import Emits
 from tokenway.cli import resolve_model
-from tokenway.wire import EngineWork, FinishReason, LogprobEntry, SamplingParams
+from tokenway.wire import EngineWork, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -61,33 +62,6 @@ async def make_engine(fake: FakeVllm) -> AsyncIterator[MakeEngine]:
     yield make
     for engine in made:
         await engine.aclose()
-
-
-class Emits:
-    """A list-collecting `Emit`; `first` is set on the first call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[int], FinishReason | None, int | str | None, int]] = []
-        self.logprobs: list[list[LogprobEntry] | None] = []
-        self.kv: list[dict[str, object] | None] = []
-        self.first = asyncio.Event()
-
-    def __call__(
-        self,
-        token_ids: list[int],
-        finish: FinishReason | None,
-        stop_reason: int | str | None,
-        logprobs: list[LogprobEntry] | None = None,
-        index: int = 0,
-        kv_transfer_params: dict[str, object] | None = None,
-    ) -> None:
-        self.calls.append((list(token_ids), finish, stop_reason, index))
-        self.logprobs.append(logprobs)
-        self.kv.append(kv_transfer_params)
-        self.first.set()
-
-    def tokens(self, index: int = 0) -> list[int]:
-        return [t for ids, _, _, i in self.calls if i == index for t in ids]
 
 
 def work(
