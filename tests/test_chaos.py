@@ -14,80 +14,26 @@ recovery time; run with `-s` to see it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import nats
 import pytest
 
-from tests.conftest import Stack, make_settings, nats_server, start_stack, wait_engines
+from tests.conftest import nats_server
+from tests.stages import StageProcesses, stage_processes
 from tests.streams import Streamed, post, resume, until
 from tests.test_cancel import consumer_names
-from tests.test_cli import free_port, logged, spawn, stop
+from tests.test_cli import free_port
 from tokenway import bus
 from tokenway.aio import Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 STREAMS = 6
-TOKENS = 150
-ITL = 0.01  # engine seconds per token: a stream lasts TOKENS × ITL
-STAGES = ["ingress", "render", "schedule", "derender", "sim"]
-# How soon each kind of loss is noticed: a request moves on after its ack wait, an engine
-# leaves the registry after its TTL, a derender call is retried after its timeout.
-TIMING = {"ack_wait": 2.0, "engine_ttl": 1.0, "derender_timeout": 1.0, "sim_itl": ITL}
-ENV = {f"TOKENWAY_{k.upper()}": str(v) for k, v in TIMING.items()}
-# What a stage process logs once it serves.
-READY = {"engine": b"serving", "schedule": b"owning", "derender": b"derender serving",
-         "render": b"render serving", "ingress": b"listening on"}  # fmt: skip
-
-
-@dataclass
-class Chaos:
-    stack: Stack
-    tmp: Path
-    procs: list[asyncio.subprocess.Process] = field(default_factory=list)
-    url: str = ""  # where the clients connect
-
-    async def spawn(self, stage: str, *extra: str) -> asyncio.subprocess.Process:
-        args = ["engine", "sim"] if stage == "engine" else [stage]
-        proc = await spawn(
-            *args, "--nats", self.stack.settings.nats, "--data-dir", str(self.tmp),
-            "--served-model-name", self.stack.ingress.served, *extra, env=ENV,
-        )  # fmt: skip
-        self.procs.append(proc)
-        await logged(proc, READY[stage])
-        return proc
-
-
-@contextlib.asynccontextmanager
-async def chaos(nats_url: str, tmp: Path, stage: str, processes: int) -> AsyncIterator[Chaos]:
-    model = f"chaos-{stage}-{tmp.name}"
-    settings = make_settings(tmp, served_model_name=model, request_timeout=20.0, **TIMING)
-    # The faulted stage runs as processes only; the clients' ingress also runs in-process.
-    absent = {"engine": "sim", "ingress": ""}.get(stage, stage)
-    names = [s for s in STAGES if s != absent]
-    stack = await start_stack(nats_url, settings, names)
-    c = Chaos(stack, tmp, url=stack.url)
-    try:
-        for _ in range(processes):
-            if stage == "ingress":  # the clients' ingress: the one that will die
-                port = free_port()
-                await c.spawn(stage, "--port", str(port))
-                c.url = f"http://127.0.0.1:{port}"
-            else:
-                await c.spawn(stage)
-        if stage == "engine":
-            await wait_engines(stack.ingress.registry, processes)
-        yield c
-    finally:
-        for proc in c.procs:
-            await stop(proc, signal.SIGKILL)
-        await stack.close()
+TOKENS = 150  # a stream lasts TOKENS × ITL (tests/stages.py)
 
 
 def load(model: str) -> list[dict]:
@@ -106,7 +52,7 @@ def load(model: str) -> list[dict]:
 
 
 async def run_load(
-    c: Chaos,
+    c: StageProcesses,
     url: str,
     when: Callable[[list[Streamed]], bool] | None = None,
     fault: Callable[[], Awaitable[None]] | None = None,
@@ -145,7 +91,7 @@ def check(got: list[Streamed], expected: list[Streamed], errors_allowed: bool) -
     return failed
 
 
-async def nothing_left(c: Chaos, consumers: set[str]) -> None:
+async def nothing_left(c: StageProcesses, consumers: set[str]) -> None:
     """No owned request, engine capacity or sequence, route or consumer left behind, in
     this process and (through the bus) in the stage processes."""
     stack = c.stack
@@ -194,7 +140,7 @@ def started(n: int) -> Callable[[list[Streamed]], bool]:
 async def test_killing_a_worker_process_loses_nothing(
     nats_url: str, tmp_path: Path, stage: str
 ) -> None:
-    async with chaos(nats_url, tmp_path, stage, processes=2) as c:
+    async with stage_processes(nats_url, tmp_path, stage, processes=2) as c:
         consumers = await consumer_names(nats_url)
         expected = await run_load(c, c.url)
         doomed = c.procs[0]
@@ -213,7 +159,7 @@ async def test_killing_a_worker_process_loses_nothing(
 async def test_killing_the_clients_ingress_then_resuming_elsewhere_loses_nothing(
     nats_url: str, tmp_path: Path
 ) -> None:
-    async with chaos(nats_url, tmp_path, "ingress", processes=1) as c:
+    async with stage_processes(nats_url, tmp_path, "ingress", processes=1) as c:
         consumers = await consumer_names(nats_url)
         expected = await run_load(c, c.stack.url)
         (doomed,) = c.procs
@@ -235,7 +181,7 @@ async def test_restarting_the_nats_server_mid_stream_loses_nothing_silently(
     runs: core NATS messages in flight are lost, connections reconnect, streams and
     consumers come back from disk. Every stream completes, or ends with an explicit error."""
     async with nats_server(tmp_path / "nats", port=free_port()) as server:
-        async with chaos(server.url, tmp_path, "engine", processes=2) as c:
+        async with stage_processes(server.url, tmp_path, "engine", processes=2) as c:
             expected = await run_load(c, c.url)
 
             async def restart() -> None:

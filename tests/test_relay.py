@@ -1,7 +1,8 @@
 """Relay, caused for real: an engine closes its socket mid-stream, an engine process is
-killed, the schedule worker owning the stream is killed. Each time the client's stream goes
-on on the same connection, and what it assembles equals a fault-free run: no duplicated
-and no missing text, consecutive event ids, one [DONE], every token counted once."""
+killed, the schedule worker owning the stream is killed or frozen. Each time the client's
+stream goes on on the same connection, and what it assembles equals a fault-free run: no
+duplicated and no missing text, consecutive event ids, one [DONE], every token counted
+once."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from tokenizers import Tokenizer
 from engines.bridge import Bridge
 from engines.fake_vllm import FakeVllm, Knobs
 from engines.vllm_http import VllmEndpoint, VllmEngine
-from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.conftest import make_settings, start_stack, wait_engines
+from tests.stages import stage_processes
 from tests.streams import Streamed, post, until
-from tests.test_cli import logged, spawn, stop
+from tests.test_cli import logged
 from tests.test_scheduling import model, pipeline, sim
 from tokenway.aio import Signal
 from tokenway.cli import resolve_model
@@ -109,15 +111,6 @@ async def test_an_engine_closing_its_socket_mid_stream_is_relayed(
         await stack.close()
 
 
-async def engine_process(stack: Stack, data: Path) -> asyncio.subprocess.Process:
-    proc = await spawn(
-        "engine", "sim", "--nats", stack.settings.nats, "--data-dir", str(data),
-        "--served-model-name", stack.ingress.served, "--engine-ttl", "1", "--sim-itl", "0.01",
-    )  # fmt: skip
-    await logged(proc, b"serving")
-    return proc
-
-
 def relays(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "relaying after" in r.getMessage()]
 
@@ -125,31 +118,21 @@ def relays(caplog: pytest.LogCaptureFixture) -> list[str]:
 async def test_an_engine_process_killed_mid_stream_is_relayed(
     nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = f"kill-engine-{tmp_path.name}"
-    settings = make_settings(tmp_path, served_model_name=model, engine_ttl=1.0)
-    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
-    first = await engine_process(stack, tmp_path)
-    second = None
-    try:
-        registry = stack.by_name["schedule"][0].registry
+    async with stage_processes(nats_url, tmp_path, "engine", processes=1) as c:
+        model, (first,) = c.stack.ingress.served, c.procs
+        registry = c.stack.by_name["schedule"][0].registry
         await wait_engines(registry, 1)
-        expected = await stream(stack.url, body(model, 400))
+        expected = await stream(c.url, body(model, 400))
 
         async def kill() -> None:
-            nonlocal second
-            second = await engine_process(stack, tmp_path)
+            await c.spawn("engine")
             await wait_engines(registry, 2)
             first.send_signal(signal.SIGKILL)  # no goodbye: its registry entry times out
 
-        got = await stream(stack.url, body(model, 400), after=5, fault=kill)
+        got = await stream(c.url, body(model, 400), after=5, fault=kill)
         assert_same_stream(got, expected, 400)
         [relay] = relays(caplog)
         assert "stopped heartbeating" in relay
-    finally:
-        await stop(first, signal.SIGKILL)
-        if second is not None:
-            await stop(second)
-        await stack.close()
 
 
 async def test_the_owner_killed_mid_stream_is_taken_over_from_the_ledger(
@@ -157,36 +140,21 @@ async def test_the_owner_killed_mid_stream_is_taken_over_from_the_ledger(
 ) -> None:
     """The schedule worker owning a stream is SIGKILLed; JetStream redelivers the request to
     another worker, which reads the ledger back, aborts the orphaned engine work and relays."""
-    model = f"kill-owner-{tmp_path.name}"
-    settings = make_settings(tmp_path, served_model_name=model, sim_itl=0.004, ack_wait=2.0)
-    stack = await start_stack(nats_url, settings, ["ingress", "render", "derender", "sim"])
-    flags = ("schedule", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
-             "--served-model-name", model)  # fmt: skip
-    env = {"TOKENWAY_ACK_WAIT": "2"}  # the consumer's ack wait: how soon a request moves on
-    first = await spawn(*flags, env=env)
-    second = None
-    try:
-        await logged(first, b"owning")
-        expected = await stream(stack.url, body(model, 400))
-        (sim,) = stack.by_name["engine"]
+    async with stage_processes(nats_url, tmp_path, "schedule", processes=1) as c:
+        model, (first,) = c.stack.ingress.served, c.procs
+        expected = await stream(c.url, body(model, 400))
+        (sim,) = c.stack.by_name["engine"]
 
         async def kill() -> None:
-            nonlocal second
-            second = await spawn(*flags, env=env)
-            await logged(second, b"owning")
+            await c.spawn("schedule")
             first.send_signal(signal.SIGKILL)
 
-        got = await stream(stack.url, body(model, 400), after=5, fault=kill)
+        got = await stream(c.url, body(model, 400), after=5, fault=kill)
         assert_same_stream(got, expected, 400)
         # The dead owner's engine sequence was aborted, not left to run out.
         async with asyncio.timeout(10):
             await sim.idle.wait()
         assert sim.engine.started == 3  # fault-free, the killed owner's, the takeover's
-    finally:
-        await stop(first, signal.SIGKILL)
-        if second is not None:
-            await stop(second)
-        await stack.close()
 
 
 async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
@@ -196,23 +164,14 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
     commits. Woken up, the stale owner still holds tokens to commit; the ledger refuses them
     (they expect a last message that is no longer the last), so it lets the request go and
     the client's stream stays exactly the fault-free one."""
-    model = f"freeze-owner-{tmp_path.name}"
-    settings = make_settings(tmp_path, served_model_name=model, sim_itl=0.01, ack_wait=2.0)
-    stack = await start_stack(nats_url, settings, ["ingress", "render", "derender", "sim"])
-    flags = ("schedule", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
-             "--served-model-name", model)  # fmt: skip
-    env = {"TOKENWAY_ACK_WAIT": "2"}
-    stale = await spawn(*flags, env=env)
-    second = None
-    try:
-        await logged(stale, b"owning")
-        expected = await stream(stack.url, body(model, 400))
+    async with stage_processes(nats_url, tmp_path, "schedule", processes=1) as c:
+        model, (stale,) = c.stack.ingress.served, c.procs
+        expected = await stream(c.url, body(model, 400))
         got, progress = Streamed(), Signal()
         async with httpx.AsyncClient(timeout=60) as http:
-            reading = asyncio.create_task(post(http, stack.url, body(model, 400), got, progress))
+            reading = asyncio.create_task(post(http, c.url, body(model, 400), got, progress))
             await until(progress, lambda: len(got.times) >= 5)
-            second = await spawn(*flags, env=env)
-            await logged(second, b"owning")
+            second = await c.spawn("schedule")
             stale.send_signal(signal.SIGSTOP)  # tokens keep coming for it, unread
             await logged(second, b"taken over")
             frozen_at = len(got.times)
@@ -221,11 +180,6 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
             await logged(stale, b"owned elsewhere")
             await reading
         assert_same_stream(got, expected, 400)
-    finally:
-        await stop(stale, signal.SIGKILL)
-        if second is not None:
-            await stop(second)
-        await stack.close()
 
 
 async def test_a_pd_decode_leg_failing_mid_stream_relays_both_legs_on_the_replay_prompt(
