@@ -260,7 +260,10 @@ class FanOut:
         p.out_seq += 1
         hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind)
         try:
-            await self.js.publish(bus.out_subject(p.reply, p.rid), out.payload, headers=hdrs)
+            await ledger.publish(
+                self.js, bus.out_subject(p.reply, p.rid), out.payload, hdrs,
+                within=ledger.PUBLISH_WITHIN,
+            )  # fmt: skip
         except Exception as exc:
             raise StageUnavailable(f"could not commit output to the ledger: {exc!r}") from exc
 
