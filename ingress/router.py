@@ -18,9 +18,8 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import RawStreamMsg
-from nats.js.errors import NotFoundError
 
-from tokenway import bus, sse
+from tokenway import bus, ledger, sse
 from tokenway import headers as h
 
 log = logging.getLogger(__name__)
@@ -134,23 +133,15 @@ class OutputRouter:
 
     async def _read_back(self, rid: str, slot: Slot, before: int | None = None) -> None:
         """The request's ledger messages after the slot's last, up to `before` (a stream
-        sequence) or the end, by direct gets: no consumer, in order."""
+        sequence) or the end."""
         subject = bus.out_subject(self.ingress_id, rid)
-        seq = slot.stream_seq + 1
-        while before is None or seq < before:
-            try:
-                raw = await self.js.get_msg(bus.OUT_STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return
-            except nats.errors.Error as exc:  # NATS away again: the next reconnect retries
-                log.warning("could not read %s back from the ledger: %r", rid, exc)
-                return
-            if before is not None and raw.seq >= before:
-                return
-            event = event_of(raw)
-            if event is not None:
-                slot.put(event)
-            seq = raw.seq + 1
+        try:
+            async for raw in ledger.stored(self.js, subject, slot.stream_seq, before):
+                event = event_of(raw)
+                if event is not None:
+                    slot.put(event)
+        except nats.errors.Error as exc:  # NATS away again: the next reconnect retries
+            log.warning("could not read %s back from the ledger: %r", rid, exc)
 
 
 def event_of(msg: Msg | RawStreamMsg) -> Event | None:

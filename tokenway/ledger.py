@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
+from nats.js.api import PubAck, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
@@ -127,17 +128,27 @@ class Committed:
 _ENDS = (h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR)
 
 
-async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | None:
-    """The request's committed output, or None when nothing of it is stored. Read message by
-    message with direct gets: rare (a takeover), and it leaves no consumer behind."""
-    subject = bus.out_subject(reply, rid)
-    found = None
-    seq = 1
-    while True:
+async def stored(
+    js: JetStreamContext, subject: str, after: int = 0, before: int | None = None
+) -> AsyncIterator[RawStreamMsg]:
+    """A request's ledger messages after stream sequence `after` (and before `before`), in
+    order, by direct gets: rare reads (a takeover, a lost republish) leave no consumer."""
+    seq = after + 1
+    while before is None or seq < before:
         try:
             msg = await js.get_msg(bus.OUT_STREAM, seq=seq, subject=subject, next=True)
         except NotFoundError:
-            return found
+            return
+        if before is not None and msg.seq >= before:
+            return
+        yield msg
+        seq = msg.seq + 1
+
+
+async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | None:
+    """The request's committed output, or None when nothing of it is stored."""
+    found = None
+    async for msg in stored(js, bus.out_subject(reply, rid)):
         found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"))
         found.stream_seq = msg.seq
         hdrs = msg.headers or {}
@@ -147,7 +158,7 @@ async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | N
         if h.STREAM_STATE in hdrs:
             found.state = h.decode_state(hdrs[h.STREAM_STATE])
         found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))
-        seq = msg.seq + 1
+    return found
 
 
 async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -> None:
