@@ -40,6 +40,7 @@ from tokenizers import Tokenizer
 from bench import e2e
 from bench.e2e import BenchConfig, Sample
 from engines.sim import CorpusModel, corpus_sentences
+from tokenway import bus
 from tokenway.model import DEFAULT_MODEL_NAME, default_model_dir, load_model_info
 from tokenway.wire import DerenderEntry, GenerateRequest, RenderRequest
 from workers.derender.core import derender
@@ -184,7 +185,7 @@ def owner_footprint(cfg: BenchConfig) -> dict[str, Any]:
     try:
         held = [tracemalloc.get_traced_memory()[0]]
         msgs = [
-            Msg(None, subject="tw.sched.m", data=bytes(bytearray(p)))  # type: ignore[arg-type]
+            Msg(None, subject=bus.sched_subject("m"), data=bytes(bytearray(p)))  # type: ignore[arg-type]
             for p in work.payloads
         ]
         held.append(tracemalloc.get_traced_memory()[0])
