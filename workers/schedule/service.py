@@ -252,7 +252,8 @@ class ScheduleService:
         return True
 
     async def _finish(self, r: Owned) -> None:
-        """The one exit of every request: abort leftovers, tell the client, free, ack."""
+        """The one exit of every request: abort leftovers, let what is in flight land, tell the
+        client, free, ack."""
         assert self._js is not None and self.dispatcher is not None
         if r.engine is not None and not r.engine_done:
             await self.dispatcher.abort(r.engine, r.rid, r.attempt)
@@ -260,6 +261,9 @@ class ScheduleService:
             if not r.prefill_done.is_set() or r.error is not None:
                 # A prefill still running, or holding KV for a decode that will not come.
                 await self.dispatcher.abort(r.prefill_engine, r.rid, r.prefill_attempt)
+        # A derender + commit already under way ends first (each is bounded by its timeout),
+        # so an ended request leaves no work of its own behind.
+        await r.settled.wait()
         if r.error is not None and not r.cancelled:
             async with r.committing:
                 try:
