@@ -144,8 +144,8 @@ async def _wait_ready(nats_url: str, ingress: asyncio.subprocess.Process) -> Non
 async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from engines.fake_vllm import FakeVllm, Knobs
     from tests.conftest import make_settings, start_stack
+    from tests.fakes.vllm_engine import FakeVllm, Knobs
     from tokenway.cli import resolve_model
 
     settings = make_settings(tmp_path / "data", served_model_name="vllm-cli")

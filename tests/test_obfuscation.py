@@ -20,11 +20,11 @@ import pytest_asyncio
 from tokenizers import Tokenizer
 
 from engines.bridge import Bridge, Engine
-from engines.fake_vllm import FakeVllm, Knobs
 from engines.sim import SimConfig, SimEngine
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH
 from tests.conftest import Stack, make_settings, start_stack
+from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
 from tokenway.cli import build_stages
 from tokenway.obfuscation import Permutation

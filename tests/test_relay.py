@@ -16,9 +16,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
-from engines.fake_vllm import FakeVllm, Knobs
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from tests.conftest import make_settings, start_stack, wait_engines
+from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tests.stages import stage_processes
 from tests.streams import Streamed, post, until
 from tests.test_cli import logged

@@ -16,10 +16,10 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import Stack, make_settings, start_stack
+from tests.fakes.vllm_render import FakeVllmRender, Knobs
 from tokenway.cli import resolve_model
 from tokenway.wire import RenderRequest
 from workers.render.core import Renderer
-from workers.render.fake_vllm import FakeVllmRender, Knobs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

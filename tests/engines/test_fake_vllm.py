@@ -12,7 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engines.fake_vllm import FakeVllm
+from tests.fakes.vllm_engine import FakeVllm
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

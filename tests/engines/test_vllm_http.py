@@ -14,7 +14,6 @@ import pytest_asyncio
 from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
-from engines.fake_vllm import FakeVllm, Knobs
 from engines.vllm_http import (
     NATIVE_REPROBE,
     VllmCapabilityMissing,
@@ -30,6 +29,7 @@ from engines.vllm_http import (
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH, completions_request, vllm_request
 from tests.conftest import make_settings, start_stack, wait_engines
 from tests.engines.emits import Emits
+from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway.cli import resolve_model
 from tokenway.wire import EngineWork, SamplingParams
 

@@ -14,6 +14,7 @@ import pytest_asyncio
 from prometheus_client import REGISTRY
 
 from tests.conftest import make_settings
+from tests.fakes.vllm_render import FakeVllmRender, Knobs
 from tests.test_cli import free_port
 from tokenway.cli import DEFAULT_PARSERS, build_stages
 from tokenway.errors import InvalidRequest, ModelNotFound, Unprocessable
@@ -21,7 +22,6 @@ from tokenway.model import load_model_info
 from tokenway.wire import Api, RenderRequest
 from workers.render.backend import VllmBackend, render_backend
 from workers.render.core import Renderer
-from workers.render.fake_vllm import FakeVllmRender, Knobs
 from workers.render.parse import ParserFlags
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -27,7 +27,7 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
-from engines.fake_http import QuietServer, listening_socket, read_body, send_body, send_json
+from tests.fakes.http import QuietServer, listening_socket, read_body, send_body, send_json
 from tokenway.errors import TokenwayError
 from tokenway.wire import (
     Api,

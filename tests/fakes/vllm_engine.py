@@ -31,8 +31,8 @@ import msgspec
 import uvicorn
 from tokenizers import Tokenizer
 
-from engines.fake_http import QuietServer, listening_socket, read_body, send_json
 from engines.sim import CorpusModel, Sequence, corpus_sentences
+from tests.fakes.http import QuietServer, listening_socket, read_body, send_json
 from tokenway.obfuscation import Permutation
 from tokenway.wire import SamplingParams
 
