@@ -9,6 +9,15 @@ One attempt is one generate call: streamed as server-sent events, one choice per
 vLLM runs (and aborts) a request under `generate-tokens-<request_id>`; each attempt sends its
 own `request_id` (`<rid>-<attempt>`), so an abort never hits another attempt.
 
+**Aborts are confirmed.** vLLM answers `abort_requests` with 200 whatever it did: an id it has
+not registered yet (the generate call still in its input queue) is silently ignored, and a
+proxy in between may keep vLLM's side of a dropped connection open. So a cancelled attempt
+keeps its stream open, asks vLLM to abort it, and re-asks with back-off until vLLM ends the
+stream (its `finish_reason: "abort"` and `[DONE]`): that end is the confirmation that the
+engine let the request go. Only after `abort_timeout` without one does the bridge drop the
+connection (which vLLM also takes as an abort) and say so. A second cancel meanwhile (another
+abort, the bridge stopping) does not interrupt this.
+
 **Native fallback.** A server without the token-only route (404/501) still has the OpenAI
 completions route, which takes a token-ID prompt and returns token IDs. An attempt whose
 owner allows it (`EngineWork.native_ok`: nothing of the request committed yet, and no token
@@ -49,12 +58,15 @@ from engines.vllm_wire import (
     logprob_entries,
     vllm_request,
 )
+from tokenway.aio import uninterrupted
 from tokenway.config import Settings
 from tokenway.wire import EngineInfo, EngineWork, FinishReason, Role
 
 log = logging.getLogger(__name__)
 
 NATIVE_REPROBE = 60.0  # seconds native-allowed attempts skip a token route found missing
+ABORT_RETRY = 0.25  # seconds a stream may go on after an abort before it is asked again
+ABORT_RETRY_MAX = 2.0  # … doubling up to this
 _NATIVE_STATUSES = (404, 501)  # no such route; 403 is a route switched off on purpose
 
 _FINISH: dict[str, FinishReason] = {
@@ -125,6 +137,7 @@ class VllmEndpoint:
     connect_timeout: float = 5.0
     first_token_timeout: float = 600.0
     token_timeout: float = 60.0
+    abort_timeout: float = 10.0  # for vLLM to confirm an abort (see the module docstring)
 
 
 @dataclass
@@ -136,6 +149,7 @@ class _Attempt:
     events: int = 0
     tokens: int = 0
     native: bool = False  # on the completions route: no abort route to call
+    stopped: bool = False  # aborted: what vLLM still sends is read, never reported
 
 
 class VllmEngine:
@@ -172,22 +186,29 @@ class VllmEngine:
         request_id = f"{work.rid}-{work.attempt}"
         a = _Attempt(request_id, REQUEST_ID_PREFIX + request_id, open=set(range(n)))
         self.running += n
+        # The HTTP exchange runs in a task of its own, so that cancelling this one (the
+        # owner's abort) leaves the stream open for vLLM to confirm the abort on.
+        exchange = asyncio.ensure_future(self._exchange(work, a, emit))
         try:
-            with self._failures(a):
-                if hands_kv_over(work):
-                    await self._whole(work, a, emit)
-                elif work.native_ok and self._token_route_missing():
-                    await self._native(work, a, emit)
-                else:
-                    await self._generate_or_native(work, a, emit)
-        except (asyncio.CancelledError, VllmTimeout):
-            # Aborted, or silent past its deadline: either way vLLM should stop working on it
-            # (a native attempt stopped when its connection closed).
+            await asyncio.shield(exchange)
+        except asyncio.CancelledError:
+            await uninterrupted(self._stop(a, exchange))
+            raise
+        except VllmTimeout:  # silent past its deadline, its connection closed: free it anyway
             if not a.native:
-                await self._abort(a.vllm_id)
+                await uninterrupted(self._abort_until_answered(a))
             raise
         finally:
             self.running -= n
+
+    async def _exchange(self, work: EngineWork, a: _Attempt, emit: Emit) -> None:
+        with self._failures(a):
+            if hands_kv_over(work):
+                await self._whole(work, a, emit)
+            elif work.native_ok and self._token_route_missing():
+                await self._native(work, a, emit)
+            else:
+                await self._generate_or_native(work, a, emit)
 
     def _token_route_missing(self) -> bool:
         since = self.token_route_missing_at
@@ -306,6 +327,8 @@ class VllmEngine:
                     )
                 a.open.discard(choice.index)
             a.tokens += len(choice.token_ids or ())
+            if a.stopped:  # the owner asked for nothing more
+                continue
             emit(
                 choice.token_ids or [],
                 finish,
@@ -357,20 +380,58 @@ class VllmEngine:
             # Every choice had finished: only the closing usage event or [DONE] was lost.
             log.debug("vLLM at %s: %s ended untidily: %r", self.url, a.vllm_id, exc)
 
-    async def _abort(self, vllm_id: str) -> None:
-        """Tell vLLM to free the request now; bounded, since the attempt is being cancelled."""
+    async def _stop(self, a: _Attempt, exchange: asyncio.Future[None]) -> None:
+        """The attempt was cancelled: have vLLM free it, confirmed by the end of its stream,
+        within `abort_timeout`; then drop the connection."""
+        a.stopped = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.endpoint.abort_timeout
+        wait, asked = ABORT_RETRY, 0
+        # A native attempt has no abort route: closing its connection is the abort.
+        while not a.native and not exchange.done() and loop.time() < deadline:
+            await self._abort(a.vllm_id)
+            asked += 1
+            await asyncio.wait({exchange}, timeout=min(wait, max(deadline - loop.time(), 0)))
+            wait = min(wait * 2, ABORT_RETRY_MAX)
+        if exchange.done():
+            if asked > 1:
+                log.info("vLLM at %s ended %s after %d aborts", self.url, a.vllm_id, asked)
+            if not exchange.cancelled():
+                exchange.exception()  # whatever ended it, the attempt is over
+            return
+        if not a.native:
+            log.warning(
+                "vLLM at %s did not end %s within %ss of %d aborts; dropping its connection",
+                self.url, a.vllm_id, self.endpoint.abort_timeout, asked,
+            )  # fmt: skip
+        exchange.cancel()
+        await asyncio.wait({exchange})
+
+    async def _abort_until_answered(self, a: _Attempt) -> None:
+        """An attempt whose stream is already closed: ask until vLLM says 200, bounded."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.endpoint.abort_timeout
+        wait = ABORT_RETRY
+        while not await self._abort(a.vllm_id) and loop.time() + wait < deadline:
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, ABORT_RETRY_MAX)
+
+    async def _abort(self, vllm_id: str) -> bool:
+        """One call asking vLLM to free the request; True when it answered 200."""
         body = _encoder.encode({"request_ids": [vllm_id]})
         try:
             async with asyncio.timeout(self.endpoint.connect_timeout):
                 resp = await self.client.post(ABORT_PATH, content=body, headers=_JSON_HEADERS)
         except (TimeoutError, httpx.HTTPError) as exc:
             log.warning("vLLM at %s: abort of %s failed: %r", self.url, vllm_id, exc)
-            return
+            return False
         if resp.status_code != 200:
             log.warning(
                 "vLLM at %s: abort of %s answered HTTP %d: %s",
                 self.url, vllm_id, resp.status_code, error_message(resp.content),
             )  # fmt: skip
+            return False
+        return True
 
 
 # -- what the CLI calls ---------------------------------------------------------------------

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import msgspec
 import nats
 import pytest
 
 from tests.conftest import Stack
 from tokenway import bus
+from tokenway.wire import EngineAbort, FinishReason, TokenDelta, TokenStep
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -69,3 +71,31 @@ async def test_client_leaving_a_non_stream_request_cancels_it(stack: Stack, nats
         for engine in stack.by_name["engine"]:
             await engine.idle.wait()
         await stack.ingress.router.idle.wait()
+
+
+async def test_output_of_work_the_owner_let_go_aborts_the_engine_again(
+    stack: Stack, nats_url: str
+) -> None:
+    """The one abort for a request the client left can be lost on the way (or still be on
+    it): every further step of that work asks again, at most once a second per attempt."""
+    owner = stack.by_name["schedule"][0].owner_id
+    nc = await nats.connect(nats_url)
+    try:
+        aborts = await nc.subscribe(bus.engine_subject("ghost", "abort"))
+        await nc.flush()
+
+        def step(rid: str, seq: int, finish: FinishReason | None = None) -> bytes:
+            delta = TokenDelta(rid=rid, attempt=2, seq=seq, token_ids=[5], finish_reason=finish)
+            return msgspec.msgpack.encode(TokenStep(engine="ghost", entries=[delta]))
+
+        for seq in range(3):  # three steps of one unwanted attempt: one abort
+            await nc.publish(bus.tok_subject(owner), step("gone-1", seq))
+        await nc.publish(bus.tok_subject(owner), step("gone-2", 0, finish="length"))  # its end
+        await nc.publish(bus.tok_subject(owner), step("gone-3", 0))  # comes after, in order
+        got = [
+            msgspec.msgpack.decode((await aborts.next_msg(timeout=10)).data, type=EngineAbort)
+            for _ in range(2)
+        ]
+        assert got == [EngineAbort(rid="gone-1", attempt=2), EngineAbort(rid="gone-3", attempt=2)]
+    finally:
+        await nc.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 
 class Signal:
@@ -28,3 +29,16 @@ async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None
     finally:
         for w in waits:
             w.cancel()
+
+
+async def uninterrupted(work: Awaitable[None]) -> None:
+    """Await `work` to its end even when the caller is cancelled meanwhile (again): for
+    bounded clean-up that must not be cut short, such as freeing an engine."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+    task.result()

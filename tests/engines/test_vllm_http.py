@@ -218,8 +218,68 @@ async def test_cancelling_aborts_the_request_at_vllm(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert fake.aborted == ["generate-tokens-c-2"]  # abort reached vLLM before the re-raise
-    await fake.wait_until(lambda: fake.running == 0)
+    # vLLM's own word that it let the request go: the stream it ended, read to [DONE].
+    assert fake.requests[-1].finish == {0: "abort", 1: "abort"}
+    assert fake.disconnected == [] and fake.running == 0
     assert engine.info().running == 0
+    assert len(emits.calls) == 2  # nothing reported after the abort
+
+
+async def cancelled(task: asyncio.Task[None]) -> None:
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+# A proxy between the bridge and vLLM (which would abort on a disconnect) passes no disconnect
+# on: only an abort call that vLLM acts on frees the engine.
+
+
+async def test_an_abort_vllm_refuses_is_sent_again_until_vllm_ends_the_stream(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    fake.reset(Knobs(proxied=True, stall_after=1, abort_fail_first=1))
+    engine = make_engine()
+    emits = Emits()
+    task = asyncio.create_task(engine.generate(work("f", ignore_eos=True, max_tokens=50), emits))
+    await emits.first.wait()
+    task.cancel()
+    await fake.wait_until(lambda: fake.abort_calls == 1)  # answered 503
+    task.cancel()  # cancelled again (a second abort, the bridge stopping): the abort goes on
+    await cancelled(task)
+    assert fake.abort_calls == 2 and fake.aborted == ["generate-tokens-f-0"]
+    assert fake.requests[-1].finish == {0: "abort"} and fake.running == 0
+
+
+async def test_an_abort_before_vllm_knows_the_request_is_sent_again(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    queued = asyncio.Event()
+    fake.reset(Knobs(proxied=True, stall_after=1, queue_until=queued))
+    engine = make_engine()
+    task = asyncio.create_task(engine.generate(work("q", ignore_eos=True, max_tokens=50), Emits()))
+    await fake.wait_until(lambda: len(fake.requests) == 1)  # received, not yet registered
+    task.cancel()
+    await fake.wait_until(lambda: fake.aborted == ["generate-tokens-q-0"])  # a no-op, as vLLM's
+    queued.set()  # the request starts after its abort
+    await cancelled(task)
+    assert fake.aborted[-1] == "generate-tokens-q-0" and len(fake.aborted) >= 2
+    assert fake.requests[-1].finish == {0: "abort"} and fake.running == 0
+
+
+async def test_an_abort_vllm_never_confirms_ends_by_dropping_the_connection(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    queued = asyncio.Event()  # never set here: every abort is a no-op
+    fake.reset(Knobs(queue_until=queued, max_model_len=8))
+    engine = make_engine(abort_timeout=0.5)
+    task = asyncio.create_task(engine.generate(work("n", max_tokens=1), Emits()))
+    await fake.wait_until(lambda: len(fake.requests) == 1)
+    task.cancel()
+    await cancelled(task)  # within the bound
+    assert len(fake.aborted) >= 2 and set(fake.aborted) == {"generate-tokens-n-0"}
+    assert engine.info().running == 0
+    queued.set()  # the fake's handler finds its client gone
+    await fake.wait_until(lambda: fake.disconnected == ["generate-tokens-n-0"])
 
 
 # -- failures ------------------------------------------------------------------------------

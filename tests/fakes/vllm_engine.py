@@ -76,6 +76,13 @@ class Knobs:
     die_first: int | None = None  # … in the first N requests only (None: in every one)
     error_after: int | None = None  # an error event (vLLM's GenerationError) after K events
     stall_after: int | None = None  # go silent after K events until aborted or left
+    # Behind a proxy that keeps its own connection to the engine open: a run outlives its
+    # client's disconnect, and only an abort call stops it.
+    proxied: bool = False
+    # A generate waits here, its id unknown to aborts (which are then no-ops, as vLLM's are
+    # for an id it has not registered), until the event is set.
+    queue_until: asyncio.Event | None = None
+    abort_fail_first: int = 0  # answer the first N abort calls with a 503
 
 
 @dataclass
@@ -171,7 +178,8 @@ class FakeVllm:
         self.block_size = block_size
         self.tokenizer = tokenizer  # the native route's `text`; "" without one
         self.requests: list[Received] = []
-        self.aborted: list[str] = []  # ids named by abort_requests, in order
+        self.aborted: list[str] = []  # ids named by abort_requests answered 200, in order
+        self.abort_calls = 0  # every abort_requests call, refused ones too
         self.disconnected: list[str] = []  # ids whose client left before the end
         self.active: dict[str, _Run] = {}
         self.url = ""
@@ -214,6 +222,7 @@ class FakeVllm:
         self.knobs = knobs or Knobs()
         self.requests.clear()
         self.aborted.clear()
+        self.abort_calls = 0
         self.disconnected.clear()
         self._failed = 0
 
@@ -296,6 +305,12 @@ class FakeVllm:
             msg = "Missing 'request_ids' in request body"
             await send_json(send, 400, _error(400, "Bad Request", msg))
             return
+        self.abort_calls += 1
+        if self.abort_calls <= self.knobs.abort_fail_first:
+            self._bump()
+            msg = f"fake abort failure {self.abort_calls}"
+            await send_json(send, 503, _error(503, "ServiceUnavailableError", msg))
+            return
         for rid in [ids] if isinstance(ids, str) else ids:
             self.aborted.append(rid)
             run = self.active.get(rid)
@@ -329,17 +344,22 @@ class FakeVllm:
         # The native route makes up an id when none is given; generate requires one.
         given = headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
         rec.id = prefix + str(given)
+        if self.knobs.queue_until is not None:
+            await self.knobs.queue_until.wait()
         run = self.active[rec.id] = _Run(rec.id)
         self._bump()
         died = False
         try:
             async with asyncio.TaskGroup() as group:
-                watcher = group.create_task(self._watch_disconnect(receive, run))
+                watcher = None
+                if not self.knobs.proxied:  # a proxy would not pass the disconnect on
+                    watcher = group.create_task(self._watch_disconnect(receive, run))
                 if body.get("stream"):
                     died = await self._stream(rec, run, send)
                 else:
                     died = await self._whole(rec, run, send)
-                watcher.cancel()
+                if watcher is not None:
+                    watcher.cancel()
         finally:
             del self.active[rec.id]
             if run.disconnected:

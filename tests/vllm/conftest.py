@@ -34,7 +34,7 @@ PYTHON_ENV = "TOKENWAY_TEST_VLLM_PYTHON"
 MODEL_ENV = "TOKENWAY_TEST_VLLM_MODEL"
 LOG_ENV = "TOKENWAY_TEST_VLLM_LOG"
 SERVED_NAME = "tiny"
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 32768  # the tiny model's positions: a long request takes minutes here
 START_TIMEOUT = 300.0  # seen here: ready in about 55 s
 STOP_TIMEOUT = 20.0
 # The tiny model's KV cache needs little; a fixed size also skips vLLM's check that a share
@@ -95,6 +95,8 @@ def _server_command(python: Path, model: Path, port: int) -> list[str]:
         "--no-enable-prefix-caching",
         "--seed", "0",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        # Each request's arrival and abort in the log: the engine's side of what happened.
+        "--enable-log-requests",
     ]  # fmt: skip
 
 

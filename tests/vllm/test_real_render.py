@@ -12,7 +12,7 @@ false, "stream_options": null, "cache_salt": null, "priority": 0, "kv_transfer_p
 "ec_transfer_params": null}` (sampling fields at vLLM's defaults left out, so `max_tokens: 16`
 is absent); `POST /v1/completions/render` answers a list of them. A `max_tokens` past the
 context is a 400 `{"error": {"message": "max_tokens=99999 cannot be greater than
-max_model_len=4096. …", "type": "BadRequestError", "param": "max_tokens", "code": 400}}`.
+max_model_len=32768. …", "type": "BadRequestError", "param": "max_tokens", "code": 400}}`.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from tokenway.wire import (
     DerenderResult,
     EngineAbort,
     GenerateRequest,
+    TokenDelta,
     TokenStep,
 )
 from tokenway.worker import consume
@@ -64,6 +65,8 @@ _reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
+# Engine work still reporting to us that we no longer want is aborted again this often.
+_REABORT_EVERY = 1.0
 _SHUTDOWN_GRACE = 10.0
 _DERENDER_BACKOFF = 0.05
 
@@ -87,6 +90,7 @@ class ScheduleService:
         self.empty = asyncio.Event()
         self.empty.set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # → last abort
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._group: asyncio.TaskGroup | None = None
@@ -316,12 +320,13 @@ class ScheduleService:
             log.error("undecodable token step on %s: %s", msg.subject, exc)
             return
         touched = []
+        assert self.dispatcher is not None
         for delta in step.entries:
             r = self.requests.get(delta.rid)
-            if r is None:
+            if r is None or delta.attempt not in (r.attempt, r.prefill_attempt):
+                await self._abort_unwanted(step.engine, delta)
                 continue
             healthy = r.broken is None
-            assert self.dispatcher is not None
             if delta.attempt == r.prefill_attempt:
                 r.accept_prefill(delta)
                 if delta.error is not None:
@@ -335,6 +340,22 @@ class ScheduleService:
             if healthy and r.broken is not None:
                 self.dispatcher.engine_failed(step.engine)  # an error, or lost output
         self._kick(touched)
+
+    async def _abort_unwanted(self, engine: str, delta: TokenDelta) -> None:
+        """Output of an attempt that ended here (the client left, a relay replaced it) still
+        arrives: its abort was lost, or is still on its way. Ask again, at most every
+        `_REABORT_EVERY` seconds, so that an engine always ends up free."""
+        assert self.dispatcher is not None
+        if delta.finish_reason is not None:
+            return  # its last words: the engine is done with it
+        key, now = (delta.rid, delta.attempt), time.monotonic()
+        if now - self._unwanted.get(key, -_REABORT_EVERY) < _REABORT_EVERY:
+            return
+        self._unwanted[key] = now
+        self._unwanted.move_to_end(key)
+        if len(self._unwanted) > _CANCEL_MEMORY:
+            self._unwanted.popitem(last=False)
+        await self.dispatcher.abort(engine, delta.rid, delta.attempt)
 
     def _kick(self, candidates: list[Owned]) -> None:
         items: list[Work] = []
