@@ -26,7 +26,7 @@ from prometheus_client import (
 )
 
 from ingress.ledger_read import LedgerRead, LedgerReader
-from ingress.router import Event, OutputRouter, Slot, sse_events
+from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import bus, ledger
 from tokenway.errors import (
     DeadlineExceeded,
@@ -72,6 +72,20 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client closes the connection (its body is already read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+EVENT_IDS_HEADER = "x-tokenway-event-ids"
+_YES, _NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def event_ids(request: Request) -> bool:
+    """Whether the client asked for `id:` lines in its stream (`X-Tokenway-Event-Ids: 1`)."""
+    value = request.headers.get(EVENT_IDS_HEADER, "").strip().lower()
+    if value not in _YES | _NO:
+        raise InvalidRequest(
+            f"X-Tokenway-Event-Ids must be 1/true/yes/on or 0/false/no/off, got {value!r}"
+        )
+    return value in _YES
 
 
 def _error(exc: TokenwayError, headers: dict[str, str] | None = None) -> Response:
@@ -134,6 +148,10 @@ def create_app(ctx: IngressContext) -> FastAPI:
     async def handle(api: Api, request: Request) -> Response:
         body = await request.body()
         try:
+            ids = event_ids(request)
+        except InvalidRequest as exc:
+            return _error(exc)
+        try:
             req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
         except msgspec.ValidationError as exc:
             return _error(InvalidRequest(f"invalid request: {exc}"))
@@ -167,7 +185,7 @@ def create_app(ctx: IngressContext) -> FastAPI:
             streaming = True
             metrics.requests.labels(api, 200).inc()
             return StreamingResponse(
-                stream(rid, slot, first), media_type="text/event-stream",
+                stream(rid, slot, first, SseWriter(ids)), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )  # fmt: skip
         except TokenwayError as exc:
@@ -180,12 +198,12 @@ def create_app(ctx: IngressContext) -> FastAPI:
                 if first is None or not first.terminal:
                     ctx.router.cancel(rid)
 
-    async def stream(rid: str, slot: Slot, first: Event) -> AsyncIterator[bytes]:
+    async def stream(rid: str, slot: Slot, first: Event, writer: SseWriter) -> AsyncIterator[bytes]:
         metrics.active.inc()
         events, done = [first], False
         try:
             while True:
-                payload, done = sse_events(events)
+                payload, done = writer.write(events)
                 yield payload
                 if done:
                     return
@@ -211,7 +229,13 @@ def create_app(ctx: IngressContext) -> FastAPI:
         try:
             after = int(request.headers.get("last-event-id", "0"))
         except ValueError:
-            return _error(InvalidRequest("Last-Event-ID must be the integer `id:` of an event"))
+            return _error(InvalidRequest(
+                "Last-Event-ID must be the number of `data:` events received"
+            ))  # fmt: skip
+        try:
+            ids = event_ids(request)
+        except InvalidRequest as exc:
+            return _error(exc)
         if not _RID.fullmatch(rid):
             return _error(InvalidRequest(f"{rid!r} is not a request id", param="rid"))
         ledger_read = await ctx.ledger.read_from(rid)
@@ -219,15 +243,15 @@ def create_app(ctx: IngressContext) -> FastAPI:
             return _error(ModelNotFound(f"no stream {rid} within the output retention",
                                         code="stream_not_found"))  # fmt: skip
         return StreamingResponse(
-            resumed(ledger_read, after), media_type="text/event-stream",
+            resumed(ledger_read, SseWriter(ids, after)), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
         )  # fmt: skip
 
-    async def resumed(source: LedgerRead, after: int) -> AsyncIterator[bytes]:
+    async def resumed(source: LedgerRead, writer: SseWriter) -> AsyncIterator[bytes]:
         metrics.active.inc()
         try:
             async for events in source.batches():
-                payload, done = sse_events([e for e in events if e.seq > after])
+                payload, done = writer.write(events)
                 if payload:
                     yield payload
                 if done:

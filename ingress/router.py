@@ -168,13 +168,31 @@ def _stream_seq(msg: Msg | RawStreamMsg, hdrs: dict[str, str]) -> int:
     return int(hdrs.get(h.STREAM_SEQUENCE, 0))
 
 
-def sse_events(events: list[Event]) -> tuple[bytes, bool]:
-    """Events as SSE bytes (the committed chunk bytes, untouched), and whether they end it."""
-    out, done = [], False
-    for event in events:
-        payload = sse.frame([event.payload]) if event.kind == h.KIND_ERROR else event.payload
-        out.append(sse.with_id(event.seq, payload))
-        if event.terminal:
-            out.append(sse.DONE)
-            done = True
-    return b"".join(out), done
+class SseWriter:
+    """One stream's events as SSE bytes: the committed chunk bytes, untouched, then [DONE].
+
+    Its `data:` events are numbered from 1 in the order the client gets them, so a client
+    that counted what it received resumes with that count (`Last-Event-ID`), `id:` lines or
+    not. Numbering costs a pass over the bytes: it is done only for a client that asked for
+    `id:` lines, and while a resume skips what its client already has.
+    """
+
+    def __init__(self, ids: bool = False, after: int = 0) -> None:
+        self.ids = ids
+        self.after = after  # events the client has: left out
+        self.numbered = 0  # events numbered so far (only while numbering)
+
+    def write(self, events: list[Event]) -> tuple[bytes, bool]:
+        """The events' bytes, and whether they end the stream."""
+        out, done = [], False
+        for event in events:
+            framed = sse.frame([event.payload]) if event.kind == h.KIND_ERROR else event.payload
+            if self.ids or self.numbered < self.after:
+                first = self.numbered + 1
+                self.numbered += sse.count(framed)
+                framed = sse.renumber(framed, first, self.after, self.ids)
+            out.append(framed)
+            if event.terminal:
+                out.append(sse.DONE)
+                done = True
+        return b"".join(out), done

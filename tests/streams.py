@@ -1,4 +1,8 @@
-"""A streaming client for fault tests: what arrived, when, and the resume after a lost ingress."""
+"""A streaming client for fault tests: what arrived, when, and the resume after a lost ingress.
+
+It asks for `id:` lines (`X-Tokenway-Event-Ids`), so that every `data:` event carries its
+number across a resume: a gap or a duplicate shows in `ids`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import httpx
 
 from tokenway.aio import Signal
 
+IDS = {"X-Tokenway-Event-Ids": "1"}
+
 
 @dataclass
 class Streamed:
@@ -20,7 +26,7 @@ class Streamed:
 
     rid: str = ""
     raw: bytes = b""
-    times: list[float] = field(default_factory=list)  # when each event with an id arrived
+    times: list[float] = field(default_factory=list)  # when each complete event arrived
     started: float = 0.0
     cut: bool = False  # the connection broke before the end
 
@@ -69,7 +75,7 @@ class Streamed:
 async def read(resp: httpx.Response, out: Streamed, progress: Signal | None) -> None:
     async for part in resp.aiter_bytes():
         out.raw += part
-        out.times += [time.monotonic()] * (part.count(b"\nid: ") + part.startswith(b"id: "))
+        out.times += [time.monotonic()] * part.count(b"\n\n")
         if progress is not None:
             progress.fire()
 
@@ -80,7 +86,7 @@ async def post(
     """POST a streaming completion; a connection that breaks marks the stream `cut`."""
     out.started = time.monotonic()
     try:
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with http.stream("POST", f"{url}/v1/completions", json=body, headers=IDS) as resp:
             assert resp.status_code == 200, (await resp.aread()).decode()
             out.rid = resp.headers["x-request-id"]
             await read(resp, out, progress)
@@ -92,7 +98,7 @@ async def post(
 async def resume(http: httpx.AsyncClient, url: str, out: Streamed) -> Streamed:
     """Fetch the rest of a cut stream from another ingress, from its last complete event."""
     last = out.keep_complete()
-    headers = {"Last-Event-ID": str(last)}
+    headers = {"Last-Event-ID": str(last), **IDS}
     async with http.stream("GET", f"{url}/v1/streams/{out.rid}", headers=headers) as resp:
         assert resp.status_code == 200, (await resp.aread()).decode()
         out.cut = False

@@ -28,17 +28,19 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPTS: list[Any] = ["Once upon a time", "The bus carries", [6366, 33, 1040]]
 
 
-def sse(raw: str) -> list[tuple[int, list[dict]]]:
-    """(id, documents) per committed ledger message: an `id:` line opens one, and the SSE
-    events after it without an id of their own belong to it; [DONE] left out."""
-    events: list[tuple[int, list[dict]]] = []
-    for block in raw.split("\n\n"):
-        lines = block.split("\n")
-        ids = [int(x[4:]) for x in lines if x.startswith("id: ")]
-        if ids:
-            events.append((ids[0], []))
-        events[-1][1].extend(json.loads(x[6:]) for x in lines if x.startswith("data: {"))
-    return [e for e in events if e[1]]
+def sse(raw: str) -> list[dict]:
+    """The documents of the `data:` events, in order ([DONE] left out)."""
+    return [json.loads(e[len("data: ") :]) for e in raw.split("\n\n") if e.startswith("data: {")]
+
+
+async def committed(stack: Stack, rid: str) -> list[list[dict]]:
+    """The documents of each message the request's ledger holds, in order."""
+    nc = await nats.connect(stack.settings.nats)
+    try:
+        subject = bus.out_subject(stack.ingress.ingress_id, rid)
+        return [sse(m.data.decode()) async for m in ledger.stored(nc.jetstream(), subject)]
+    finally:
+        await nc.close()
 
 
 async def post_stream(url: str, body: dict) -> tuple[str, str]:
@@ -87,16 +89,13 @@ async def test_streamed_prompts_merge_with_global_indexes_one_usage_and_one_done
               "return_token_ids": True, "ignore_eos": True, "stream_options": usage}  # fmt: skip
     raw, _ = await post_stream(stack.url, {"prompt": PROMPTS, **common})
     assert raw.count("data: [DONE]") == 1 and raw.endswith("data: [DONE]\n\n")
-    events = sse(raw)
-    ids = [i for i, _ in events]
-    assert ids == list(range(1, len(ids) + 1))  # the merged stream's own sequence
-    docs = [d for _, ds in events for d in ds]
+    docs = sse(raw)
     merged = by_index([d for d in docs if d["choices"]])
     assert sorted(merged) == [0, 1, 2]
     prompt_total = completion_total = 0
     for k, prompt in enumerate(PROMPTS):
         alone_raw, _ = await post_stream(stack.url, {"prompt": prompt, **common})
-        alone_docs = [d for _, ds in sse(alone_raw) for d in ds]
+        alone_docs = sse(alone_raw)
         alone = by_index([d for d in alone_docs if d["choices"]])[0]
         assert merged[k] == alone  # text (echo included), token ids, prompt ids, logprobs
         alone_usage = alone_docs[-1]["usage"]
@@ -138,7 +137,7 @@ async def test_a_merged_stream_resumes_from_the_ledger(stack: Stack) -> None:
     async with httpx.AsyncClient(timeout=30) as http:
         resumed = await http.get(f"{stack.url}/v1/streams/{rid}", headers={"Last-Event-ID": "1"})
     assert resumed.status_code == 200
-    assert sse(resumed.text) == [e for e in sse(raw) if e[0] > 1]
+    assert sse(resumed.text) == sse(raw)[1:]
     assert resumed.text.count("data: [DONE]") == 1
 
 
@@ -147,10 +146,9 @@ async def test_nothing_is_sent_before_every_prompt_has_begun(nats_url: str, tmp_
     async with pipeline(nats_url, tmp_path, [sim("two-seqs", max_seqs=2)]) as (stack, _):
         body = {"model": model(stack), "prompt": PROMPTS, "max_tokens": 6, "stream": True,
                 "ignore_eos": True}  # fmt: skip
-        raw, _ = await post_stream(stack.url, body)
-        first_id, first_docs = sse(raw)[0]
-        assert first_id == 1
-        # The first event holds the first two prompts' whole output and the third's start.
+        _, rid = await post_stream(stack.url, body)
+        first_docs = (await committed(stack, rid))[0]
+        # The first ledger message holds the first two prompts' whole output and the third's start.
         finished = {c["index"] for d in first_docs for c in d["choices"] if c["finish_reason"]}
         assert finished == {0, 1}
         assert 2 in {c["index"] for d in first_docs for c in d["choices"]}
@@ -213,7 +211,7 @@ async def test_a_prompt_failing_after_output_ends_the_stream_with_an_error_event
                 "ignore_eos": True}  # fmt: skip
         raw, _ = await post_stream(stack.url, body)
         events = sse(raw)
-        error = events[-1][1][0]
+        error = events[-1]
         assert "simulated failure after 30 tokens" in error["error"]["message"]
         assert error["error"]["message"].startswith("prompt ")
         assert len(events) > 1 and raw.count("data: [DONE]") == 1
@@ -224,8 +222,8 @@ async def test_a_prompt_failing_after_output_ends_the_stream_with_an_error_event
 
 def texts(raw: str) -> dict[int, str]:
     out: dict[int, str] = {}
-    for _, docs in sse(raw):
-        for c in (c for d in docs for c in d.get("choices", [])):
+    for doc in sse(raw):
+        for c in doc.get("choices", []):
             out[c["index"]] = out.get(c["index"], "") + c["text"]
     return out
 

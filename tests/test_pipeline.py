@@ -70,26 +70,46 @@ async def test_max_tokens_ends_with_length(client: openai.AsyncOpenAI) -> None:
     assert resp.usage.completion_tokens == 5
 
 
-async def test_sse_framing_ids_and_one_done(stack: Stack) -> None:
-    body = {
-        "messages": CHAT,
-        "max_tokens": 8,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def raw_stream(stack: Stack, headers: dict[str, str] | None = None) -> str:
+    body = {"messages": CHAT, "max_tokens": 8, "stream": True, "seed": 3,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     async with httpx.AsyncClient() as http:
-        async with http.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as resp:
+        async with http.stream(
+            "POST", f"{stack.url}/v1/chat/completions", json=body, headers=headers
+        ) as resp:
             assert resp.status_code == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
-            raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
-    events = [e for e in raw.split("\n\n") if e]
-    assert events[-1] == "data: [DONE]"
-    assert raw.count("data: [DONE]") == 1
-    ids = [int(line[4:]) for e in events for line in e.splitlines() if line.startswith("id: ")]
-    assert ids == list(range(1, len(ids) + 1))
-    docs = [json.loads(e.split("data: ", 1)[1]) for e in events[:-1]]
+            return b"".join([part async for part in resp.aiter_bytes()]).decode()
+
+
+async def test_sse_is_framed_as_vllm_frames_it_data_events_then_one_done(stack: Stack) -> None:
+    raw = await raw_stream(stack)
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and raw.count("data: [DONE]") == 1
+    assert all(e.startswith("data: {") and "\n" not in e for e in events[:-2])  # nothing else
+    docs = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     assert docs[0]["choices"][0]["delta"]["role"] == "assistant"
     assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] <= 8
+
+
+async def test_event_ids_on_request_number_every_data_event(stack: Stack) -> None:
+    plain = await raw_stream(stack)
+    numbered = await raw_stream(stack, {"X-Tokenway-Event-Ids": "1"})
+    events = numbered.split("\n\n")[:-2]
+    assert [e.split("\n")[0] for e in events] == [f"id: {n}" for n in range(1, len(events) + 1)]
+
+    def text(docs: list[str]) -> str:
+        return "".join(c["delta"].get("content") or "" for d in docs
+                       for c in json.loads(d)["choices"])  # fmt: skip
+
+    assert text([e.split("\ndata: ", 1)[1] for e in events]) == text(
+        [e[6:] for e in plain.split("\n\n")[:-2]]
+    )  # the same seed: the same answer
+    assert numbered.endswith("\n\ndata: [DONE]\n\n")
+    async with httpx.AsyncClient() as http:
+        bad = await http.post(f"{stack.url}/v1/chat/completions", json={"messages": CHAT},
+                              headers={"X-Tokenway-Event-Ids": "maybe"})  # fmt: skip
+    assert bad.status_code == 400 and "X-Tokenway-Event-Ids" in bad.json()["error"]["message"]
 
 
 async def test_fifty_concurrent_streams_complete_once_with_matching_usage(stack: Stack) -> None:

@@ -1,14 +1,27 @@
-"""Server-sent-event framing, as vLLM and OpenAI frame it."""
+"""Server-sent-event framing, as vLLM and OpenAI frame it: `data: <json>\n\n` events, then
+`data: [DONE]\n\n`, nothing else. `id:` lines only for a client that asks for them."""
 
 from __future__ import annotations
 
 DONE = b"data: [DONE]\n\n"
+_END = b"\n\n"
 
 
 def frame(documents: list[bytes]) -> bytes:
-    """`data: <json>\\n\\n` per document; the owner frames, the ingress only prefixes the id."""
-    return b"".join(b"data: " + doc + b"\n\n" for doc in documents)
+    """`data: <json>\n\n` per document; the owner frames, the ingress passes the bytes on."""
+    return b"".join(b"data: " + doc + _END for doc in documents)
 
 
-def with_id(seq: int | str, framed: bytes) -> bytes:
-    return b"id: " + str(seq).encode() + b"\n" + framed
+def count(framed: bytes) -> int:
+    """How many events framed bytes hold (JSON escapes newlines: a blank line ends one)."""
+    return framed.count(_END)
+
+
+def renumber(framed: bytes, first: int, skip: int = 0, ids: bool = False) -> bytes:
+    """Framed events numbered from `first`: those numbered up to `skip` left out, the others
+    with an `id: <number>` line when `ids`."""
+    out = []
+    for n, event in enumerate(framed.split(_END)[:-1], start=first):
+        if n > skip:
+            out.append(b"id: %d\n%s\n\n" % (n, event) if ids else event + _END)
+    return b"".join(out)

@@ -78,8 +78,8 @@ USAGE = {"include_usage": True}
 async def sse_events(resp: httpx.Response) -> AsyncIterator[Any]:
     """The JSON documents of an SSE body, up to `[DONE]` (which must come)."""
     async for line in resp.aiter_lines():
-        if not line.startswith("data: "):  # tokenway numbers its events (`id: <seq>`)
-            assert line == "" or line.startswith(("id: ", ":")), f"not SSE framing: {line!r}"
+        if not line.startswith("data: "):  # vLLM's framing, and tokenway's: nothing else
+            assert line == "", f"not SSE framing as vLLM's: {line!r}"
             continue
         if line == "data: [DONE]":
             return
