@@ -326,13 +326,36 @@ def sim_engines(cfg: BenchConfig) -> int:
     return max(1, math.ceil(cfg.concurrency * (cfg.max_tokens + PROMPT_ALLOWANCE) / per_engine))
 
 
-class Pipeline:
-    """nats-server (with monitoring) and every stage as its own process; stopped on exit."""
+def sim_engine_args(cfg: BenchConfig) -> list[str]:
+    """`tokenway engine sim` with the benchmark's timing, and room for every stream."""
+    return [
+        "sim",
+        "--sim-ttft", str(cfg.ttft), "--sim-itl", str(cfg.itl),
+        "--sim-chunk-size", str(cfg.chunk_size), "--sim-output-len", str(cfg.max_tokens),
+        "--sim-max-seqs", str(max(256, cfg.concurrency)),
+        "--sim-engines", str(sim_engines(cfg)),
+    ]  # fmt: skip
 
-    def __init__(self, cfg: BenchConfig, workdir: Path) -> None:
+
+class Pipeline:
+    """nats-server (with monitoring) and every stage as its own process; stopped on exit.
+
+    `engine`: the `tokenway engine` arguments (default: the simulated engine for `cfg`);
+    `model`: arguments every stage gets (a `--model-dir` and `--served-model-name`).
+    """
+
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        workdir: Path,
+        engine: list[str] | None = None,
+        model: Sequence[str] = (),
+    ) -> None:
         self.cfg = cfg
         self.workdir = workdir
         self.data_dir = workdir / "data"
+        self.engine = engine if engine is not None else sim_engine_args(cfg)
+        self.model = list(model)
         self.procs: list[Proc] = []
         self.nats_url = ""
         self.monitor_url = ""
@@ -360,7 +383,6 @@ class Pipeline:
                 )
 
     async def start(self, http: httpx.AsyncClient) -> None:
-        cfg = self.cfg
         port, monitor, http_port = free_port(), free_port(), free_port()
         store = self.workdir / "jetstream"
         self._spawn("nats-server", [
@@ -372,18 +394,12 @@ class Pipeline:
         await self._wait_http(http, f"{self.monitor_url}/healthz")
 
         common = ["--nats", self.nats_url, "--data-dir", str(self.data_dir), "--log-level",
-                  "warning"]  # fmt: skip
+                  "warning", *self.model]  # fmt: skip
         tokenway = [sys.executable, "-m", "tokenway.cli"]
-        sim = [
-            "--sim-ttft", str(cfg.ttft), "--sim-itl", str(cfg.itl),
-            "--sim-chunk-size", str(cfg.chunk_size), "--sim-output-len", str(cfg.max_tokens),
-            "--sim-max-seqs", str(max(256, cfg.concurrency)),
-            "--sim-engines", str(sim_engines(cfg)),
-        ]  # fmt: skip
         self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
         for stage in ("render", "schedule", "derender"):
             self._spawn(stage, [*tokenway, stage, *common])
-        self._spawn("engine", [*tokenway, "engine", "sim", *common, *sim])
+        self._spawn("engine", [*tokenway, "engine", *self.engine[:1], *common, *self.engine[1:]])
         self.url = f"http://127.0.0.1:{http_port}"
         await self._wait_http(http, f"{self.url}/ready")
 
@@ -427,8 +443,10 @@ class Pipeline:
 
 
 @contextlib.asynccontextmanager
-async def running_pipeline(cfg: BenchConfig, workdir: Path) -> AsyncIterator[Pipeline]:
-    pipeline = Pipeline(cfg, workdir)
+async def running_pipeline(
+    cfg: BenchConfig, workdir: Path, engine: list[str] | None = None, model: Sequence[str] = ()
+) -> AsyncIterator[Pipeline]:
+    pipeline = Pipeline(cfg, workdir, engine, model)
     try:
         async with httpx.AsyncClient() as http:
             await pipeline.start(http)

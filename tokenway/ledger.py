@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 
 PUBLISH_WITHIN = 10.0  # seconds a ledger publish keeps trying (a server restart takes ~1)
-_PUBLISH_TRY = 2.0
+PUBLISH_TRY = 2.0
 
 
 def out_headers(
@@ -77,7 +77,7 @@ async def publish_error(
     )
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
     """NATS away, or the stream not back yet; a refusal (an API error) is an answer."""
     return isinstance(exc, nats.errors.Error) and not isinstance(exc, APIError)
 
@@ -91,20 +91,20 @@ async def publish(
     id, which the server checks before the fence (the expected last subject sequence).
     """
     try:  # the usual case, without the cost of a retry loop
-        return await js.publish(subject, payload, headers=headers, timeout=_PUBLISH_TRY)
+        return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
     except nats.errors.Error as exc:
-        if not _transient(exc):
+        if not transient(exc):
             raise
         log.warning("ledger publish on %s failed (%r); retrying", subject, exc)
     retrying = AsyncRetrying(
         stop=stop_after_delay(within),
         wait=wait_exponential(multiplier=0.05, max=1.0),
-        retry=retry_if_exception(_transient),
+        retry=retry_if_exception(transient),
         reraise=True,
     )
     async for attempt in retrying:
         with attempt:
-            return await js.publish(subject, payload, headers=headers, timeout=_PUBLISH_TRY)
+            return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
     raise AssertionError("unreachable: tenacity reraises")
 
 

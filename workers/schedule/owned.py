@@ -108,7 +108,6 @@ class Owned:
     # The ledger: the stream sequence of this request's last message there, which the next
     # publish expects (a fence against an owner that lost the request while it stalled).
     ledger_seq: int = 0
-    committing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one publish at a time
     superseded: bool = False  # another owner has the request: leave everything to it
 
     def __post_init__(self) -> None:
@@ -235,15 +234,19 @@ class Owned:
         """Entries to derender now: streams chunk by chunk, non-stream all at the very end."""
         if self.ended.is_set() or self.broken is not None:
             return []
+        # One derender + commit at a time per request: its publications are fenced one on
+        # the next, so what arrives meanwhile waits for (and joins) the next one.
+        if any(c.busy for c in self.choices) or self.usage_busy:
+            return []
         prompt = self.request.token_ids
         if not self.stream:
-            if any(c.busy for c in self.choices) or not all(c.finish for c in self.choices):
+            if not all(c.finish for c in self.choices):
                 return []
             return [(c, c.take(self.ctx, prompt)) for c in self.choices if not c.done]
         return [
             (c, c.take(self.ctx, prompt))
             for c in self.choices
-            if not c.busy and not c.done and (c.pending or c.finish is not None)
+            if not c.done and (c.pending or c.finish is not None)
         ]
 
     def needs_usage_chunk(self) -> bool:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import msgspec
 import nats.errors
@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from tokenway import bus, ledger
+from tokenway import bus, ledger, ledger_writer
 from tokenway import headers as h
 from tokenway.aio import wait_any
 from tokenway.config import Settings
@@ -93,6 +93,7 @@ class ScheduleService:
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # → last abort
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
+        self._writer: ledger_writer.LedgerWriter | None = None
         self._group: asyncio.TaskGroup | None = None
         self.registry: EngineRegistry | None = None
         self.dispatcher: Dispatcher | None = None
@@ -103,6 +104,8 @@ class ScheduleService:
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self._nc = await bus.connect(nats_url, f"tokenway-schedule-{self.owner_id}")
         js = self._js = nc.jetstream()
+        self._writer = ledger_writer.LedgerWriter(nc, js)
+        await self._writer.start()
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
@@ -269,17 +272,16 @@ class ScheduleService:
         # so an ended request leaves no work of its own behind.
         await r.settled.wait()
         if r.error is not None and not r.cancelled:
-            async with r.committing:
-                try:
-                    await ledger.publish_error(
-                        self._js, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq
-                    )
-                except APIError as exc:
-                    if not ledger.superseded(exc):
-                        raise
-                    log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
-                except Exception:
-                    log.exception("could not deliver the error of %s", r.rid)
+            try:
+                await ledger.publish_error(
+                    self._js, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq
+                )
+            except APIError as exc:
+                if not ledger.superseded(exc):
+                    raise
+                log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
+            except Exception:
+                log.exception("could not deliver the error of %s", r.rid)
         self.requests.pop(r.rid, None)
         self.dispatcher.release(r)
         if not r.superseded:  # its new owner holds the message now
@@ -452,8 +454,12 @@ class ScheduleService:
         return results
 
     async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
-        """Publish each result to TW_OUT; a choice's state advances only once it is stored."""
-        batches: dict[str, tuple[Owned, list[Publication]]] = {}
+        """Store each result in TW_OUT; a choice's state advances only once it is stored.
+
+        Every request's first publication goes in one round of publishes, then every second
+        one (choices of an n > 1 request, each fenced on the one before it), and so on."""
+        assert self._writer is not None
+        queues: dict[str, tuple[Owned, deque[Publication]]] = {}
         for (r, choice, entry), res in zip(items, results, strict=True):
             if r.ended.is_set():
                 continue
@@ -462,42 +468,39 @@ class ScheduleService:
                 continue
             publish = self._publication(r, choice, entry, res)
             if publish is not None:
-                batches.setdefault(r.rid, (r, []))[1].append((choice, res, *publish))
-        await asyncio.gather(*(self._commit_request(r, pubs) for r, pubs in batches.values()))
+                queues.setdefault(r.rid, (r, deque()))[1].append((choice, res, *publish))
+        while round_ := [(r, pubs.popleft()) for r, pubs in queues.values()
+                         if pubs and not r.ended.is_set()]:  # fmt: skip
+            entries = [self._ledger_entry(r, pub) for r, pub in round_]
+            outcomes = await self._writer.store(entries)
+            for (r, pub), outcome in zip(round_, outcomes, strict=True):
+                self._committed(r, pub, outcome)
 
-    async def _commit_request(self, r: Owned, pubs: list[Publication]) -> None:
-        """One request's publications, in order, each fenced on the one before it."""
-        assert self._js is not None
-        async with r.committing:
-            for choice, res, kind, payload, tokens in pubs:
-                if r.ended.is_set():
-                    return
-                seq = r.out_seq + 1
-                hdrs = ledger.out_headers(
-                    r.rid, seq, kind, attempt=r.attempt, state=res.state, tokens=tokens,
-                    after=r.ledger_seq,
-                )  # fmt: skip
-                try:
-                    ack = await ledger.publish(
-                        self._js, bus.out_subject(r.reply, r.rid), payload, hdrs,
-                        within=ledger.PUBLISH_WITHIN,
-                    )  # fmt: skip
-                except APIError as exc:
-                    if ledger.superseded(exc):
-                        log.warning("request %s is owned elsewhere now; letting it go", r.rid)
-                        r.supersede()
-                    else:
-                        r.fail(StageUnavailable(f"could not commit output: {exc}").info())
-                    return
-                except nats.errors.Error as exc:
-                    r.fail(StageUnavailable(f"could not commit output: {exc!r}").info())
-                    return
-                r.out_seq, r.ledger_seq = seq, ack.seq
-                if choice is not None:
-                    choice.state = res.state
-                    choice.committed.extend(tokens)
-                if kind in (h.KIND_END, h.KIND_RESPONSE):
-                    r.ended.set()
+    @staticmethod
+    def _ledger_entry(r: Owned, pub: Publication) -> ledger_writer.Entry:
+        _, res, kind, payload, tokens = pub
+        hdrs = ledger.out_headers(
+            r.rid, r.out_seq + 1, kind, attempt=r.attempt, state=res.state, tokens=tokens,
+            after=r.ledger_seq,
+        )  # fmt: skip
+        return bus.out_subject(r.reply, r.rid), payload, hdrs
+
+    @staticmethod
+    def _committed(r: Owned, pub: Publication, outcome: ledger_writer.Outcome) -> None:
+        """Advance the request past a stored publication, or end it with why it was not."""
+        choice, res, kind, _, tokens = pub
+        if isinstance(outcome, APIError) and ledger.superseded(outcome):
+            log.warning("request %s is owned elsewhere now; letting it go", r.rid)
+            r.supersede()
+        elif isinstance(outcome, BaseException):
+            r.fail(StageUnavailable(f"could not commit output: {outcome!r}").info())
+        else:
+            r.out_seq, r.ledger_seq = r.out_seq + 1, outcome
+            if choice is not None:
+                choice.state = res.state
+                choice.committed.extend(tokens)
+            if kind in (h.KIND_END, h.KIND_RESPONSE):
+                r.ended.set()
 
     @staticmethod
     def _publication(
