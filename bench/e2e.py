@@ -1,12 +1,13 @@
 """End-to-end benchmark: N concurrent streaming chat completions through the whole pipeline,
 against the same simulated engine driven directly, in one run.
 
-The pipeline runs as separate OS processes (nats-server, ingress, render, schedule, derender,
-simulated engines) so that resident memory and CPU are per stage. The direct baseline runs
-`SimEngine.generate` in this process with the same timing and the same output, timestamping
-every emit: the simulated model's next token depends on the seed and the context, so the
-direct path feeds the prompt IDs the pipeline's engine receives (each chat body rendered by
-the local renderer, chat template applied) with the same `seed=i` for stream i.
+The pipeline runs as separate OS processes (nats-server, ingress, render, schedule (which
+derenders its own requests), simulated engines) so that resident memory and CPU are per
+stage. The direct baseline runs `SimEngine.generate` in this process with the same timing
+and the same output, timestamping every emit: the simulated model's next token depends on
+the seed and the context, so the direct path feeds the prompt IDs the pipeline's engine
+receives (each chat body rendered by the local renderer, chat template applied) with the
+same `seed=i` for stream i.
 
     python bench/e2e.py --concurrency 200 --max-tokens 200 --itl 0.01 --chunk-size 1 \
         [--json out.json]
@@ -47,7 +48,7 @@ from workers.render.core import Renderer, decode_body
 ROOT = Path(__file__).resolve().parent.parent  # the stages run from the project root
 
 # Every process of the pipeline, as named in the report.
-PROCESSES = ("nats-server", "ingress", "render", "schedule", "derender", "engine")
+PROCESSES = ("nats-server", "ingress", "render", "schedule", "engine")
 PROMPT = "Request {i}: explain, step by step, how tokens stream from an engine to a client."
 PROMPT_ALLOWANCE = 256  # tokens: more than PROMPT takes, chat template included
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -397,7 +398,7 @@ class Pipeline:
                   "warning", *self.model]  # fmt: skip
         tokenway = [sys.executable, "-m", "tokenway.cli"]
         self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
-        for stage in ("render", "schedule", "derender"):
+        for stage in ("render", "schedule"):
             self._spawn(stage, [*tokenway, stage, *common])
         self._spawn("engine", [*tokenway, "engine", *self.engine[:1], *common, *self.engine[1:]])
         self.url = f"http://127.0.0.1:{http_port}"

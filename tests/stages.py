@@ -49,7 +49,9 @@ async def stage_processes(
     nats_url: str, tmp: Path, stage: str, processes: int
 ) -> AsyncIterator[StageProcesses]:
     model = f"{stage}-procs-{tmp.name}"
-    settings = make_settings(tmp, served_model_name=model, request_timeout=20.0, **TIMING)
+    # Derender processes only matter to owners that call the pool.
+    pool = {"derender_placement": "pool"} if stage == "derender" else {}
+    settings = make_settings(tmp, served_model_name=model, request_timeout=20.0, **TIMING, **pool)
     # The faulted stage runs as processes only; the clients' ingress also runs in-process.
     absent = {"engine": "sim", "ingress": ""}.get(stage, stage)
     names = [s for s in STAGES if s != absent]

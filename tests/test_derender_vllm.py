@@ -38,14 +38,19 @@ async def fake(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FakeVl
         yield server
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["owner", "pool"])
 async def vllm_stack(
-    nats_url: str, fake: FakeVllmRender, tmp_path_factory: pytest.TempPathFactory
+    nats_url: str,
+    fake: FakeVllmRender,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> AsyncIterator[Stack]:
+    """The backend in each schedule worker, or in the derender pool."""
     # Render stays local: only derender goes to the fake, which `--render-url` names.
     settings = make_settings(
         tmp_path_factory.mktemp("derender-vllm"), served_model_name=MODEL,
         derender_backend="vllm", render_url=fake.url, derender_server_timeout=1.0,
+        derender_placement=request.param,
     )  # fmt: skip
     s = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender", "sim"])
     yield s
@@ -225,8 +230,9 @@ async def test_derender_calls_too_big_for_the_bus_are_split_or_refused(
     vllm_stack: Stack, fake: FakeVllmRender
 ) -> None:
     """The client's body rides on every entry: entries that outgrow the bus's payload limit
-    (8 MiB here) together go as several calls; a whole response's choices cannot be split
-    (derender merges them), so one too big for a call is a 502 naming the limit, not silence."""
+    (8 MiB here) together go to the pool as several calls; a whole response's choices cannot
+    be split (derender merges them), so one too big for a call is a 502 naming the limit, not
+    silence. A schedule worker derendering in process has no such limit."""
     fake.reset()
     pad = "x" * (2 << 20)  # an extra field: ignored by the parser, carried in the body
     body = {**CHAT, "model": MODEL, "seed": 1, "user": pad}
@@ -238,7 +244,7 @@ async def test_derender_calls_too_big_for_the_bus_are_split_or_refused(
         status, docs, error = await ask(
             vllm_stack, "chat/completions", {**body, "n": 5, "stream": stream}
         )
-        if stream:  # each chunk's entry alone fits
+        if stream or vllm_stack.settings.derender_placement == "owner":
             assert status == 200 and not error and sorted(text(docs)) == [0, 1, 2, 3, 4]
         else:
             assert (error.get("code") if status == 200 else status) == 502

@@ -1,6 +1,7 @@
-"""Derender failover, caused for real: a derender process is killed mid-stream; the owner
-retries the same chunk with the same state on another worker and the client sees the same
-text it would have seen without the fault. With no derender left, the client gets a 502."""
+"""Derender failover, caused for real (`--derender-placement pool`): a derender process is
+killed mid-stream; the owner retries the same chunk with the same state on another worker and
+the client sees the same text it would have seen without the fault. With no derender left,
+the client gets a 502."""
 
 from __future__ import annotations
 
@@ -54,12 +55,13 @@ async def test_a_derender_worker_that_hangs_then_dies_mid_stream_loses_nothing(
 ) -> None:
     # A model of its own: no other test's derender worker may answer for it.
     model = f"failover-{tmp_path.name}"
-    settings = make_settings(tmp_path, derender_timeout=1.0, sim_itl=0.004, served_model_name=model)
+    settings = make_settings(tmp_path, derender_timeout=1.0, sim_itl=0.004, served_model_name=model,
+                             derender_placement="pool")  # fmt: skip
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
     doomed = await derender_process(stack.settings.nats, tmp_path, model)
     survivor = await derender_process(stack.settings.nats, tmp_path, model)
     retried = _Retried()
-    owner_log = logging.getLogger("workers.schedule.service")
+    owner_log = logging.getLogger("workers.schedule.derendering")
     owner_log.addHandler(retried)
     body = {"model": model, "prompt": "A long story", "max_tokens": 400, "ignore_eos": True,
             "seed": 5, "stream": True}  # fmt: skip
@@ -88,8 +90,9 @@ async def test_a_derender_worker_that_hangs_then_dies_mid_stream_loses_nothing(
 async def test_with_no_derender_worker_the_client_gets_a_502(nats_url: str, tmp_path: Path) -> None:
     model = f"no-derender-{tmp_path.name}"
     settings = make_settings(
-        tmp_path, derender_timeout=0.5, derender_retries=1, served_model_name=model
-    )
+        tmp_path, derender_timeout=0.5, derender_retries=1, served_model_name=model,
+        derender_placement="pool",
+    )  # fmt: skip
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
     try:
         async with httpx.AsyncClient(timeout=60) as http:

@@ -98,7 +98,10 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
         elif name == "schedule":
             from workers.schedule.service import ScheduleService
 
-            stages.append(ScheduleService(s, served, obf))
+            try:
+                stages.append(ScheduleService(s, served, model.path, obf))
+            except ValueError as exc:
+                raise SystemExit(f"tokenway: {exc}") from exc
         elif name == "derender":
             from workers.derender.service import DerenderService
 
@@ -303,7 +306,13 @@ def _render(p: argparse.ArgumentParser) -> None:
 
 
 def _derender(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("derender backend (render needs it too: it adds the client body)")
+    g = p.add_argument_group("derender (render needs the backend too: it adds the client body)")
+    g.add_argument(
+        "--derender-placement",
+        choices=["owner", "pool"],
+        help="owner: each schedule worker derenders its own requests in process (default); "
+        "pool: it calls the derender workers (`tokenway derender`) over the bus",
+    )
     g.add_argument(
         "--derender-backend",
         choices=["local", "vllm"],
@@ -485,8 +494,8 @@ def parser() -> argparse.ArgumentParser:
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
-        ("schedule", "request owners: flow control, dispatch, derender calls, commit"),
-        ("derender", "token IDs → OpenAI chunks (request-reply service)"),
+        ("schedule", "request owners: flow control, dispatch, derender, commit"),
+        ("derender", "token IDs → OpenAI chunks for --derender-placement pool (request-reply)"),
     ]:
         p = sub.add_parser(name, help=f"run {text} against a shared NATS server")
         _common(p)
@@ -496,7 +505,7 @@ def parser() -> argparse.ArgumentParser:
             _parsers(p)
         if name == "render":
             _render(p)
-        if name in ("render", "derender"):
+        if name in ("render", "schedule", "derender"):
             _derender(p)
         if name == "schedule":
             _scheduling(p), _obfuscation(p)
@@ -536,7 +545,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(asyncio.run(_dlq(args, settings.nats)))
         return
     if args.command == "up":
-        _run(settings, ["ingress", "render", "schedule", "derender", "dlq", "sim"], announce=True)
+        pool = ["derender"] if settings.derender_placement == "pool" else []
+        _run(settings, ["ingress", "render", "schedule", *pool, "dlq", "sim"], announce=True)
     elif args.command == "engine":
         _run(settings, [args.kind])
     else:

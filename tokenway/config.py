@@ -51,6 +51,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # who derenders: "local" (the model directory's tokenizer) or "vllm" (a vLLM derender
     # server at derender_url, default render_url; never falls back: states differ)
     derender_backend: Literal["local", "vllm"] = "local"
+    # where: "owner" (in each schedule worker, for its own requests) or "pool" (the derender
+    # workers, over the bus: a backend that scales apart from the owners)
+    derender_placement: Literal["owner", "pool"] = "owner"
     derender_url: str | None = None
     derender_connect_timeout: PositiveFloat = 2.0
     derender_server_timeout: PositiveFloat = 5.0  # whole reply; below derender_timeout

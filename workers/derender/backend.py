@@ -40,6 +40,10 @@ class LocalBackend:
         self.detok = Detokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
 
     async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
+        return self.derender_now(entries)
+
+    def derender_now(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
+        """The same, synchronously (safe in another thread: the core shares no state)."""
         return derender_call(self.detok, entries)
 
     async def aclose(self) -> None:

@@ -16,13 +16,12 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
+from pathlib import Path
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -42,7 +41,6 @@ from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
 from tokenway.wire import (
-    DerenderCall,
     DerenderEntry,
     DerenderReply,
     DerenderResult,
@@ -52,6 +50,8 @@ from tokenway.wire import (
     TokenStep,
 )
 from tokenway.worker import consume
+from workers.derender.backend import derender_backend
+from workers.schedule.derendering import Derenderer, InOwner, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
 from workers.schedule.owned import Choice, Owned, RelayRefused
@@ -80,7 +80,11 @@ class ScheduleService:
     name = "schedule"
 
     def __init__(
-        self, settings: Settings, model: str, obfuscation: Permutation | None = None
+        self,
+        settings: Settings,
+        model: str,
+        model_dir: Path,
+        obfuscation: Permutation | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -98,6 +102,14 @@ class ScheduleService:
         self.registry: EngineRegistry | None = None
         self.dispatcher: Dispatcher | None = None
         self.fanout: FanOut | None = None  # owner of multi-prompt requests
+        # Derendering in this process (the default placement): a backend refused here (a
+        # ValueError) refuses the stage before it starts.
+        self._backend = (
+            derender_backend(settings, model_dir)
+            if settings.derender_placement == "owner"
+            else None
+        )
+        self.derenderer: Derenderer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -106,6 +118,9 @@ class ScheduleService:
         js = self._js = nc.jetstream()
         self._writer = ledger_writer.LedgerWriter(nc, js)
         await self._writer.start()
+        self.derenderer = (
+            InOwner(self._backend) if self._backend else Pool(nc, self.settings, self.model)
+        )
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
@@ -127,6 +142,7 @@ class ScheduleService:
             )  # fmt: skip
             await self._shutdown()
         await nc.drain()
+        await self.derenderer.aclose()
 
     async def _shutdown(self) -> None:
         """Stop fetching (done by now), let owned requests finish, then end the stragglers."""
@@ -374,7 +390,8 @@ class ScheduleService:
 
     async def _derender_and_commit(self, items: list[Work]) -> None:
         try:
-            results = await self._derender([entry for _, _, entry in items])
+            assert self.derenderer is not None
+            results = await self.derenderer.derender([entry for _, _, entry in items])
             await self._commit(items, results)
         except (StageUnavailable, StageTimeout) as exc:
             for r, _, _ in items:
@@ -387,71 +404,6 @@ class ScheduleService:
                 if not any(c.busy for c in r.choices):
                     r.settled.set()
         self._kick(list({id(r): r for r, _, _ in items}.values()))  # what arrived meanwhile
-
-    async def _derender(self, entries: list[DerenderEntry]) -> list[DerenderResult]:
-        """One call, retried with the same chunks and states when a worker died or hung:
-        derender is pure, so a retry cannot duplicate output, and it never re-runs inference."""
-        assert self._nc is not None
-        payload = _encoder.encode(DerenderCall(entries=entries))
-        if len(payload) > self._nc.max_payload:  # entries can carry the client's body
-            return await self._derender_split(entries, len(payload))
-        tries = self.settings.derender_retries + 1
-        for attempt in range(1, tries + 1):
-            try:
-                msg = await self._nc.request(
-                    bus.derender_subject(self.model), payload,
-                    timeout=self.settings.derender_timeout,
-                )  # fmt: skip
-                break
-            except (NatsTimeout, NoRespondersError) as exc:
-                log.warning("derender call failed (%s), try %d of %d", type(exc).__name__,
-                            attempt, tries)  # fmt: skip
-                if attempt == tries:
-                    if isinstance(exc, NoRespondersError):
-                        raise StageUnavailable("no derender worker is running") from exc
-                    raise StageTimeout(
-                        f"derender did not answer within {self.settings.derender_timeout}s, "
-                        f"{tries} times"
-                    ) from exc
-                await asyncio.sleep(_DERENDER_BACKOFF * attempt)  # a worker may be restarting
-        try:
-            reply = _reply_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            raise StageUnavailable(f"derender answered garbage: {exc}") from exc
-        if reply.error is not None:
-            raise StageUnavailable(f"derender rejected the call: {reply.error.message}")
-        if len(reply.results) != len(entries):
-            raise StageUnavailable("derender answered a different number of entries")
-        return reply.results
-
-    async def _derender_split(
-        self, entries: list[DerenderEntry], size: int
-    ) -> list[DerenderResult]:
-        """A call over the bus's payload limit as two; a whole response's choices stay in one
-        (derender merges them), and one that alone is too big fails with the reason."""
-        keys = [
-            (e.context.response_id, e.context.index_base, i if e.context.stream else -1)
-            for i, e in enumerate(entries)
-        ]
-        groups = list(dict.fromkeys(keys))
-        if len(groups) == 1:
-            assert self._nc is not None
-            error = StageUnavailable(
-                f"a derender call of {size} bytes exceeds the bus payload limit of "
-                f"{self._nc.max_payload} bytes"
-            ).info()
-            return [DerenderResult(error=error) for _ in entries]
-        first = set(groups[: len(groups) // 2])
-        ones = [i for i, k in enumerate(keys) if k in first]
-        others = [i for i, k in enumerate(keys) if k not in first]
-        parts = await asyncio.gather(
-            self._derender([entries[i] for i in ones]),
-            self._derender([entries[i] for i in others]),
-        )
-        results = [DerenderResult()] * len(entries)
-        for i, result in zip(ones + others, parts[0] + parts[1], strict=True):
-            results[i] = result
-        return results
 
     async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
         """Store each result in TW_OUT; a choice's state advances only once it is stored.

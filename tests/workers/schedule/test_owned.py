@@ -225,6 +225,19 @@ def test_a_non_stream_request_is_ready_only_when_every_choice_finished() -> None
     ]
 
 
+def test_one_derender_at_a_time_per_request_so_its_commits_stay_in_order() -> None:
+    """Choices of one request commit fenced one on the next: while one of them is being
+    derendered and committed, the others wait and join the next round."""
+    r = owned(stream=True, n=2)
+    r.accept(delta(0, [1], index=0))
+    [(first, _)] = r.take_ready()
+    r.accept(delta(1, [2], index=1))
+    assert r.take_ready() == []  # choice 0 is in flight
+    first.busy = False
+    [(second, entry)] = r.take_ready()
+    assert (second.index, entry.token_ids) == (1, [2])
+
+
 def test_take_clears_pending_and_sets_busy() -> None:
     r = owned()
     r.choices[0].state = b"opaque derender state"

@@ -1,0 +1,48 @@
+"""Derendering in the owner: the pure core in process, a large call off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tokenway.wire import DerenderEntry, OutputContext
+from workers.derender.backend import LocalBackend
+from workers.derender.core import derender_call
+from workers.schedule.derendering import THREAD_ABOVE, InOwner
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CTX = OutputContext(api="completion", response_id="cmpl-1", model="m", prompt_tokens=2)
+
+
+def entry(tokens: int) -> DerenderEntry:
+    return DerenderEntry(context=CTX, token_ids=[6366] * tokens, finish_reason="length")
+
+
+async def loop_ran_during(call: asyncio.Future[object]) -> bool:
+    """Whether a task scheduled after `call` ran before it finished: `call` let the event loop
+    go on rather than holding it to the end."""
+    seen: list[bool] = []
+
+    async def other() -> None:
+        seen.append(call.done())
+
+    asyncio.get_running_loop().create_task(other())
+    await call
+    await asyncio.sleep(0)  # `other` has run by now, either way
+    return seen == [False]
+
+
+async def test_the_owner_derenders_as_the_core_does_a_large_call_in_a_thread(
+    model_dir: Path,
+) -> None:
+    backend = LocalBackend(model_dir)
+    owner = InOwner(backend)
+    small, large = [entry(8)], [entry(THREAD_ABOVE + 1)]
+    assert await owner.derender(small) == derender_call(backend.detok, small)
+    assert not await loop_ran_during(asyncio.ensure_future(owner.derender(small)))
+    call = asyncio.ensure_future(owner.derender(large))
+    assert await loop_ran_during(call)  # the loop went on while it ran
+    assert call.result() == derender_call(backend.detok, large)

@@ -1,0 +1,133 @@
+"""Where an owner's token deltas become OpenAI chunks: in the owner itself, or by the
+derender pool (`--derender-placement`).
+
+`owner` (the default) calls the derender backend in the schedule process: the local core is
+pure and costs a few µs per chunk, while a call to the pool costs a request-reply on the bus
+and a msgpack round of every entry with its output context, for every engine step. A large
+call (a whole non-streaming response, many choices) runs in a thread, so the owner's event
+loop goes on serving its other requests meanwhile. `pool` sends each call to the derender
+workers on `tw.derender.<model>` (a queue group), retried with the same entries and states
+when a worker dies or hangs: for a derender backend that must scale apart from the owners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from tokenway import bus
+from tokenway.config import Settings
+from tokenway.errors import StageTimeout, StageUnavailable
+from tokenway.wire import DerenderCall, DerenderEntry, DerenderReply, DerenderResult
+from workers.derender.backend import DerenderBackend, LocalBackend
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
+_BACKOFF = 0.05  # seconds before a call to the pool is tried again, times the try
+# A local call with more output tokens than this runs in a thread (its CPU would hold the
+# owner's event loop: heartbeats, in-progress acks, every other stream).
+THREAD_ABOVE = 4096
+
+
+class Derenderer(Protocol):
+    async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
+        """One result per entry; StageUnavailable/StageTimeout when nothing could answer."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class InOwner:
+    def __init__(self, backend: DerenderBackend) -> None:
+        self.backend = backend
+
+    async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
+        local = self.backend if isinstance(self.backend, LocalBackend) else None
+        if local is not None and sum(len(e.token_ids) for e in entries) > THREAD_ABOVE:
+            return await asyncio.to_thread(local.derender_now, entries)
+        return await self.backend.derender(entries)
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+
+class Pool:
+    def __init__(self, nc: NATS, settings: Settings, model: str) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.subject = bus.derender_subject(model)
+
+    async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
+        """One call, retried with the same chunks and states when a worker died or hung:
+        derender is pure, so a retry cannot duplicate output, and it never re-runs inference."""
+        assert self.nc is not None
+        payload = _encoder.encode(DerenderCall(entries=entries))
+        if len(payload) > self.nc.max_payload:  # entries can carry the client's body
+            return await self._split(entries, len(payload))
+        tries = self.settings.derender_retries + 1
+        for attempt in range(1, tries + 1):
+            try:
+                msg = await self.nc.request(
+                    self.subject, payload,
+                    timeout=self.settings.derender_timeout,
+                )  # fmt: skip
+                break
+            except (NatsTimeout, NoRespondersError) as exc:
+                log.warning("derender call failed (%s), try %d of %d", type(exc).__name__,
+                            attempt, tries)  # fmt: skip
+                if attempt == tries:
+                    if isinstance(exc, NoRespondersError):
+                        raise StageUnavailable("no derender worker is running") from exc
+                    raise StageTimeout(
+                        f"derender did not answer within {self.settings.derender_timeout}s, "
+                        f"{tries} times"
+                    ) from exc
+                await asyncio.sleep(_BACKOFF * attempt)  # a worker may be restarting
+        try:
+            reply = _reply_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            raise StageUnavailable(f"derender answered garbage: {exc}") from exc
+        if reply.error is not None:
+            raise StageUnavailable(f"derender rejected the call: {reply.error.message}")
+        if len(reply.results) != len(entries):
+            raise StageUnavailable("derender answered a different number of entries")
+        return reply.results
+
+    async def _split(self, entries: Sequence[DerenderEntry], size: int) -> list[DerenderResult]:
+        """A call over the bus's payload limit as two; a whole response's choices stay in one
+        (derender merges them), and one that alone is too big fails with the reason."""
+        keys = [
+            (e.context.response_id, e.context.index_base, i if e.context.stream else -1)
+            for i, e in enumerate(entries)
+        ]
+        groups = list(dict.fromkeys(keys))
+        if len(groups) == 1:
+            assert self.nc is not None
+            error = StageUnavailable(
+                f"a derender call of {size} bytes exceeds the bus payload limit of "
+                f"{self.nc.max_payload} bytes"
+            ).info()
+            return [DerenderResult(error=error) for _ in entries]
+        first = set(groups[: len(groups) // 2])
+        ones = [i for i, k in enumerate(keys) if k in first]
+        others = [i for i, k in enumerate(keys) if k not in first]
+        parts = await asyncio.gather(
+            self.derender([entries[i] for i in ones]),
+            self.derender([entries[i] for i in others]),
+        )
+        results = [DerenderResult()] * len(entries)
+        for i, result in zip(ones + others, parts[0] + parts[1], strict=True):
+            results[i] = result
+        return results
+
+    async def aclose(self) -> None:
+        pass
