@@ -21,9 +21,14 @@ from tokenway import bus
 
 class LedgerRead:
     def __init__(
-        self, js: JetStreamContext, sub: JetStreamContext.PushSubscription, idle_timeout: float
+        self,
+        js: JetStreamContext,
+        sub: JetStreamContext.PushSubscription,
+        idle_timeout: float,
+        rid: str,
     ) -> None:
         self._js = js
+        self._rid = rid
         self._sub = sub
         self._idle = idle_timeout
 
@@ -34,7 +39,7 @@ class LedgerRead:
                 msg = await self._sub.next_msg(timeout=self._idle)
             except (NatsTimeout, TimeoutError):
                 return
-            event = event_of(msg)
+            event = event_of(self._rid, msg)
             if event is not None:
                 yield [event]
 
@@ -63,6 +68,6 @@ class LedgerReader:
         # consumer_seq counts what this consumer delivered (stream_seq may have moved past
         # other requests' messages it skipped): nothing pending, nothing delivered = unknown.
         if info.num_pending == 0 and info.delivered.consumer_seq == 0 and sub.pending_msgs == 0:
-            await LedgerRead(self.js, sub, self.idle_timeout).close()
+            await LedgerRead(self.js, sub, self.idle_timeout, rid).close()
             return None
-        return LedgerRead(self.js, sub, self.idle_timeout)
+        return LedgerRead(self.js, sub, self.idle_timeout, rid)

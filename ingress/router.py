@@ -1,10 +1,12 @@
-"""SSE reassembly: one wildcard subscription per ingress, chunks routed to requests by id.
+"""SSE reassembly: one subscription per ingress, committed chunks routed to requests by id.
 
-`TW_OUT` republishes what it stored to `tw.sse.<ingress>.<rid>`; this process subscribes
-once to `tw.sse.<ingress>.*` and drops each message into the request's slot. A slot is a
-small queue plus an event; a writer that fell behind takes everything queued at once.
-Republished messages are core NATS: what a reconnect loses shows as a gap in `Tw-Seq` (or,
-at a stream's tail, as nothing), and is read back from the ledger by stream sequence.
+Every writer of the `TW_OUT` ledger delivers what it just stored for this ingress as one
+`Delivery` message on `tw.sse.<ingress>` (a round of commits: many requests' chunks at
+once); this process subscribes to it once and drops each event into its request's slot. A
+slot is a small queue plus an event; a writer that fell behind takes everything queued at
+once. Deliveries are core NATS: what a reconnect (or a writer's death) loses shows as a gap
+in `Tw-Seq` (or, at a stream's tail, as nothing), and is read back from the ledger by stream
+sequence.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -21,24 +23,13 @@ from nats.js.api import RawStreamMsg
 
 from tokenway import bus, ledger, sse
 from tokenway import headers as h
+from tokenway.wire import Delivered, Delivery
 
 log = logging.getLogger(__name__)
 
-TERMINAL = {h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR}
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    seq: int
-    kind: str
-    payload: bytes
-    status: int = 200
-    tokens: str = ""  # `Tw-Tokens`, as sent (a reader that counts tokens decodes it)
-    stream_seq: int = 0  # its sequence in TW_OUT
-
-    @property
-    def terminal(self) -> bool:
-        return self.kind in TERMINAL
+# One committed ledger message of a request, as its readers get it.
+Event = Delivered
+_delivery = msgspec.msgpack.Decoder(Delivery)
 
 
 class Slot:
@@ -115,16 +106,18 @@ class OutputRouter:
         task.add_done_callback(self._background.discard)
 
     async def _on_msg(self, msg: Msg) -> None:
-        rid = bus.rid_of(msg.subject)
-        slot = self.slots.get(rid)
-        if slot is None:
-            return  # the client already left
-        event = event_of(msg)
-        if event is None:
+        try:
+            delivery = _delivery.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.error("undecodable delivery on %s: %s", msg.subject, exc)
             return
-        if event.seq > slot.last_seq + 1:  # republished while we were reconnecting
-            await self._read_back(rid, slot, before=event.stream_seq)
-        slot.put(event)
+        for event in delivery.events:
+            slot = self.slots.get(event.rid)
+            if slot is None:
+                continue  # the client already left
+            if event.seq > slot.last_seq + 1:  # delivered while we were away, or lost
+                await self._read_back(event.rid, slot, before=event.stream_seq)
+            slot.put(event)
 
     async def reconnected(self) -> None:
         """After a reconnect, what every open request missed, including its end."""
@@ -137,35 +130,20 @@ class OutputRouter:
         subject = bus.out_subject(self.ingress_id, rid)
         try:
             async for raw in ledger.stored(self.js, subject, slot.stream_seq, before):
-                event = event_of(raw)
+                event = event_of(rid, raw)
                 if event is not None:
                     slot.put(event)
         except nats.errors.Error as exc:  # NATS away again: the next reconnect retries
             log.warning("could not read %s back from the ledger: %r", rid, exc)
 
 
-def event_of(msg: Msg | RawStreamMsg) -> Event | None:
-    """A ledger message (live, or read back from TW_OUT) as an output event."""
-    hdrs = msg.headers or {}
+def event_of(rid: str, msg: Msg | RawStreamMsg) -> Event | None:
+    """A ledger message read back from TW_OUT (a direct get, or a consumer) as an event."""
     try:
-        return Event(
-            seq=int(hdrs[h.SEQ]),
-            kind=hdrs.get(h.KIND, h.KIND_CHUNK),
-            payload=msg.data or b"",
-            status=int(hdrs.get(h.STATUS, 200)),
-            tokens=hdrs.get(h.TOKENS, ""),
-            stream_seq=_stream_seq(msg, hdrs),
-        )
+        return ledger.delivered(rid, msg)
     except (KeyError, ValueError):
         log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
         return None
-
-
-def _stream_seq(msg: Msg | RawStreamMsg, hdrs: dict[str, str]) -> int:
-    """Read back: the message's own; republished: the header the server adds."""
-    if isinstance(msg, RawStreamMsg):
-        return msg.seq or 0
-    return int(hdrs.get(h.STREAM_SEQUENCE, 0))
 
 
 class SseWriter:

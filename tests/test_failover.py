@@ -8,14 +8,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import signal
+import time
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
-from tests.conftest import make_settings, start_stack
+from tests.conftest import Stack, make_settings, start_stack
 from tests.test_cli import free_port, logged, spawn, stop
+from tokenway import bus, ledger
+from tokenway import headers as h
+from tokenway.wire import GenerateRequest
+from workers.schedule.owned import Owned
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -151,3 +158,29 @@ async def test_a_client_whose_ingress_dies_resumes_on_another_with_last_event_id
     finally:
         await stop(doomed, signal.SIGKILL)
         await stack.close()
+
+
+async def test_a_new_owner_that_finds_the_end_stored_delivers_it_to_the_waiting_client(
+    stack: Stack,
+) -> None:
+    """The last owner stored the end, then died before delivering it: the client's ingress
+    would wait until the deadline. The owner that takes the request over delivers it."""
+    schedule, router = stack.by_name["schedule"][0], stack.ingress.router
+    rid, reply = f"end-{secrets.token_hex(4)}", stack.ingress.ingress_id
+    slot = router.open(rid)
+    try:
+        nc = await nats.connect(stack.settings.nats)
+        try:  # stored, never delivered
+            hdrs = ledger.out_headers(rid, 1, h.KIND_END)
+            await ledger.publish(nc.jetstream(), bus.out_subject(reply, rid), b"data: {}\n\n",
+                                 hdrs, within=5)  # fmt: skip
+        finally:
+            await nc.close()
+        request = GenerateRequest(request_id=rid, token_ids=[1])
+        r = Owned(rid=rid, reply=reply, request=request, deadline=time.time() + 60, msg=None)
+        assert not await schedule._read_back(r)  # nothing left to run
+        async with asyncio.timeout(10):
+            [end] = await slot.take()
+        assert (end.seq, end.kind, end.payload) == (1, h.KIND_END, b"data: {}\n\n")
+    finally:
+        router.close(rid)

@@ -4,7 +4,8 @@ This module is the only place that spells subject, stream and consumer names. Th
 provisions JetStream idempotently at start-up and doubles as the contract for direct
 publishers (batch/RL jobs): publish a `RenderRequest` to `render_subject(model)` or a
 `GenerateRequest` to `sched_subject(model)` with the `Tw-Rid`/`Tw-Reply` headers, and read
-results from `out_subject(reply, rid)` (or live from `sse_subject`).
+results from `out_subject(reply, rid)` (or live from `sse_subject(reply)`: msgpack
+`Delivery` messages, each holding what a writer just stored for that reply).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def out_subject(reply: str, rid: str) -> str:
     return f"tw.out.{reply}.{rid}"
 
 
-def sse_subject(reply: str, rid: str = "*") -> str:
-    return f"tw.sse.{reply}.{rid}"
+def sse_subject(reply: str) -> str:
+    """Where ledger writers deliver what they stored for `reply`, live (`Delivery`)."""
+    return f"tw.sse.{reply}"
 
 
 def tok_subject(owner: str) -> str:
@@ -168,7 +170,6 @@ def streams(s: Settings) -> list[StreamSpec]:
                 discard=jsapi.DiscardPolicy.OLD,
                 # Dedupe ids live in server memory: keep the window short on the hot stream.
                 duplicate_window=30.0,
-                republish=jsapi.RePublish(src="tw.out.>", dest="tw.sse.>"),
                 storage=file,
                 num_replicas=s.replicas,
             ),

@@ -17,8 +17,6 @@ KIND = "Tw-Kind"
 STATUS = "Tw-Status"
 TRACEPARENT = "traceparent"
 
-# Set by the server on republished messages.
-STREAM_SEQUENCE = "Nats-Sequence"
 # Optimistic concurrency: stored only if the subject's last message has this sequence.
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when it does not
@@ -58,3 +56,8 @@ def encode_tokens(token_ids: list[int]) -> str:
 
 def decode_tokens(text: str) -> list[int]:
     return [int(t) for t in text.split(",")] if text else []
+
+
+def count_tokens(text: str) -> int:
+    """How many IDs a `Tw-Tokens` header lists."""
+    return text.count(",") + 1 if text else 0

@@ -1,4 +1,9 @@
-"""Publishing to `TW_OUT` (the committed ledger) and `TW_DLQ`, with the headers they carry."""
+"""Publishing to `TW_OUT` (the committed ledger) and `TW_DLQ`, with the headers they carry.
+
+Whoever stores a ledger message delivers it, once its publish is acknowledged, to the live
+readers of its reply subject (`Delivery` on `tw.sse.<reply>`): the client never sees what is
+not stored, and a reader gets one message per round of commits instead of one per chunk.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, RawStreamMsg
@@ -19,11 +25,12 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.errors import error_body
-from tokenway.wire import DeadLetter, ErrorInfo
+from tokenway.wire import DeadLetter, Delivered, Delivery, ErrorInfo
 
 log = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
+_delivery = msgspec.msgpack.Encoder()
 
 PUBLISH_WITHIN = 10.0  # seconds a ledger publish keeps trying (a server restart takes ~1)
 PUBLISH_TRY = 2.0
@@ -60,7 +67,7 @@ def out_headers(
 
 
 async def publish_error(
-    js: JetStreamContext,
+    nc: NATS,
     reply: str,
     rid: str,
     seq: int,
@@ -68,13 +75,36 @@ async def publish_error(
     after: int | None = None,
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
-    await publish(
-        js,
-        bus.out_subject(reply, rid),
-        error_body(info),
-        out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after),
-        within=PUBLISH_WITHIN,
-    )
+    hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after)
+    await commit(nc, reply, rid, seq, h.KIND_ERROR, error_body(info), hdrs, status=info.status)
+
+
+async def commit(
+    nc: NATS,
+    reply: str,
+    rid: str,
+    seq: int,
+    kind: str,
+    payload: bytes,
+    headers: dict[str, str],
+    *,
+    status: int = 200,
+    tokens: int = 0,
+) -> PubAck:
+    """One ledger message stored (retried while NATS comes back), then delivered live."""
+    ack = await publish(nc.jetstream(), bus.out_subject(reply, rid), payload, headers,
+                        within=PUBLISH_WITHIN)  # fmt: skip
+    event = Delivered(rid=rid, seq=seq, stream_seq=ack.seq, payload=payload, kind=kind,
+                      status=status, tokens=tokens)  # fmt: skip
+    await deliver(nc, reply, [event])
+    return ack
+
+
+async def deliver(nc: NATS, reply: str, events: list[Delivered]) -> None:
+    """What was just stored for `reply`, to whoever streams it live (core NATS: a lost
+    delivery shows as a gap in `Tw-Seq`, or as nothing at a stream's end, and the reader
+    reads the ledger back)."""
+    await nc.publish(bus.sse_subject(reply), _delivery.encode(Delivery(events=events)))
 
 
 def transient(exc: BaseException) -> bool:
@@ -123,6 +153,7 @@ class Committed:
     ended: bool  # an end, a whole response or an error is stored: nothing is left to do
     state: bytes | None  # the last stream_state
     tokens: array  # every committed output token ID, in order
+    last: Delivered  # the last message, as it was delivered
 
 
 _ENDS = (h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR)
@@ -149,16 +180,39 @@ async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | N
     """The request's committed output, or None when nothing of it is stored."""
     found = None
     async for msg in stored(js, bus.out_subject(reply, rid)):
-        found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"))
-        found.stream_seq = msg.seq
         hdrs = msg.headers or {}
-        found.seq = int(hdrs.get(h.SEQ, found.seq))
+        try:
+            last = delivered(rid, msg)
+        except (KeyError, ValueError):
+            log.error("ledger message %d of %s has no valid %s header", msg.seq, rid, h.SEQ)
+            continue
+        found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"), last=last)
+        found.stream_seq, found.seq, found.last = msg.seq, last.seq, last
         found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))
-        found.ended = hdrs.get(h.KIND, h.KIND_CHUNK) in _ENDS
+        found.ended = last.kind in _ENDS
         if h.STREAM_STATE in hdrs:
             found.state = h.decode_state(hdrs[h.STREAM_STATE])
         found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))
     return found
+
+
+def delivered(rid: str, msg: Msg | RawStreamMsg) -> Delivered:
+    """A stored ledger message (read back by a direct get, or from a consumer) as delivered
+    live; KeyError or ValueError when its `Tw-Seq` is missing or not a number."""
+    hdrs = msg.headers or {}
+    if isinstance(msg, RawStreamMsg):
+        stream_seq = msg.seq or 0
+    else:
+        stream_seq = msg.metadata.sequence.stream
+    return Delivered(
+        rid=rid,
+        seq=int(hdrs[h.SEQ]),
+        stream_seq=stream_seq,
+        payload=msg.data or b"",
+        kind=hdrs.get(h.KIND, h.KIND_CHUNK),
+        status=int(hdrs.get(h.STATUS, 200)),
+        tokens=h.count_tokens(hdrs.get(h.TOKENS, "")),
+    )
 
 
 async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -> None:

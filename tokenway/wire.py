@@ -109,6 +109,9 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     request_body: bytes | None = None
 
 
+# `Tw-Kind`s that end a request's output: an end, a whole response, an error.
+TERMINAL_KINDS = frozenset({"end", "response", "error"})
+
 # How many prompts one completions request may carry.
 MAX_PROMPTS = 1024
 
@@ -295,6 +298,31 @@ class DerenderResult(Struct, kw_only=True, omit_defaults=True):
 class DerenderReply(Struct, kw_only=True, omit_defaults=True):
     results: list[DerenderResult] = []
     error: ErrorInfo | None = None  # the call as a whole could not be decoded
+
+
+class Delivered(Struct, kw_only=True, omit_defaults=True):
+    """One ledger message just stored, for whoever streams its request live: its `Tw-Seq`,
+    its sequence in TW_OUT (where reading back starts after), its `Tw-Kind` and payload."""
+
+    rid: str
+    seq: int
+    stream_seq: int
+    payload: bytes
+    kind: str = "chunk"
+    status: int = 200  # `Tw-Status` of an error
+    tokens: int = 0  # how many output token IDs it commits
+
+    @property
+    def terminal(self) -> bool:
+        """It ends the request's output (an end, a whole response or an error)."""
+        return self.kind in TERMINAL_KINDS
+
+
+class Delivery(Struct, kw_only=True):
+    """On `tw.sse.<reply>`, from the writer of the ledger right after its publishes were
+    acknowledged: one message per round of commits for that reply, in the order stored."""
+
+    events: list[Delivered]
 
 
 class Cancel(Struct, kw_only=True, omit_defaults=True):

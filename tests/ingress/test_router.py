@@ -1,7 +1,7 @@
 """The ingress's output router on a real bus: what its subscription misses is read back.
 
-Republished output is core NATS, so a reconnect can lose some of it. The loss is caused for
-real here: the router's subscription is removed while the owner's chunks are stored.
+Deliveries are core NATS, so a reconnect can lose some of them. The loss is caused for real
+here: the router's subscription is removed while the owner's chunks are stored.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ async def test_output_missed_while_unsubscribed_is_read_back_in_order(
 
     async def commit(seq: int, kind: str = h.KIND_CHUNK) -> None:
         hdrs = ledger.out_headers(rid, seq, kind)
-        await js.publish(bus.out_subject(ingress, rid), f"chunk {seq}".encode(), headers=hdrs)
+        await ledger.commit(nc, ingress, rid, seq, kind, f"chunk {seq}".encode(), hdrs)
 
     async def taken(count: int) -> list[int]:
         seqs: list[int] = []

@@ -9,7 +9,9 @@ from tokenway.sse import frame
 
 def chunk(seq: int, *docs: str, kind: str = h.KIND_CHUNK) -> Event:
     """A ledger message holding several documents, as an owner commits a merged step."""
-    return Event(seq=seq, kind=kind, payload=frame([d.encode() for d in docs]))
+    return Event(
+        rid="r", seq=seq, stream_seq=seq, kind=kind, payload=frame([d.encode() for d in docs])
+    )
 
 
 EVENTS = [chunk(1, "{1}", "{2}"), chunk(2, "{3}"), chunk(3, "{4}", "{5}", kind=h.KIND_END)]
@@ -39,6 +41,7 @@ def test_a_resume_leaves_out_the_events_the_client_counted_even_inside_a_message
 
 
 def test_an_error_is_one_data_event_and_ends_the_stream() -> None:
-    error = Event(seq=2, kind=h.KIND_ERROR, payload=b'{"error": {}}', status=502)
+    error = Event(rid="r", seq=2, stream_seq=2, kind=h.KIND_ERROR, payload=b'{"error": {}}',
+                  status=502)  # fmt: skip
     out, done = SseWriter(ids=True).write([chunk(1, "{1}"), error])
     assert out == b'id: 1\ndata: {1}\n\nid: 2\ndata: {"error": {}}\n\ndata: [DONE]\n\n' and done

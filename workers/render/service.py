@@ -7,6 +7,7 @@ import logging
 import time
 
 import msgspec
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
@@ -37,9 +38,10 @@ class RenderService:
         self.model = served_model_name
         self.backend = render_backend(settings, model, served_model_name, flags)
         self.max_payload = 0  # the server's, known once connected
+        self.nc: NATS | None = None
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = await bus.connect(nats_url, f"tokenway-render-{self.model}")
+        nc = self.nc = await bus.connect(nats_url, f"tokenway-render-{self.model}")
         self.max_payload = nc.max_payload
         js = nc.jetstream()
         spec = bus.render_consumer(self.settings, self.model)
@@ -60,7 +62,7 @@ class RenderService:
             request = _decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             reason = f"undecodable render request: {exc}"
-            await ledger.publish_error(js, reply, rid, 1, InvalidRequest(reason).info())
+            await ledger.publish_error(self.nc, reply, rid, 1, InvalidRequest(reason).info())
             await ledger.dead_letter(js, "render", msg, reason)
             return
         try:
@@ -71,10 +73,10 @@ class RenderService:
                 generate.context.request_body = request.body
             await self._forward(js, rid, reply, deadline, generate)
         except TokenwayError as exc:
-            await ledger.publish_error(js, reply, rid, 1, exc.info())
+            await ledger.publish_error(self.nc, reply, rid, 1, exc.info())
         except Exception as exc:  # a bug: the client still hears about it
             log.exception("render failed for %s", rid)
-            await ledger.publish_error(js, reply, rid, 1, internal(exc))
+            await ledger.publish_error(self.nc, reply, rid, 1, internal(exc))
         await msg.ack()
 
     async def _forward(

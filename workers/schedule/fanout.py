@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NotFoundError
 
-from ingress.router import TERMINAL, Event, OutputRouter, Slot
+from ingress.router import Event, OutputRouter, Slot
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import wait_any
@@ -39,7 +39,7 @@ from tokenway.errors import (
     TokenwayError,
     internal,
 )
-from tokenway.wire import ErrorInfo, GenerateRequest
+from tokenway.wire import TERMINAL_KINDS, ErrorInfo, GenerateRequest
 from tokenway.worker import is_stream_full, overloaded
 from workers.derender.detok import SEED_TOKENS
 from workers.schedule.merge import Merge, Output, retryable
@@ -59,7 +59,8 @@ _NOT_RESUMABLE = (
 
 class SubSlot(Slot):
     """A prompt's committed output as it arrives: wakes its request, and a gap in the
-    republished sequence (lost output) breaks it instead of passing with a warning."""
+    delivered sequence that reading back could not fill (lost output) breaks it instead of
+    passing with a warning."""
 
     def __init__(self, wake: asyncio.Event) -> None:
         super().__init__()
@@ -168,7 +169,7 @@ class FanOut:
                 "(--max-fanout); retry later",
                 code="queue_full",
             )
-            await ledger.publish_error(self.js, reply, rid, 1, busy.info())
+            await ledger.publish_error(self.nc, reply, rid, 1, busy.info())
             await msg.ack()
             return
         p = Parent(rid, reply, request, deadline, msg)
@@ -260,10 +261,7 @@ class FanOut:
         p.out_seq += 1
         hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind)
         try:
-            await ledger.publish(
-                self.js, bus.out_subject(p.reply, p.rid), out.payload, hdrs,
-                within=ledger.PUBLISH_WITHIN,
-            )  # fmt: skip
+            await ledger.commit(self.nc, p.reply, p.rid, p.out_seq, out.kind, out.payload, hdrs)
         except Exception as exc:
             raise StageUnavailable(f"could not commit output to the ledger: {exc!r}") from exc
 
@@ -296,7 +294,7 @@ class FanOut:
             await self._cancel_lost_owner_subs(p)
             return True
         hdrs = last.headers or {}
-        if hdrs.get(h.KIND, h.KIND_CHUNK) not in TERMINAL:
+        if hdrs.get(h.KIND, h.KIND_CHUNK) not in TERMINAL_KINDS:
             p.out_seq = int(hdrs[h.SEQ])
             p.error = StageUnavailable(_NOT_RESUMABLE).info()
         return False
@@ -319,7 +317,7 @@ class FanOut:
         """The one exit: tell the client what went wrong (unless it left), free, ack."""
         if p.error is not None and not p.cancelled:
             try:
-                await ledger.publish_error(self.js, p.reply, p.rid, p.out_seq + 1, p.error)
+                await ledger.publish_error(self.nc, p.reply, p.rid, p.out_seq + 1, p.error)
             except Exception:
                 log.exception("could not deliver the error of %s", p.rid)
         self.parents.pop(p.rid, None)

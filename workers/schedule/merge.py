@@ -68,7 +68,7 @@ class Merge:
             return
         sub.started = True
         sub.done = event.terminal
-        sub.tokens += count_tokens(event.tokens)
+        sub.tokens += event.tokens
         sub.held.append(event)
 
     def fail(self, k: int, why: str) -> None:
@@ -99,11 +99,6 @@ class Merge:
             completion = sum(s.tokens for s in self.subs)
             payload += frame([usage_chunk(totals, completion)])
         return Output(h.KIND_END, payload)
-
-
-def count_tokens(header: str) -> int:
-    """How many IDs a `Tw-Tokens` header lists."""
-    return header.count(",") + 1 if header else 0
 
 
 def sub_error(k: int, event: Event) -> ErrorInfo:

@@ -41,8 +41,8 @@ from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
 from tokenway.wire import (
+    Delivered,
     DerenderEntry,
-    DerenderReply,
     DerenderResult,
     EngineAbort,
     GenerateRequest,
@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _step_decoder = msgspec.msgpack.Decoder(TokenStep)
-_reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
@@ -260,6 +259,9 @@ class ScheduleService:
             return True  # nothing was committed: start afresh
         if found.ended:
             log.info("request %s was finished by its last owner", r.rid)
+            # Its last owner may have died before delivering the end: a reader still waiting
+            # gets it now (and reads back whatever else it missed).
+            await ledger.deliver(self._nc, r.reply, [found.last])
             return False
         if len(r.choices) > 1:
             raise RelayRefused(
@@ -290,7 +292,7 @@ class ScheduleService:
         if r.error is not None and not r.cancelled:
             try:
                 await ledger.publish_error(
-                    self._js, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq
+                    self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq
                 )
             except APIError as exc:
                 if not ledger.superseded(exc):
@@ -425,8 +427,13 @@ class ScheduleService:
                          if pubs and not r.ended.is_set()]:  # fmt: skip
             entries = [self._ledger_entry(r, pub) for r, pub in round_]
             outcomes = await self._writer.store(entries)
+            stored: dict[str, list[Delivered]] = {}
             for (r, pub), outcome in zip(round_, outcomes, strict=True):
-                self._committed(r, pub, outcome)
+                event = self._committed(r, pub, outcome)
+                if event is not None:
+                    stored.setdefault(r.reply, []).append(event)
+            for reply, events in stored.items():
+                await ledger.deliver(self._nc, reply, events)
 
     @staticmethod
     def _ledger_entry(r: Owned, pub: Publication) -> ledger_writer.Entry:
@@ -438,21 +445,25 @@ class ScheduleService:
         return bus.out_subject(r.reply, r.rid), payload, hdrs
 
     @staticmethod
-    def _committed(r: Owned, pub: Publication, outcome: ledger_writer.Outcome) -> None:
-        """Advance the request past a stored publication, or end it with why it was not."""
-        choice, res, kind, _, tokens = pub
+    def _committed(r: Owned, pub: Publication, outcome: ledger_writer.Outcome) -> Delivered | None:
+        """Advance the request past a stored publication (what to deliver of it), or end it
+        with why it was not stored."""
+        choice, res, kind, payload, tokens = pub
         if isinstance(outcome, APIError) and ledger.superseded(outcome):
             log.warning("request %s is owned elsewhere now; letting it go", r.rid)
             r.supersede()
-        elif isinstance(outcome, BaseException):
+            return None
+        if isinstance(outcome, BaseException):
             r.fail(StageUnavailable(f"could not commit output: {outcome!r}").info())
-        else:
-            r.out_seq, r.ledger_seq = r.out_seq + 1, outcome
-            if choice is not None:
-                choice.state = res.state
-                choice.committed.extend(tokens)
-            if kind in (h.KIND_END, h.KIND_RESPONSE):
-                r.ended.set()
+            return None
+        r.out_seq, r.ledger_seq = r.out_seq + 1, outcome
+        if choice is not None:
+            choice.state = res.state
+            choice.committed.extend(tokens)
+        if kind in (h.KIND_END, h.KIND_RESPONSE):
+            r.ended.set()
+        return Delivered(rid=r.rid, seq=r.out_seq, stream_seq=outcome, payload=payload,
+                         kind=kind, tokens=len(tokens))  # fmt: skip
 
     @staticmethod
     def _publication(

@@ -8,13 +8,17 @@ from ingress.router import Event
 from tokenway import headers as h
 from tokenway.errors import EngineFailed, error_body
 from tokenway.wire import OutputContext
-from workers.schedule.merge import Merge, count_tokens, retryable
+from workers.schedule.merge import Merge, retryable
 
 CTX = OutputContext(response_id="cmpl-x", model="m", stream=True, include_usage=True)
 
 
-def chunk(seq: int, text: str, kind: str = h.KIND_CHUNK, tokens: str = "5") -> Event:
-    return Event(seq=seq, kind=kind, payload=f"data: {text}\n\n".encode(), tokens=tokens)
+def event(seq: int, kind: str, payload: bytes, **more: object) -> Event:
+    return Event(rid="sub", seq=seq, stream_seq=seq, kind=kind, payload=payload, **more)
+
+
+def chunk(seq: int, text: str, kind: str = h.KIND_CHUNK, tokens: int = 1) -> Event:
+    return event(seq, kind, f"data: {text}\n\n".encode(), tokens=tokens)
 
 
 def test_nothing_goes_out_until_every_prompt_has_begun_then_all_in_order() -> None:
@@ -31,10 +35,10 @@ def test_nothing_goes_out_until_every_prompt_has_begun_then_all_in_order() -> No
 
 def test_the_last_end_closes_with_one_usage_summing_every_prompt() -> None:
     merge = Merge(CTX, prompt_tokens=9, prompts=2, limit=10)
-    merge.add(0, chunk(1, "a", h.KIND_END, tokens="1,2,3"))
+    merge.add(0, chunk(1, "a", h.KIND_END, tokens=3))
     merge.add(1, chunk(1, "b"))
     assert merge.take().kind == h.KIND_CHUNK  # prompt 0's end is not the request's
-    merge.add(1, chunk(2, "c", h.KIND_END, tokens="4"))
+    merge.add(1, chunk(2, "c", h.KIND_END, tokens=1))
     out = merge.take()
     assert out.kind == h.KIND_END and merge.ended
     usage = json.loads(out.payload.split(b"data: ")[-1])["usage"]
@@ -44,7 +48,7 @@ def test_the_last_end_closes_with_one_usage_summing_every_prompt() -> None:
 def test_a_prompts_error_names_the_prompt_and_stops_output() -> None:
     merge = Merge(CTX, prompt_tokens=9, prompts=2, limit=10)
     body = error_body(EngineFailed("engine e: boom").info())
-    merge.add(1, Event(seq=1, kind=h.KIND_ERROR, payload=body, status=502))
+    merge.add(1, event(1, h.KIND_ERROR, body, status=502))
     merge.add(0, chunk(1, "a"))
     assert merge.take() is None
     assert merge.error.message == "prompt 1: engine e: boom" and merge.error.status == 502
@@ -63,7 +67,7 @@ def test_non_streamed_responses_merge_by_index_with_usage_summed() -> None:
         doc = {"id": "x", "choices": [{"index": index, "text": str(index)}],
                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                          "total_tokens": prompt + completion}}  # fmt: skip
-        return Event(seq=1, kind=h.KIND_RESPONSE, payload=json.dumps(doc).encode())
+        return event(1, h.KIND_RESPONSE, json.dumps(doc).encode())
 
     merge = Merge(OutputContext(), prompt_tokens=7, prompts=2, limit=10)
     merge.add(1, response(1, 4, 6))
@@ -76,6 +80,5 @@ def test_non_streamed_responses_merge_by_index_with_usage_summed() -> None:
 
 def test_deadlines_and_client_errors_are_not_retried() -> None:
     merge = Merge(CTX, prompt_tokens=1, prompts=1, limit=1)
-    merge.add(0, Event(seq=1, kind=h.KIND_ERROR, payload=b"{}", status=504))
+    merge.add(0, event(1, h.KIND_ERROR, b"{}", status=504))
     assert not retryable(merge.error)
-    assert count_tokens("") == 0 and count_tokens("7") == 1 and count_tokens("1,2") == 2
