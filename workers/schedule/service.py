@@ -51,7 +51,7 @@ from tokenway.wire import (
 )
 from tokenway.worker import consume
 from workers.derender.backend import derender_backend
-from workers.schedule.derendering import Derenderer, InOwner, Pool
+from workers.schedule.derendering import THREAD_ABOVE, Derenderer, InOwner, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
 from workers.schedule.owned import Choice, Owned, RelayRefused
@@ -94,6 +94,8 @@ class ScheduleService:
         self.empty.set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # → last abort
+        self._ready: dict[str, Owned] = {}  # what the next derender + commit round looks at
+        self._work = asyncio.Event()  # set when `_ready` gained a request
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._writer: ledger_writer.LedgerWriter | None = None
@@ -134,12 +136,14 @@ class ScheduleService:
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
             await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
             group.create_task(self._keepalive(stop))
+            rounds = group.create_task(self._rounds())
             log.info("schedule %s owning %s", self.owner_id, self.model)
             await consume(
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
                 batch=self._capacity, freed=self.dispatcher.freed,
             )  # fmt: skip
             await self._shutdown()
+            rounds.cancel()
         await nc.drain()
         await self.derenderer.aclose()
 
@@ -378,19 +382,42 @@ class ScheduleService:
         await self.dispatcher.abort(engine, delta.rid, delta.attempt)
 
     def _kick(self, candidates: list[Owned]) -> None:
-        items: list[Work] = []
+        """These requests may have output to derender and commit: the next round takes it."""
         for r in candidates:
-            ready = [(r, choice, entry) for choice, entry in r.take_ready()]
-            if r.needs_usage_chunk():
-                ready.append((r, None, r.usage_entry()))
-            if ready:
-                r.settled.clear()
-                items += ready
-        if items:
-            assert self._group is not None
-            self._group.create_task(self._derender_and_commit(items))
+            self._ready[r.rid] = r
+        if candidates:
+            self._work.set()
 
-    async def _derender_and_commit(self, items: list[Work]) -> None:
+    async def _rounds(self) -> None:
+        """Derender and commit rounds, one at a time: each takes what every request has ready
+        when it starts, so what arrives during a round (the next engine step) goes out as one
+        in the next, however many requests it touches. A heavy round (a whole long response)
+        runs beside, so the streams do not wait for it."""
+        assert self._group is not None
+        while True:
+            await self._work.wait()
+            await asyncio.sleep(0)  # let this loop turn's other arrivals join the round
+            self._work.clear()
+            ready, self._ready = self._ready, {}
+            light: list[Work] = []
+            for r in ready.values():
+                items = [(r, choice, entry) for choice, entry in r.take_ready()]
+                if r.needs_usage_chunk():
+                    items.append((r, None, r.usage_entry()))
+                if not items:
+                    continue
+                r.settled.clear()
+                if sum(len(entry.token_ids) for _, _, entry in items) > THREAD_ABOVE:
+                    self._group.create_task(self._derender_and_commit(items, beside=True))
+                else:
+                    light += items
+            if light:
+                await self._derender_and_commit(light)
+
+    async def _derender_and_commit(self, items: list[Work], beside: bool = False) -> None:
+        """One round. What arrives for its requests meanwhile is kicked as it arrives (and
+        waits for the next round); after it, only what the round itself made due (the
+        closing usage chunk), or, for a round `beside`, what arrived while it ran."""
         try:
             assert self.derenderer is not None
             results = await self.derenderer.derender([entry for _, _, entry in items])
@@ -398,6 +425,10 @@ class ScheduleService:
         except (StageUnavailable, StageTimeout) as exc:
             for r, _, _ in items:
                 r.fail(exc.info())
+        except Exception as exc:  # a bug fails these requests, never the worker
+            log.exception("derendering or committing %d entries failed", len(items))
+            for r, _, _ in items:
+                r.fail(internal(exc))
         finally:
             for _, choice, _ in items:
                 if choice is not None:
@@ -405,14 +436,14 @@ class ScheduleService:
             for r, _, _ in items:
                 if not any(c.busy for c in r.choices):
                     r.settled.set()
-        self._kick(list({id(r): r for r, _, _ in items}.values()))  # what arrived meanwhile
+        touched = {id(r): r for r, _, _ in items}.values()
+        self._kick([r for r in touched if beside or r.needs_usage_chunk()])
 
     async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
         """Store each result in TW_OUT; a choice's state advances only once it is stored.
 
         Every request's first publication goes in one round of publishes, then every second
         one (choices of an n > 1 request, each fenced on the one before it), and so on."""
-        assert self._writer is not None
         queues: dict[str, tuple[Owned, deque[Publication]]] = {}
         for (r, choice, entry), res in zip(items, results, strict=True):
             if r.ended.is_set():
@@ -426,6 +457,7 @@ class ScheduleService:
         while round_ := [(r, pubs.popleft()) for r, pubs in queues.values()
                          if pubs and not r.ended.is_set()]:  # fmt: skip
             entries = [self._ledger_entry(r, pub) for r, pub in round_]
+            assert self._writer is not None
             outcomes = await self._writer.store(entries)
             stored: dict[str, list[Delivered]] = {}
             for (r, pub), outcome in zip(round_, outcomes, strict=True):
