@@ -2,9 +2,8 @@
 
 It registers the engine in `tw-engines` with heartbeats, takes work on
 `tw.engine.<id>.generate`, aborts on `tw.engine.<id>.abort` (and drops the work of a dead
-owner on `tw.orphan.<rid>`), numbers each attempt's
-deltas, and sends everything produced in one event-loop turn (one engine step) as one
-`TokenStep` message per owner.
+owner on `tw.orphan.<rid>`), numbers each attempt's deltas, and sends each engine step (what
+every running attempt produced since the last) as one `TokenStep` message per owner.
 
 With token obfuscation (`--obfuscation-key`), this is the one place where IDs change space:
 each attempt's work is mapped to physical IDs before the engine sees it, and each step
@@ -54,6 +53,9 @@ class Emit(Protocol):
     ) -> None: ...
 
 
+# Longest an engine step's first delta waits for the rest of the step's deltas.
+STEP_GATHER = 0.002
+
 _work_decoder = msgspec.msgpack.Decoder(EngineWork)
 _abort_decoder = msgspec.msgpack.Decoder(EngineAbort)
 _encoder = msgspec.msgpack.Encoder()
@@ -90,7 +92,8 @@ class Bridge:
         self.owners: dict[tuple[str, int], str] = {}  # who each running attempt reports to
         self.orphaned: set[tuple[str, int]] = set()  # attempts dropped for a request's new owner
         self._outbox: dict[str, list[TokenDelta]] = {}
-        self._flush_pending = False
+        self._reported: set[tuple[str, int]] = set()  # attempts in the outbox
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._nc: NATS | None = None
         self._group: asyncio.TaskGroup | None = None
         self.idle = asyncio.Event()
@@ -227,14 +230,24 @@ class Bridge:
         self._queue(work.owner, delta)
 
     def _queue(self, owner: str, delta: TokenDelta) -> None:
+        """One engine step leaves as one message per owner. A simulated engine emits a step
+        in one loop turn; vLLM streams each sequence on a connection of its own, so its step
+        arrives spread over several turns: the step is complete once every running attempt
+        has reported, and at most STEP_GATHER after its first delta it leaves anyway (an
+        attempt still prefilling reports nothing)."""
         self._outbox.setdefault(owner, []).append(delta)
-        if not self._flush_pending:
-            self._flush_pending = True
-            # Everything emitted in this loop turn (one engine step) leaves as one message.
-            asyncio.get_running_loop().call_soon(self._flush)
+        self._reported.add((delta.rid, delta.attempt))
+        if self._reported.issuperset(self.tasks):
+            self._flush()
+        elif self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(STEP_GATHER, self._flush)
 
     def _flush(self) -> None:
-        self._flush_pending = False
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        self._reported.clear()
         outbox, self._outbox = self._outbox, {}
         assert self._nc is not None and self._group is not None
         for owner, entries in outbox.items():

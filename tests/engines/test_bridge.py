@@ -11,13 +11,20 @@ import nats
 import pytest
 from tokenizers import Tokenizer
 
-from engines.bridge import Bridge
+from engines.bridge import Bridge, Emit
 from engines.sim import SimConfig, SimEngine
 from tests.conftest import make_settings, wait_engines
 from tokenway import bus
 from tokenway.model import default_model_dir
 from tokenway.registry import EngineRegistry
-from tokenway.wire import EngineAbort, EngineReply, EngineWork, SamplingParams, TokenStep
+from tokenway.wire import (
+    EngineAbort,
+    EngineInfo,
+    EngineReply,
+    EngineWork,
+    SamplingParams,
+    TokenStep,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -65,6 +72,76 @@ async def test_work_orphaned_for_a_new_owner_tells_the_old_owner_it_was_dropped(
             await bridge.idle.wait()
         assert "dropped for the request's new owner" in last.error
         assert last.finish_reason == "error" and not bridge.tasks
+    finally:
+        stop.set()
+        await asyncio.gather(running, watching)
+        await nc.close()
+
+
+class Turns:
+    """An engine whose attempts each emit one token when the test says: a step of vLLM's
+    arrives as one HTTP chunk per sequence, each in a loop turn of its own."""
+
+    def __init__(self, engine_id: str, model: str, rids: list[str]) -> None:
+        self.id, self.model = engine_id, model
+        # rid → one entry per step to emit (True: the last)
+        self.go: dict[str, asyncio.Queue[bool]] = {rid: asyncio.Queue() for rid in rids}
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(id=self.id, model=self.model)
+
+    async def generate(self, work: EngineWork, emit: Emit) -> None:
+        turns = self.go[work.rid]
+        while True:
+            last = await turns.get()
+            emit([7], "length" if last else None, None)
+            if last:
+                return
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engine_id = model = f"turns-{uuid.uuid4().hex[:8]}"
+    engine = Turns(engine_id, model, ["a", "b"])
+    settings = make_settings(tmp_path)
+    bridge = Bridge(settings, engine)
+    stop = asyncio.Event()
+    running = asyncio.create_task(bridge.run(nats_url, stop))
+    nc = await nats.connect(nats_url)
+    registry = EngineRegistry(await bus.engines_kv(nc.jetstream(), settings), model, 3.0)
+    watching = asyncio.create_task(registry.run(stop))
+    steps: asyncio.Queue[TokenStep] = asyncio.Queue()
+
+    async def on_step(msg: nats.aio.msg.Msg) -> None:
+        await steps.put(msgspec.msgpack.decode(msg.data, type=TokenStep))
+
+    def entries(step: TokenStep) -> list[tuple[str, int]]:
+        return sorted((e.rid, e.seq) for e in step.entries)
+
+    try:
+        await nc.subscribe(bus.tok_subject("o1"), cb=on_step)
+        subject = bus.engine_subject(engine_id, "generate")
+        await wait_engines(registry, 1)  # it registers once it listens
+        async with asyncio.timeout(10):
+            for rid in ("a", "b"):
+                work = EngineWork(rid=rid, attempt=1, owner="o1", token_ids=[0],
+                                  sampling_params=SamplingParams())  # fmt: skip
+                await nc.request(subject, msgspec.msgpack.encode(work))
+            for rid in ("a", "b"):  # one step: each sequence in its own loop turn
+                await engine.go[rid].put(False)
+                await asyncio.sleep(0)
+            assert entries(await steps.get()) == [("a", 0), ("b", 0)]
+            await engine.go["a"].put(False)  # b says nothing this time: a goes out alone
+            assert entries(await steps.get()) == [("a", 1)]
+            for rid in ("a", "b"):
+                await engine.go[rid].put(True)
+            ends = entries(await steps.get())
+            ends += [] if len(ends) == 2 else entries(await steps.get())
+            assert ends == [("a", 2), ("b", 1)]
     finally:
         stop.set()
         await asyncio.gather(running, watching)
