@@ -40,10 +40,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx
 import msgspec
 
 from engines.bridge import Emit, Engine
+from engines.http1 import ConnectFailed, Http1Client, Response, TransportError
 from engines.vllm_wire import (
     ABORT_PATH,
     COMPLETIONS_ID_PREFIX,
@@ -75,7 +75,7 @@ _FINISH: dict[str, FinishReason] = {
     "abort": "abort",
     "repetition": "stop",  # vLLM's repetition detection; stop_reason says what repeated
 }
-_JSON_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+_JSON_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
 
 # -- failures the owner may want to tell apart (the Bridge sends `<class>: <message>`) ------
@@ -150,26 +150,24 @@ class _Attempt:
     tokens: int = 0
     native: bool = False  # on the completions route: no abort route to call
     stopped: bool = False  # aborted: what vLLM still sends is read, never reported
+    done: bool = False  # vLLM sent [DONE]
+    last_event: float = 0.0  # loop time of the last event, for the token timeout
 
 
 class VllmEngine:
-    """One vLLM server; one pooled HTTP client with a connection per running request."""
+    """One vLLM server; a connection per running request, kept for the next while idle.
+
+    The HTTP client is `engines.http1`'s, not a general one: every token of every running
+    sequence is a read of its own, and that client parses it where it arrives."""
 
     def __init__(self, endpoint: VllmEndpoint) -> None:
         self.endpoint = endpoint
         self.url = endpoint.url.rstrip("/")
         self.running = 0
         self.token_route_missing_at: float | None = None  # monotonic time of the last 404/501
-        self.client = httpx.AsyncClient(
-            base_url=self.url,
-            # Connect is bounded here; waiting for tokens by the deadlines in `generate`.
-            timeout=httpx.Timeout(None, connect=endpoint.connect_timeout),
-            # One connection per running request, plus a few so aborts never wait for one.
-            limits=httpx.Limits(
-                max_connections=endpoint.max_seqs + 8,
-                max_keepalive_connections=endpoint.max_seqs,
-            ),
-            trust_env=False,  # an engine is on the cluster network, never behind a proxy
+        # Connect is bounded here; waiting for tokens by the deadlines in `_stream`.
+        self.client = Http1Client(
+            self.url, connect_timeout=endpoint.connect_timeout, max_idle=endpoint.max_seqs
         )
 
     def info(self) -> EngineInfo:
@@ -247,39 +245,62 @@ class VllmEngine:
         decode: Callable[[str | bytes], Answer],
     ) -> None:
         loop = asyncio.get_running_loop()
-        done = False
-        async with asyncio.timeout(self.endpoint.first_token_timeout) as deadline:
-            async with self.client.stream(
-                "POST", path, content=body, headers=_JSON_HEADERS
-            ) as resp:
-                if resp.status_code != 200:
-                    self._raise_status(resp.status_code, await resp.aread(), path)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank event separators
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True  # read on to the body's end, so the connection is reused
-                        continue
-                    self._on_answer(a, self._decode(decode, data), emit, None)
-                    a.events += 1
-                    a.waiting = "token"
-                    deadline.reschedule(loop.time() + self.endpoint.token_timeout)
+
+        def on_line(line: bytes) -> None:
+            if not line.startswith(b"data:"):
+                return  # blank event separators
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                a.done = True  # read on to the body's end, so the connection is reused
+                return
+            self._on_answer(a, self._decode(decode, data), emit, None)
+            a.events += 1
+            a.waiting = "token"
+            a.last_event = loop.time()
+
+        call = asyncio.ensure_future(
+            self.client.request("POST", path, body, headers=_JSON_HEADERS, on_line=on_line)
+        )
+        try:
+            resp = await self._within_deadlines(a, call)
+        finally:
+            call.cancel()  # a deadline passed, or this attempt was cancelled: drop it
+        if resp.status != 200:
+            self._raise_status(resp.status, resp.body, path)
         if a.open:
-            how = "sent [DONE]" if done else "closed the stream"
+            how = "sent [DONE]" if a.done else "closed the stream"
             raise VllmStreamBroken(
                 f"vLLM at {self.url} {how} for {a.vllm_id} after {a.events} events without "
                 f"finishing choice(s) {sorted(a.open)}"
             )
 
+    async def _within_deadlines(self, a: _Attempt, call: asyncio.Future[Response]) -> Response:
+        """The call's response, unless vLLM sends no first event within the first-token
+        timeout or no next event within the token timeout (then TimeoutError). Checked
+        against the time of the last event, so an event costs no timer of its own."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        token_timeout = self.endpoint.token_timeout
+        while True:
+            if a.events:
+                left = a.last_event + token_timeout - loop.time()
+            else:  # looked at again a token timeout on, in case the first event came
+                left = started + self.endpoint.first_token_timeout - loop.time()
+                left = min(left, token_timeout)
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait({call}, timeout=left)
+            if call.done():
+                return call.result()
+
     async def _whole(self, work: EngineWork, a: _Attempt, emit: Emit) -> None:
         """Non-streaming, for the prefill leg: only a whole response has kv_transfer_params."""
         body = _encoder.encode(vllm_request(work, a.request_id, stream=False))
         async with asyncio.timeout(self.endpoint.first_token_timeout):
-            resp = await self.client.post(GENERATE_PATH, content=body, headers=_JSON_HEADERS)
-        if resp.status_code != 200:
-            self._raise_status(resp.status_code, resp.content, GENERATE_PATH)
-        answer = self._decode(decode_generate, resp.content)
+            resp = await self.client.request("POST", GENERATE_PATH, body, headers=_JSON_HEADERS)
+        if resp.status != 200:
+            self._raise_status(resp.status, resp.body, GENERATE_PATH)
+        answer = self._decode(decode_generate, resp.body)
         a.events += 1
         self._on_answer(a, answer, emit, answer.kv_transfer_params)
         if a.open:
@@ -364,14 +385,14 @@ class VllmEngine:
                     f"after {a.events} events"
                 )
             raise VllmTimeout(f"vLLM at {self.url}: {what} for {a.vllm_id}") from exc
-        except httpx.ConnectTimeout as exc:
-            raise VllmUnavailable(
-                f"no connection to vLLM at {self.url} within "
-                f"engine_connect_timeout={e.connect_timeout}s"
-            ) from exc
-        except httpx.ConnectError as exc:
+        except ConnectFailed as exc:
+            if exc.timed_out:
+                raise VllmUnavailable(
+                    f"no connection to vLLM at {self.url} within "
+                    f"engine_connect_timeout={e.connect_timeout}s"
+                ) from exc
             raise VllmUnavailable(f"cannot connect to vLLM at {self.url}: {exc}") from exc
-        except httpx.TransportError as exc:
+        except TransportError as exc:
             if a.open:
                 raise VllmStreamBroken(
                     f"vLLM at {self.url} dropped {a.vllm_id} after {a.events} events without "
@@ -421,14 +442,14 @@ class VllmEngine:
         body = _encoder.encode({"request_ids": [vllm_id]})
         try:
             async with asyncio.timeout(self.endpoint.connect_timeout):
-                resp = await self.client.post(ABORT_PATH, content=body, headers=_JSON_HEADERS)
-        except (TimeoutError, httpx.HTTPError) as exc:
+                resp = await self.client.request("POST", ABORT_PATH, body, headers=_JSON_HEADERS)
+        except (TimeoutError, TransportError) as exc:
             log.warning("vLLM at %s: abort of %s failed: %r", self.url, vllm_id, exc)
             return False
-        if resp.status_code != 200:
+        if resp.status != 200:
             log.warning(
                 "vLLM at %s: abort of %s answered HTTP %d: %s",
-                self.url, vllm_id, resp.status_code, error_message(resp.content),
+                self.url, vllm_id, resp.status, error_message(resp.body),
             )  # fmt: skip
             return False
         return True
