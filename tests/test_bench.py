@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import e2e, owner_memory
+from bench import e2e, ledger_writer, owner_memory
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -84,3 +84,11 @@ def test_a_least_squares_fit_recovers_a_line() -> None:
     assert owner_memory.fit([(0, 5), (10, 45), (20, 85), (30, 125)]) == (5.0, 4.0)
     assert owner_memory.fit([(0, 5), (10, 45)]) is None  # too few points to tell noise
     assert owner_memory.fit([(7, 5), (7, 6), (7, 7)]) is None  # no spread in x
+
+
+@in_session_loop
+@pytest.mark.timeout(60)
+async def test_tiny_ledger_writer_benchmark_stores_on_both_framings() -> None:
+    """`run` raises when a publish is not stored; both framings report a cost."""
+    result = await ledger_writer.run(streams=3, rounds=2)
+    assert set(result) == {"hpub", "nats-py"} and all(v > 0 for v in result.values())

@@ -117,9 +117,36 @@ async def publish(
 ) -> PubAck:
     """Store one ledger message, retrying while NATS or the stream comes back (a restart).
 
-    Safe to retry: a publish that was stored but not answered is a duplicate by its message
-    id, which the server checks before the fence (the expected last subject sequence).
+    Safe to retry: the server checks the fence (the expected last subject sequence) before
+    the message id, so a publish that was stored but not answered is refused as superseded
+    when sent again; it is told apart from another owner's by being the subject's last
+    message, byte for byte (`already_stored`).
     """
+    try:
+        return await _publish(js, subject, payload, headers, within)
+    except APIError as exc:
+        if superseded(exc) and (seq := await already_stored(js, subject, payload, headers)):
+            return PubAck(stream=bus.OUT_STREAM, seq=seq, duplicate=True)
+        raise
+
+
+async def already_stored(
+    js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str]
+) -> int | None:
+    """The stream sequence of this very publish (same payload, headers and fence) when it
+    is the subject's last message: an earlier try was stored, its answer lost."""
+    try:
+        last = await js.get_last_msg(bus.OUT_STREAM, subject)
+    except nats.errors.Error:  # nothing stored (NotFoundError), or NATS away
+        return None
+    stored_headers = last.headers or {}
+    same = last.data == payload and all(stored_headers.get(k) == v for k, v in headers.items())
+    return last.seq if same and last.seq else None
+
+
+async def _publish(
+    js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
+) -> PubAck:
     try:  # the usual case, without the cost of a retry loop
         return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
     except nats.errors.Error as exc:
