@@ -190,7 +190,7 @@ async def stored(
     js: JetStreamContext, subject: str, after: int = 0, before: int | None = None
 ) -> AsyncIterator[RawStreamMsg]:
     """A request's ledger messages after stream sequence `after` (and before `before`), in
-    order, by direct gets: rare reads (a takeover, a lost republish) leave no consumer."""
+    order, by direct gets: rare reads (a takeover, a lost delivery) leave no consumer."""
     seq = after + 1
     while before is None or seq < before:
         try:
