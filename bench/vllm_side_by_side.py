@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import vllm_serve
-from bench.e2e import BenchConfig, cpu_seconds, machine_load, run_async, running_pipeline
+from bench.e2e import (
+    BenchConfig,
+    cpu_seconds,
+    machine_load,
+    run_async,
+    running_pipeline,
+    stop_on_sigterm,
+)
 
 SERVED = "tiny"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenway"
@@ -210,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
         rounds=a.rounds,
     )  # fmt: skip
+    stop_on_sigterm()  # a killed run stops vLLM, the stages and nats-server on its way out
     report = run_async(run(cfg))
     print(render_table(report))
     if a.json:
