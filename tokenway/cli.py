@@ -210,7 +210,7 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
         stages = build_stages(s, stage_names)
         # What start-up made (modules, tokenizers, templates) lives as long as the process.
         # Frozen out of the collector's reach, it is no longer walked by full collections,
-        # which paused a stage 33-155 ms mid-stream (an owner stalls all its streams).
+        # which took a stage 33-155 ms each (an owner paused stalls all its streams).
         gc.collect()
         gc.freeze()
         await serve(s, stages, stop, announce)
