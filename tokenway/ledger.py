@@ -183,9 +183,6 @@ class Committed:
     last: Delivered  # the last message, as it was delivered
 
 
-_ENDS = (h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR)
-
-
 async def stored(
     js: JetStreamContext, subject: str, after: int = 0, before: int | None = None
 ) -> AsyncIterator[RawStreamMsg]:
@@ -216,7 +213,7 @@ async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | N
         found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"), last=last)
         found.stream_seq, found.seq, found.last = msg.seq, last.seq, last
         found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))
-        found.ended = last.kind in _ENDS
+        found.ended = last.terminal
         if h.STREAM_STATE in hdrs:
             found.state = h.decode_state(hdrs[h.STREAM_STATE])
         found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))

@@ -31,6 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
+from nats.protocol.command import hpub_cmd
 
 from tokenway import ledger
 
@@ -65,11 +66,7 @@ def hpub(subject: str, reply: str, headers: dict[str, str], payload: bytes) -> b
         raise ValueError(f"a publish on {subject!r} with a subject, reply or header that breaks "
                          "the frame")  # fmt: skip
     head = "NATS/1.0\r\n" + "".join([f"{k}: {v}\r\n" for k, v in headers.items()]) + "\r\n"
-    raw = head.encode()
-    size = len(raw)
-    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
-        subject.encode(), reply.encode(), size, size + len(payload), raw, payload,
-    )  # fmt: skip
+    return hpub_cmd(subject, reply, head.encode(), payload)
 
 
 def _refusal(error: dict[str, object]) -> APIError:

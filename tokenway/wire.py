@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from tokenway import headers as h
+
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Api = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -110,7 +112,7 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
 
 
 # `Tw-Kind`s that end a request's output: an end, a whole response, an error.
-TERMINAL_KINDS = frozenset({"end", "response", "error"})
+TERMINAL_KINDS = frozenset({h.KIND_END, h.KIND_RESPONSE, h.KIND_ERROR})
 
 # How many prompts one completions request may carry.
 MAX_PROMPTS = 1024
