@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -11,7 +13,7 @@ import nats
 import pytest
 from tokenizers import Tokenizer
 
-from engines.bridge import Bridge, Emit
+from engines.bridge import Bridge, Emit, Engine
 from engines.sim import SimConfig, SimEngine
 from tests.conftest import make_settings, wait_engines
 from tokenway import bus
@@ -29,6 +31,35 @@ from tokenway.wire import (
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
+@contextlib.asynccontextmanager
+async def running_bridge(
+    nats_url: str, tmp_path: Path, engine: Engine, owner: str
+) -> AsyncIterator[tuple[Bridge, nats.NATS, asyncio.Queue[TokenStep]]]:
+    """`engine` behind a running bridge, registered; every TokenStep sent to `owner`."""
+    settings = make_settings(tmp_path)
+    bridge = Bridge(settings, engine)
+    stop = asyncio.Event()
+    running = asyncio.create_task(bridge.run(nats_url, stop))
+    nc = await nats.connect(nats_url)
+    registry = EngineRegistry(
+        await bus.engines_kv(nc.jetstream(), settings), engine.info().model, 3.0
+    )
+    watching = asyncio.create_task(registry.run(stop))
+    steps: asyncio.Queue[TokenStep] = asyncio.Queue()
+
+    async def on_step(msg: nats.aio.msg.Msg) -> None:
+        await steps.put(msgspec.msgpack.decode(msg.data, type=TokenStep))
+
+    try:
+        await nc.subscribe(bus.tok_subject(owner), cb=on_step)
+        await wait_engines(registry, 1)  # it registers once it listens
+        yield bridge, nc, steps
+    finally:
+        stop.set()
+        await asyncio.gather(running, watching)
+        await nc.close()
+
+
 async def test_work_orphaned_for_a_new_owner_tells_the_old_owner_it_was_dropped(
     nats_url: str, tmp_path: Path
 ) -> None:
@@ -37,25 +68,12 @@ async def test_work_orphaned_for_a_new_owner_tells_the_old_owner_it_was_dropped(
     tokenizer = Tokenizer.from_file(str(default_model_dir(tmp_path) / "tokenizer.json"))
     engine_id = model = f"bridge-{uuid.uuid4().hex[:8]}"
     config = SimConfig(id=engine_id, model=model, eos_token_id=1, ttft=0, itl=0.001)
-    settings = make_settings(tmp_path)
-    bridge = Bridge(settings, SimEngine(config, tokenizer))
-    stop = asyncio.Event()
-    running = asyncio.create_task(bridge.run(nats_url, stop))
-    nc = await nats.connect(nats_url)
-    registry = EngineRegistry(await bus.engines_kv(nc.jetstream(), settings), model, 3.0)
-    watching = asyncio.create_task(registry.run(stop))
-    steps: asyncio.Queue[TokenStep] = asyncio.Queue()
-
-    async def on_step(msg: nats.aio.msg.Msg) -> None:
-        await steps.put(msgspec.msgpack.decode(msg.data, type=TokenStep))
-
-    try:
-        await nc.subscribe(bus.tok_subject("old"), cb=on_step)
+    engine = SimEngine(config, tokenizer)
+    async with running_bridge(nats_url, tmp_path, engine, "old") as (bridge, nc, steps):
         work = EngineWork(
             rid="r1", attempt=1, owner="old", token_ids=[0, 6366],
             sampling_params=SamplingParams(max_tokens=100_000, ignore_eos=True),
         )  # fmt: skip
-        await wait_engines(registry, 1)  # it registers once it listens
         reply = await nc.request(
             bus.engine_subject(engine_id, "generate"), msgspec.msgpack.encode(work)
         )
@@ -72,10 +90,6 @@ async def test_work_orphaned_for_a_new_owner_tells_the_old_owner_it_was_dropped(
             await bridge.idle.wait()
         assert "dropped for the request's new owner" in last.error
         assert last.finish_reason == "error" and not bridge.tasks
-    finally:
-        stop.set()
-        await asyncio.gather(running, watching)
-        await nc.close()
 
 
 class Turns:
@@ -107,25 +121,12 @@ async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
 ) -> None:
     engine_id = model = f"turns-{uuid.uuid4().hex[:8]}"
     engine = Turns(engine_id, model, ["a", "b"])
-    settings = make_settings(tmp_path)
-    bridge = Bridge(settings, engine)
-    stop = asyncio.Event()
-    running = asyncio.create_task(bridge.run(nats_url, stop))
-    nc = await nats.connect(nats_url)
-    registry = EngineRegistry(await bus.engines_kv(nc.jetstream(), settings), model, 3.0)
-    watching = asyncio.create_task(registry.run(stop))
-    steps: asyncio.Queue[TokenStep] = asyncio.Queue()
-
-    async def on_step(msg: nats.aio.msg.Msg) -> None:
-        await steps.put(msgspec.msgpack.decode(msg.data, type=TokenStep))
 
     def entries(step: TokenStep) -> list[tuple[str, int]]:
         return sorted((e.rid, e.seq) for e in step.entries)
 
-    try:
-        await nc.subscribe(bus.tok_subject("o1"), cb=on_step)
+    async with running_bridge(nats_url, tmp_path, engine, "o1") as (_, nc, steps):
         subject = bus.engine_subject(engine_id, "generate")
-        await wait_engines(registry, 1)  # it registers once it listens
         async with asyncio.timeout(10):
             for rid in ("a", "b"):
                 work = EngineWork(rid=rid, attempt=1, owner="o1", token_ids=[0],
@@ -142,7 +143,3 @@ async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
             ends = entries(await steps.get())
             ends += [] if len(ends) == 2 else entries(await steps.get())
             assert ends == [("a", 2), ("b", 1)]
-    finally:
-        stop.set()
-        await asyncio.gather(running, watching)
-        await nc.close()
