@@ -1,48 +1,34 @@
-"""The OpenAI API: FastAPI routes that publish requests and stream their committed output."""
+"""The OpenAI API: the completion routes (plain ASGI, `ingress.completions`) in front of a
+FastAPI app for everything else (resume, models, health, readiness, metrics)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import secrets
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
-from nats.errors import MaxPayloadError
-from nats.js.errors import APIError
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from ingress.completions import (
+    EVENT_IDS_HEADER,
+    ROUTES,
+    Completions,
+    Receive,
+    Scope,
+    Send,
+    event_ids,
+)
 from ingress.ledger_read import LedgerRead, LedgerReader
-from ingress.router import Event, OutputRouter, Slot, SseWriter
-from tokenway import bus, ledger
-from tokenway.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    ModelNotFound,
-    StageUnavailable,
-    TokenwayError,
-    error_body,
-)
-from tokenway.protocol import ChatDecoder, CompletionDecoder
+from ingress.metrics import Metrics
+from ingress.router import OutputRouter, SseWriter
+from tokenway import bus
+from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
 from tokenway.registry import EngineRegistry
-from tokenway.wire import Api, RenderRequest
-from tokenway.worker import is_stream_full, overloaded
 
-_encoder = msgspec.msgpack.Encoder()
-CLIENT_CLOSED = 499  # nginx's "client closed request"
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -58,67 +44,15 @@ class IngressContext:
     request_timeout: float
 
 
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "tokenway_requests", "Requests by API and HTTP status", ["api", "status"],
-            registry=self.registry,
-        )  # fmt: skip
-        self.active = Gauge("tokenway_active_streams", "Open SSE streams", registry=self.registry)
+def _error(exc: TokenwayError) -> Response:
+    return Response(error_body(exc.info()), status_code=exc.status, media_type="application/json")
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (its body is already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-EVENT_IDS_HEADER = "x-tokenway-event-ids"
-_YES, _NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
-
-
-def event_ids(request: Request) -> bool:
-    """Whether the client asked for `id:` lines in its stream (`X-Tokenway-Event-Ids: 1`)."""
-    value = request.headers.get(EVENT_IDS_HEADER, "").strip().lower()
-    if value not in _YES | _NO:
-        raise InvalidRequest(
-            f"X-Tokenway-Event-Ids must be 1/true/yes/on or 0/false/no/off, got {value!r}"
-        )
-    return value in _YES
-
-
-def _error(exc: TokenwayError, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        error_body(exc.info()),
-        status_code=exc.status,
-        media_type="application/json",
-        headers=headers,
-    )
-
-
-def create_app(ctx: IngressContext) -> FastAPI:
-    app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
+def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = Metrics()
+    completions = Completions(ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout)
+    app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
     js = ctx.nc.jetstream()
-
-    async def submit(api: Api, body: bytes, rid: str) -> None:
-        request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
-        deadline = time.time() + ctx.request_timeout
-        try:
-            await js.publish(
-                bus.render_subject(ctx.model), _encoder.encode(request),
-                headers=ledger.request_headers(rid, ctx.router.ingress_id, deadline),
-            )  # fmt: skip
-        except APIError as exc:
-            if is_stream_full(exc):
-                raise overloaded("render") from exc
-            raise StageUnavailable(f"could not queue the request: {exc.description}") from exc
-        except MaxPayloadError as exc:
-            raise InvalidRequest(
-                f"request body of {len(body)} bytes exceeds the bus limit "
-                f"of {ctx.nc.max_payload} bytes"
-            ) from exc
 
     async def streams_present() -> bool:
         try:
@@ -127,100 +61,6 @@ def create_app(ctx: IngressContext) -> FastAPI:
         except (TimeoutError, NatsError):
             return False
         return True
-
-    async def first_event(slot: Slot, request: Request) -> Event | None:
-        """The request's first output event, or None when the client left before it."""
-        answer = asyncio.ensure_future(slot.take_one())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait(
-                {answer, gone}, timeout=ctx.request_timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            answer.cancel()
-            gone.cancel()
-        if answer.done() and not answer.cancelled():
-            return answer.result()
-        if gone.done() and not gone.cancelled():
-            return None
-        raise DeadlineExceeded(f"no answer within {ctx.request_timeout:.0f}s")
-
-    async def handle(api: Api, request: Request) -> Response:
-        body = await request.body()
-        try:
-            ids = event_ids(request)
-        except InvalidRequest as exc:
-            return _error(exc)
-        try:
-            req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
-        except msgspec.ValidationError as exc:
-            return _error(InvalidRequest(f"invalid request: {exc}"))
-        except msgspec.DecodeError as exc:
-            return _error(InvalidRequest(f"request body is not valid JSON: {exc}"))
-        if req.model is not None and req.model != ctx.model:
-            return _error(
-                ModelNotFound(
-                    f"The model `{req.model}` does not exist.",
-                    param="model",
-                    code="model_not_found",
-                )
-            )
-        rid = secrets.token_hex(12)
-        slot = ctx.router.open(rid)
-        streaming = False
-        first: Event | None = None
-        try:
-            await submit(api, body, rid)
-            first = await first_event(slot, request)
-            if first is None:
-                return Response(status_code=CLIENT_CLOSED)  # nobody reads it; the cancel matters
-            if first.kind == "error":
-                metrics.requests.labels(api, first.status).inc()
-                return Response(
-                    first.payload, status_code=first.status, media_type="application/json"
-                )
-            if not req.stream:
-                metrics.requests.labels(api, 200).inc()
-                return Response(first.payload, media_type="application/json")
-            streaming = True
-            metrics.requests.labels(api, 200).inc()
-            return StreamingResponse(
-                stream(rid, slot, first, SseWriter(ids)), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
-            )  # fmt: skip
-        except TokenwayError as exc:
-            metrics.requests.labels(api, exc.status).inc()
-            headers = {"Retry-After": "1"} if exc.status == 429 else None
-            return _error(exc, headers)
-        finally:
-            if not streaming:
-                ctx.router.close(rid)
-                if first is None or not first.terminal:
-                    ctx.router.cancel(rid)
-
-    async def stream(rid: str, slot: Slot, first: Event, writer: SseWriter) -> AsyncIterator[bytes]:
-        metrics.active.inc()
-        events, done = [first], False
-        try:
-            while True:
-                payload, done = writer.write(events)
-                yield payload
-                if done:
-                    return
-                events = await slot.take()
-        finally:
-            metrics.active.dec()
-            ctx.router.close(rid)
-            if not done:
-                ctx.router.cancel(rid)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle("chat", request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle("completion", request)
 
     @app.get("/v1/streams/{rid}")
     async def resume(rid: str, request: Request) -> Response:
@@ -233,7 +73,7 @@ def create_app(ctx: IngressContext) -> FastAPI:
                 "Last-Event-ID must be the number of `data:` events received"
             ))  # fmt: skip
         try:
-            ids = event_ids(request)
+            ids = event_ids(request.headers.get(EVENT_IDS_HEADER, ""))
         except InvalidRequest as exc:
             return _error(exc)
         if not _RID.fullmatch(rid):
@@ -291,4 +131,11 @@ def create_app(ctx: IngressContext) -> FastAPI:
     async def on_bug(request: Request, exc: Exception) -> Response:
         return _error(TokenwayError(f"internal error: {type(exc).__name__}: {exc}"))
 
-    return app
+    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+        api = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if api is not None:
+            await completions(api, scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return serve

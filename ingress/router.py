@@ -38,6 +38,7 @@ class Slot:
         self.arrived = asyncio.Event()
         self.last_seq = 0
         self.stream_seq = 0  # where reading the ledger back starts after
+        self.abandoned = False  # its client left: waiting for more ends
 
     def put(self, event: Event) -> None:
         if event.seq <= self.last_seq:
@@ -49,18 +50,25 @@ class Slot:
         self.events.append(event)
         self.arrived.set()
 
+    def abandon(self) -> None:
+        self.abandoned = True
+        self.arrived.set()
+
     async def _wait(self) -> None:
-        while not self.events:
+        while not self.events and not self.abandoned:
             self.arrived.clear()
             await self.arrived.wait()
 
-    async def take_one(self) -> Event:
+    async def take_one(self) -> Event | None:
+        """The next event; None once the slot is abandoned."""
         await self._wait()
-        return self.events.popleft()
+        return None if self.abandoned else self.events.popleft()
 
     async def take(self) -> list[Event]:
-        """Everything queued, waiting for at least one."""
+        """Everything queued, waiting for at least one; nothing once abandoned."""
         await self._wait()
+        if self.abandoned:
+            return []
         batch = list(self.events)
         self.events.clear()
         return batch

@@ -59,6 +59,14 @@ async def test_unknown_model_is_404(stack: Stack) -> None:
     assert "no-such-model" in str(info.value)
 
 
+async def test_wrong_method_on_a_completion_route_is_405_with_an_error_body(stack: Stack) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        resp = await http.get(f"{stack.url}/v1/chat/completions")
+    error = assert_error(resp, 405, "GET /v1/chat/completions", "POST")
+    assert error["type"] == "MethodNotAllowed"
+    assert resp.headers["allow"] == "POST"
+
+
 async def test_prompt_longer_than_context_is_400_with_numbers(stack: Stack) -> None:
     context = stack.ingress.model.context_length
     resp = await post(

@@ -44,6 +44,11 @@ class ModelNotFound(TokenwayError):
     type = "NotFoundError"
 
 
+class MethodNotAllowed(TokenwayError):
+    status = 405
+    type = "MethodNotAllowed"
+
+
 class DeadlineExceeded(TokenwayError):
     status = 504
     type = "TimeoutError"

@@ -1,0 +1,249 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`, served as plain ASGI.
+
+These two routes carry every request and every streamed chunk, so they skip FastAPI:
+its routing, dependency solving and the middleware wrappers around every `send` were
+most of the ingress's CPU per request and a third of it per chunk. Every other route stays
+in the FastAPI app (`ingress.app`). A request's life here: read the body, publish it to
+render, wait for its first committed event, then answer or stream what the router hands
+its slot, with one task watching for the client to leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError
+from nats.js.errors import APIError
+
+from ingress.metrics import Metrics
+from ingress.router import Event, OutputRouter, Slot, SseWriter
+from tokenway import bus, ledger
+from tokenway.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    StageUnavailable,
+    TokenwayError,
+    error_body,
+    internal,
+)
+from tokenway.protocol import ChatDecoder, CompletionDecoder
+from tokenway.wire import Api, ErrorInfo, RenderRequest
+from tokenway.worker import is_stream_full, overloaded
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+ROUTES: dict[str, Api] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+CLIENT_CLOSED = 499  # nginx's "client closed request"
+EVENT_IDS_HEADER = "x-tokenway-event-ids"
+_EVENT_IDS = EVENT_IDS_HEADER.encode()
+_YES, _NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+_JSON = b"application/json"
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+_encoder = msgspec.msgpack.Encoder()
+
+
+def event_ids(value: str) -> bool:
+    """Whether the client asked for `id:` lines in its stream (`X-Tokenway-Event-Ids: 1`)."""
+    value = value.strip().lower()
+    if value not in _YES | _NO:
+        raise InvalidRequest(
+            f"X-Tokenway-Event-Ids must be 1/true/yes/on or 0/false/no/off, got {value!r}"
+        )
+    return value in _YES
+
+
+@dataclass
+class Reply:
+    """A whole response: an answer, or an error as an OpenAI error body."""
+
+    status: int
+    body: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    @classmethod
+    def error(cls, info: ErrorInfo, *headers: tuple[bytes, bytes]) -> Reply:
+        if info.status == 429:
+            headers += ((b"retry-after", b"1"),)
+        return cls(info.status, error_body(info), headers)
+
+    async def send(self, send: Send) -> None:
+        headers = [(b"content-length", b"%d" % len(self.body)), *self.headers]
+        if self.body:
+            headers.insert(0, (b"content-type", _JSON))
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+@dataclass
+class Stream:
+    """A streamed answer: its first event is in hand, the rest arrive in its slot."""
+
+    rid: str
+    slot: Slot
+    first: Event
+    writer: SseWriter
+
+
+async def _body(receive: Receive) -> bytes | None:
+    """The request body, or None when the client left before sending all of it."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _watch(receive: Receive, slot: Slot) -> None:
+    """Abandons the slot when the client closes the connection (its body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    slot.abandon()
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+@dataclass
+class Completions:
+    nc: NATS
+    router: OutputRouter
+    metrics: Metrics
+    model: str
+    request_timeout: float
+
+    def __post_init__(self) -> None:
+        self.js = self.nc.jetstream()
+
+    async def __call__(self, api: Api, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            wrong = MethodNotAllowed(f"{scope['method']} {scope['path']} is not allowed; use POST")
+            await Reply.error(wrong.info(), (b"allow", b"POST")).send(send)
+            return
+        body = await _body(receive)
+        if body is None:
+            return  # nobody to answer
+        rid = secrets.token_hex(12)
+        slot = self.router.open(rid)
+        watcher = asyncio.ensure_future(_watch(receive, slot))
+        first: Event | None = None
+        streaming = False
+        try:
+            outcome, first = await self._answer(api, scope, body, rid, slot)
+            if isinstance(outcome, Stream):
+                streaming = True  # the stream closes its slot itself
+                self.metrics.requests.labels(api, 200).inc()
+                await self._stream(outcome, send)
+            else:
+                self.metrics.requests.labels(api, outcome.status).inc()
+                await outcome.send(send)
+        finally:
+            watcher.cancel()
+            if not streaming:
+                self.router.close(rid)
+                if first is None or not first.terminal:  # the owner still works for nobody
+                    self.router.cancel(rid)
+
+    async def _answer(
+        self, api: Api, scope: Scope, body: bytes, rid: str, slot: Slot
+    ) -> tuple[Reply | Stream, Event | None]:
+        """The whole reply, or a stream once its first event is committed; and that event."""
+        first: Event | None = None
+        try:
+            ids = event_ids(_header(scope, _EVENT_IDS))
+            stream = self._decode(api, body)
+            await self._submit(api, body, rid)
+            first = await self._first(slot)
+            if first is None:
+                return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
+            if first.kind == "error":
+                return Reply(first.status, first.payload), first
+            if not stream:
+                return Reply(200, first.payload), first
+            return Stream(rid, slot, first, SseWriter(ids)), first
+        except TokenwayError as exc:
+            return Reply.error(exc.info()), first
+        except Exception as exc:  # a bug still answers its client, with what broke
+            log.exception("request %s failed", rid)
+            return Reply.error(internal(exc)), first
+
+    def _decode(self, api: Api, body: bytes) -> bool:
+        """Checks what the ingress checks itself; whether the client asked for a stream."""
+        try:
+            req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid request: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        if req.model is not None and req.model != self.model:
+            raise ModelNotFound(
+                f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
+            )
+        return bool(req.stream)
+
+    async def _submit(self, api: Api, body: bytes, rid: str) -> None:
+        request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
+        deadline = time.time() + self.request_timeout
+        try:
+            await self.js.publish(
+                bus.render_subject(self.model), _encoder.encode(request),
+                headers=ledger.request_headers(rid, self.router.ingress_id, deadline),
+            )  # fmt: skip
+        except APIError as exc:
+            if is_stream_full(exc):
+                raise overloaded("render") from exc
+            raise StageUnavailable(f"could not queue the request: {exc.description}") from exc
+        except MaxPayloadError as exc:
+            raise InvalidRequest(
+                f"request body of {len(body)} bytes exceeds the bus limit "
+                f"of {self.nc.max_payload} bytes"
+            ) from exc
+
+    async def _first(self, slot: Slot) -> Event | None:
+        """The request's first output event, or None when the client left before it."""
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                return await slot.take_one()
+        except TimeoutError:
+            raise DeadlineExceeded(f"no answer within {self.request_timeout:.0f}s") from None
+
+    async def _stream(self, stream: Stream, send: Send) -> None:
+        start = [*_SSE_HEADERS, (b"x-request-id", stream.rid.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": start})
+        self.metrics.active.inc()
+        events, done = [stream.first], False
+        try:
+            while events:  # none: the client left
+                payload, done = stream.writer.write(events)
+                await send({"type": "http.response.body", "body": payload, "more_body": not done})
+                if done:
+                    return
+                events = await stream.slot.take()
+        finally:
+            self.metrics.active.dec()
+            self.router.close(stream.rid)
+            if not done:
+                self.router.cancel(stream.rid)

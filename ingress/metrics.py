@@ -1,0 +1,15 @@
+"""The ingress's own Prometheus metrics (the page also carries the process's registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenway_requests", "Requests by API and HTTP status", ["api", "status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.active = Gauge("tokenway_active_streams", "Open SSE streams", registry=self.registry)
