@@ -58,11 +58,17 @@ class EngineRegistry:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the bucket. Heartbeats arrive three times per TTL; a TTL of silence means
-        the watch may have died with a server restart, so it is made anew."""
-        watcher = await self._kv.watchall()
+        the watch may have died with a server restart, so it is made anew. While NATS is
+        away (or JetStream elects leaders), the watch is retried every TTL."""
+        watcher = await self._watch()
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
+                if watcher is None:
+                    await wait_any(stop, timeout=self.ttl)
+                    self._prune()
+                    watcher = await self._watch()
+                    continue
                 update = asyncio.ensure_future(watcher.updates(timeout=None))
                 done, _ = await asyncio.wait(
                     {update, stopping}, timeout=self.ttl, return_when=asyncio.FIRST_COMPLETED
@@ -92,19 +98,31 @@ class EngineRegistry:
                 self.changed.fire()
         finally:
             stopping.cancel()
-            with contextlib.suppress(nats.errors.Error):
-                await watcher.stop()
+            if watcher is not None:
+                await self._stop(watcher)
 
-    async def _rewatch(self, watcher: Any) -> Any:
-        """A fresh watch (its snapshot refreshes every entry); the old one while NATS is
-        away (the next TTL tries again)."""
-        with contextlib.suppress(nats.errors.Error):
-            await watcher.stop()
+    async def _watch(self) -> Any:
+        """A watch of the whole bucket (its snapshot refreshes every entry), or None."""
         try:
             return await self._kv.watchall()
-        except nats.errors.Error as exc:
+        except (nats.errors.Error, TimeoutError) as exc:
             log.warning("registry watch not renewed (%r); trying again in a TTL", exc)
+            return None
+
+    async def _rewatch(self, watcher: Any) -> Any:
+        """A fresh watch in place of `watcher`, which is stopped only once the new one
+        exists: a stopped watch yields nothing but its end marker. Without a new one,
+        the old is kept (the next TTL tries again)."""
+        fresh = await self._watch()
+        if fresh is None:
             return watcher
+        await self._stop(watcher)
+        return fresh
+
+    @staticmethod
+    async def _stop(watcher: Any) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await watcher.stop()
 
 
 async def heartbeat(

@@ -1,0 +1,79 @@
+"""The engine registry follows the `tw-engines` bucket through a NATS outage on a real
+nats-server: its watch is renewed, never lost, and the task never dies of it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.conftest import make_settings, nats_server
+from tests.test_cli import free_port
+from tokenway import bus
+from tokenway.registry import EngineRegistry
+from tokenway.wire import EngineInfo
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+class _Seen(logging.Handler):
+    """Sets `event` when a record containing `needle` is logged."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle = needle
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.needle in record.getMessage():
+            self.event.set()
+
+
+async def _until(registry: EngineRegistry, task: asyncio.Task[None], key: str) -> None:
+    """Until the registry lists `key`; fails as soon as the registry's task ends."""
+    while True:
+        changed = registry.changed.waiter()
+        if key in registry.engines:
+            return
+        waiting = asyncio.ensure_future(changed.wait())
+        await asyncio.wait({waiting, task}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert not task.done(), f"the registry stopped: {task.exception()!r}"
+
+
+def _engine(engine_id: str) -> bytes:
+    info = EngineInfo(id=engine_id, model="m", updated=time.time())
+    return msgspec.msgpack.encode(info)
+
+
+async def test_the_watch_outlives_an_outage_longer_than_the_ttl(tmp_path: Path) -> None:
+    """The server is away for several TTLs, so renewing the watch fails; once it is back,
+    the registry sees new engines again (it used to die on the stopped watch it kept)."""
+    renewal_failed = _Seen("registry watch not renewed")
+    logging.getLogger("tokenway.registry").addHandler(renewal_failed)
+    settings = make_settings(tmp_path / "data")
+    try:
+        async with nats_server(tmp_path / "nats", port=free_port()) as server:
+            nc = await bus.connect(server.url, "test-registry")
+            kv = await bus.engines_kv(nc.jetstream(), settings)
+            registry = EngineRegistry(kv, None, ttl=0.5)
+            stop = asyncio.Event()
+            task = asyncio.create_task(registry.run(stop))
+            await kv.put("before", _engine("before"))
+            await _until(registry, task, "before")
+
+            await asyncio.to_thread(server.stop)
+            await renewal_failed.event.wait()
+            await server.start()
+
+            await kv.put("after", _engine("after"))
+            await asyncio.wait_for(_until(registry, task, "after"), 30)
+            stop.set()
+            await task
+            await nc.close()
+    finally:
+        logging.getLogger("tokenway.registry").removeHandler(renewal_failed)
