@@ -100,7 +100,9 @@ class Bridge:
         self.idle.set()
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = self._nc = await bus.connect(nats_url, f"tokenway-engine-{self.id}")
+        nc = self._nc = await bus.connect(
+            nats_url, f"tokenway-engine-{self.id}", timeout=self.settings.connect_timeout, stop=stop
+        )
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         async with asyncio.TaskGroup() as group:
             self._group = group

@@ -42,6 +42,7 @@ class IngressContext:
     model_root: str
     context_length: int
     request_timeout: float
+    bus_retry: float
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -50,7 +51,9 @@ def _error(exc: TokenwayError) -> Response:
 
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = Metrics()
-    completions = Completions(ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout)
+    completions = Completions(
+        ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry
+    )
     app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
     js = ctx.nc.jetstream()
 

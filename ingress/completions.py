@@ -20,12 +20,14 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from nats.js.errors import APIError
 
 from ingress.metrics import Metrics
 from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import bus, ledger
+from tokenway.bus import is_stream_full, publish_stored, transient
 from tokenway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -33,12 +35,13 @@ from tokenway.errors import (
     ModelNotFound,
     StageUnavailable,
     TokenwayError,
+    Unavailable,
     error_body,
     internal,
 )
 from tokenway.protocol import ChatDecoder, CompletionDecoder
 from tokenway.wire import Api, ErrorInfo, RenderRequest
-from tokenway.worker import is_stream_full, overloaded
+from tokenway.worker import overloaded
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ class Reply:
 
     @classmethod
     def error(cls, info: ErrorInfo, *headers: tuple[bytes, bytes]) -> Reply:
-        if info.status == 429:
+        if info.status in (429, 503):
             headers += ((b"retry-after", b"1"),)
         return cls(info.status, error_body(info), headers)
 
@@ -134,6 +137,7 @@ class Completions:
     metrics: Metrics
     model: str
     request_timeout: float
+    bus_retry: float
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -208,19 +212,23 @@ class Completions:
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
         deadline = time.time() + self.request_timeout
         try:
-            await self.js.publish(
-                bus.render_subject(self.model), _encoder.encode(request),
-                headers=ledger.request_headers(rid, self.router.ingress_id, deadline),
+            await publish_stored(
+                self.js, bus.render_subject(self.model), _encoder.encode(request),
+                ledger.request_headers(rid, self.router.ingress_id, deadline), self.bus_retry,
             )  # fmt: skip
-        except APIError as exc:
-            if is_stream_full(exc):
-                raise overloaded("render") from exc
-            raise StageUnavailable(f"could not queue the request: {exc.description}") from exc
         except MaxPayloadError as exc:
             raise InvalidRequest(
                 f"request body of {len(body)} bytes exceeds the bus limit "
                 f"of {self.nc.max_payload} bytes"
             ) from exc
+        except NatsError as exc:
+            if isinstance(exc, APIError) and is_stream_full(exc):
+                raise overloaded("render") from exc
+            if transient(exc):
+                raise Unavailable(
+                    f"could not queue the request: the render queue did not answer ({exc!r})"
+                ) from exc
+            raise StageUnavailable(f"could not queue the request: {exc!r}") from exc
 
     async def _first(self, slot: Slot) -> Event | None:
         """The request's first output event, or None when the client left before it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -14,6 +15,7 @@ from ingress.ledger_read import LedgerReader
 from ingress.router import OutputRouter
 from tokenway import bus
 from tokenway.config import Settings
+from tokenway.errors import CannotStart
 from tokenway.model import ModelInfo
 from tokenway.registry import EngineRegistry
 
@@ -24,6 +26,20 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # the process owner handles signals and sets `should_exit`
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The bound socket uvicorn serves on: bound here, a taken port is our error to report
+    (uvicorn's own bind exits the process, leaving an embedded nats-server behind)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CannotStart(f"the ingress cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
 
 
 class IngressService:
@@ -50,9 +66,11 @@ class IngressService:
             await self.router.reconnected()
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
+        sock = listen(self.settings.host, self.settings.port)  # a taken port fails first
         nc = await bus.connect(
-            nats_url, f"tokenway-ingress-{self.ingress_id}", reconnected=self._reconnected
-        )
+            nats_url, f"tokenway-ingress-{self.ingress_id}", reconnected=self._reconnected,
+            timeout=self.settings.connect_timeout, stop=stop,
+        )  # fmt: skip
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         self.registry = registry = EngineRegistry(kv, self.served, self.settings.engine_ttl)
         self.router = router = OutputRouter(nc, self.ingress_id)
@@ -66,6 +84,7 @@ class IngressService:
             model_root=str(self.model.path),
             context_length=self.model.context_length,
             request_timeout=self.settings.request_timeout,
+            bus_retry=self.settings.bus_retry,
         )
         config = uvicorn.Config(
             create_app(ctx),
@@ -78,7 +97,7 @@ class IngressService:
         self.server = server = _Server(config)
         async with asyncio.TaskGroup() as group:
             group.create_task(registry.run(stop))
-            serving = group.create_task(server.serve())
+            serving = group.create_task(server.serve(sockets=[sock]))
             # uvicorn exposes its startup only as a flag
             while not server.started and not serving.done():  # noqa: ASYNC110
                 await asyncio.sleep(0.01)

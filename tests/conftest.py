@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -63,6 +64,19 @@ async def nats_url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[st
         return
     async with nats_server(tmp_path_factory.mktemp("nats")) as server:
         yield server.url
+
+
+class Logged(logging.Handler):
+    """Sets `event` once a record containing `needle` is logged (add it to a logger)."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle = needle
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.needle in record.getMessage():
+            self.event.set()
 
 
 def make_settings(data_dir: Path, **overrides: object) -> Settings:

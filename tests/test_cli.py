@@ -218,3 +218,93 @@ async def test_asking_for_obfuscation_without_a_usable_key_refuses_to_start(
     assert proc.returncode != 0
     assert "tokenway: " in err.decode() and says in err.decode()
     assert "Traceback" not in err.decode()
+
+
+# -- starting and stopping when NATS, a port or the data directory is not there to have ------
+
+
+async def test_a_stage_without_nats_refuses_to_start_and_says_how(tmp_path: Path) -> None:
+    """Only `up` embeds a nats-server: a lone stage with no `--nats` would serve an island."""
+    env = {k: v for k, v in ENV.items() if k != "TOKENWAY_NATS"}
+    proc = await asyncio.create_subprocess_exec(
+        *TOKENWAY, "render", "--data-dir", str(tmp_path), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    assert "--nats" in err.decode() and "TOKENWAY_NATS" in err.decode(), err.decode()
+    assert "Traceback" not in err.decode()
+    assert not (tmp_path / "jetstream").exists()
+
+
+async def test_a_stage_that_cannot_reach_nats_stops_on_sigterm(tmp_path: Path) -> None:
+    """One line per connection attempt, no traceback, and SIGTERM stops it at once."""
+    proc = await spawn("schedule", "--nats", "nats://127.0.0.1:1", "--data-dir", str(tmp_path))
+    await logged(proc, b"cannot reach NATS")
+    assert await stop(proc, signal.SIGTERM) == 0
+    assert proc.stderr is not None
+    rest = (await proc.stderr.read()).decode()
+    assert "Traceback" not in rest
+
+
+async def test_a_stage_gives_up_on_nats_after_the_connect_timeout(tmp_path: Path) -> None:
+    proc = await spawn(
+        "render", "--nats", "nats://127.0.0.1:1", "--connect-timeout", "1",
+        "--data-dir", str(tmp_path),
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    lines = err.decode().strip().splitlines()
+    assert "Traceback" not in err.decode()
+    assert lines[-1].startswith("tokenway: cannot reach NATS at nats://127.0.0.1:1"), lines[-1]
+
+
+async def test_a_seed_list_connects_through_any_live_server(tmp_path: Path) -> None:
+    async with nats_server(tmp_path / "nats", port=free_port()) as server:
+        nc = await bus.connect(f"nats://127.0.0.1:1, {server.url}", "test-seeds")
+        try:
+            assert nc.is_connected
+            assert nc.connected_url is not None and nc.connected_url.port == server.port
+        finally:
+            await nc.close()
+
+
+async def test_up_on_a_taken_port_stops_its_nats_server_and_says_why(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = await spawn("up", "--data-dir", str(tmp_path), "--port", port)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    last = err.decode().strip().splitlines()[-1]
+    assert last.startswith("tokenway: ") and port in last, err.decode()
+    assert "Traceback" not in err.decode()
+    leftover = nats_servers_of(tmp_path)
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    assert leftover == [], "the embedded nats-server outlived `up`"
+
+
+def nats_servers_of(data_dir: Path) -> list[int]:
+    """Running nats-servers whose config names a store under `data_dir`."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # it ended meanwhile
+        if b"-c" in argv and argv[0].endswith(b"nats-server"):
+            conf = Path(argv[argv.index(b"-c") + 1].decode())
+            if conf.exists() and str(data_dir) in conf.read_text():
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+async def test_a_second_up_on_one_data_dir_refuses_naming_the_first(up, tmp_path: Path) -> None:
+    first, _ = up
+    proc = await spawn("up", "--data-dir", str(tmp_path), "--port", "0")
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    assert f"pid {first.pid}" in err.decode() and str(tmp_path) in err.decode(), err.decode()
+    assert "Traceback" not in err.decode()

@@ -10,19 +10,24 @@ results from `out_subject(reply, rid)` (or live from `sse_subject(reply)`: msgpa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import BadRequestError, BucketNotFoundError
+from nats.js.api import PubAck
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError
 from nats.js.kv import KeyValue
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from tokenway.config import Settings
+from tokenway.errors import CannotStart
 
 log = logging.getLogger(__name__)
 
@@ -215,20 +220,102 @@ def sched_consumer(s: Settings, model: str) -> ConsumerSpec:
     )
 
 
+def seeds(url: str) -> list[str]:
+    """`nats://a:4222,nats://b:4222`: every server to try (the cluster adds the others)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect(
-    url: str, name: str, reconnected: Callable[[], Awaitable[None]] | None = None
+    url: str,
+    name: str,
+    reconnected: Callable[[], Awaitable[None]] | None = None,
+    timeout: float = 30.0,
+    stop: asyncio.Event | None = None,
 ) -> NATS:
-    """A service connection: reconnect forever, notice a dead server within seconds;
-    `reconnected` runs after each reconnect (subscriptions are back by then)."""
-    return await nats.connect(
-        url,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        ping_interval=5,
-        max_outstanding_pings=3,
-        reconnected_cb=reconnected,
+    """A service connection over a seed list: reconnect forever, notice a dead server
+    within seconds; `reconnected` runs after each reconnect (subscriptions are back by then).
+
+    Reaching NATS the first time takes at most `timeout` (then `CannotStart`), one log line
+    per failed attempt; a set `stop` ends the attempt at once (`CannotStart` as well).
+    """
+    last: list[BaseException] = []
+
+    async def failed(exc: Exception) -> None:  # nats-py would log a traceback each time
+        last[:] = [exc]
+        if attempt.done():  # connected once: reconnects, slow consumers, server errors
+            log.warning("%s: NATS error (%s): %r", name, url, exc)
+        else:
+            log.warning("%s cannot reach NATS (%s): %r", name, url, exc)
+
+    attempt = asyncio.ensure_future(
+        nats.connect(
+            servers=seeds(url),
+            name=name,
+            connect_timeout=2,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            reconnected_cb=reconnected,
+            error_cb=failed,
+        )
     )
+    waits: set[asyncio.Future[object]] = {attempt}
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    if stopping is not None:
+        waits.add(stopping)
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if stopping is not None:
+            stopping.cancel()
+    if attempt.done():
+        return attempt.result()
+    attempt.cancel()
+    if stop is not None and stop.is_set():
+        raise CannotStart(f"stopped while connecting to NATS at {url}")
+    cause = f" (last error: {last[0]!r})" if last else ""
+    raise CannotStart(f"cannot reach NATS at {url} within {timeout:g}s{cause}")
+
+
+# Stream-full answers from a `discard: new` stream.
+_FULL_CODES = {10077, 10047, 10028}
+PUBLISH_TRY = 2.0  # seconds one try of a stored publish waits for its ack
+
+
+def is_stream_full(exc: APIError) -> bool:
+    return exc.err_code in _FULL_CODES or "maximum" in (exc.description or "")
+
+
+def transient(exc: BaseException) -> bool:
+    """NATS away, or JetStream without a leader or an answer for a moment (a cluster
+    electing one, a server restarting): the call may be made again. A refusal is an answer."""
+    if isinstance(exc, APIError):
+        return exc.code == 503 and not is_stream_full(exc)
+    return isinstance(exc, nats.errors.Error)
+
+
+async def publish_stored(
+    js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
+) -> PubAck:
+    """A publish into a stream, made again while it is `transient`, for up to `within`
+    seconds (then its last error). Its headers carry a message id or a fence, so a retry of
+    a publish that was stored after all is not stored twice."""
+    try:  # the usual case, without the cost of a retry loop
+        return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
+    except nats.errors.Error as exc:
+        if not transient(exc):
+            raise
+        log.warning("publish to %s failed (%r); retrying", subject, exc)
+    async for attempt in AsyncRetrying(
+        stop=stop_after_delay(within),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        retry=retry_if_exception(transient),
+        reraise=True,
+    ):
+        with attempt:
+            return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
+    raise AssertionError("unreachable: tenacity reraises")
 
 
 async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> None:

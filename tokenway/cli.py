@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import gc
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from tokenway import bus
 from tokenway.config import Settings, load_settings
+from tokenway.errors import CannotStart
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import EmbeddedNats
 from tokenway.obfuscation import ObfuscationError, Permutation, load_key
@@ -168,13 +172,14 @@ async def serve(
     s: Settings, stages: list[Stage], stop: asyncio.Event, announce: bool = False
 ) -> None:
     """Start NATS (embedded unless `--nats`), provision the bus, run stages until `stop`."""
-    natsd = None
     url = s.nats
-    if url is None:
-        natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload)
-        url = await natsd.start()
-    try:
-        nc = await bus.connect(url, "tokenway-provision")
+    with contextlib.ExitStack() as held:
+        if url is None:
+            held.enter_context(data_dir_lock(s.data_path))
+            natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload)
+            held.callback(natsd.stop)
+            url = await natsd.start()
+        nc = await bus.connect(url, "tokenway-provision", timeout=s.connect_timeout, stop=stop)
         await bus.provision_streams(nc.jetstream(), s)
         await nc.close()
         async with asyncio.TaskGroup() as group:
@@ -182,9 +187,28 @@ async def serve(
                 group.create_task(stage.run(url, stop), name=stage.name)
             if announce:
                 group.create_task(_announce(stages, url))
-    finally:
-        if natsd is not None:
-            natsd.stop()
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: Path) -> Iterator[None]:
+    """Holds `<data_dir>/tokenway.lock` while an embedded nats-server uses the directory's
+    JetStream store: a second server on the same store would corrupt it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "tokenway.lock"
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise CannotStart(
+                f"{data_dir} is in use by {holder}; give this one its own --data-dir, "
+                "or point it at the running NATS with --nats"
+            ) from None
+        lock.truncate(0)
+        lock.write(f"tokenway up (pid {os.getpid()})\n")
+        lock.flush()
+        yield
 
 
 async def _announce(stages: list[Stage], nats_url: str) -> None:
@@ -202,11 +226,18 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
+    stopping = threading.Event()  # outlives the loop: a stop is no failure to report
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            stopping.set()
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         stages = build_stages(s, stage_names)
         # What start-up made (modules, tokenizers, templates) lives as long as the process.
         # Frozen out of the collector's reach, it is no longer walked by full collections,
@@ -216,11 +247,19 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
         await serve(s, stages, stop, announce)
 
     try:
+        _run_loop(main())
+    except* CannotStart as group:
+        if not stopping.is_set():
+            raise SystemExit(f"tokenway: {group.exceptions[0]}") from None
+
+
+def _run_loop(main: Coroutine[None, None, None]) -> None:
+    try:
         import uvloop
     except ImportError:
-        asyncio.run(main())
+        asyncio.run(main)
     else:
-        uvloop.run(main())
+        uvloop.run(main)
 
 
 # -- argument parsing ------------------------------------------------------------------------
@@ -228,7 +267,16 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("common")
-    g.add_argument("--nats", help="NATS server URL; omitted: start an embedded nats-server")
+    g.add_argument(
+        "--nats",
+        help="NATS server URL, or a comma-separated seed list of a cluster's servers "
+        "(TOKENWAY_NATS); `up` without it embeds a nats-server, other stages need it",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        help="seconds to keep trying to reach NATS at start before exiting with status 1 (30)",
+    )
     g.add_argument("--data-dir", help="state directory (JetStream store, model dir)")
     g.add_argument(
         "--model-dir",
@@ -432,8 +480,9 @@ async def _dlq(args: argparse.Namespace, url: str) -> int:
 
     try:
         nc = await nats.connect(
-            url, name="tokenway-dlq", allow_reconnect=False, connect_timeout=3, error_cb=noted
-        )
+            servers=bus.seeds(url), name="tokenway-dlq", allow_reconnect=False,
+            connect_timeout=3, error_cb=noted,
+        )  # fmt: skip
     except Exception as exc:
         cause = errors[-1] if errors else exc
         raise SystemExit(f"tokenway: cannot connect to NATS at {url}: {cause!r}") from exc
@@ -551,6 +600,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             raise SystemExit(asyncio.run(_dlq(args, settings.nats)))
         return
+    if args.command != "up" and not settings.nats:
+        raise SystemExit(
+            f"tokenway {args.command}: no NATS server to join; pass --nats nats://host:4222 "
+            "(or set TOKENWAY_NATS), or run `tokenway up`, which embeds one"
+        )
     if args.command == "up":
         pool = ["derender"] if settings.derender_placement == "pool" else []
         _run(settings, ["ingress", "render", "schedule", *pool, "dlq", "sim"], announce=True)

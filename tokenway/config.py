@@ -31,7 +31,9 @@ def _default_data_dir(env: Mapping[str, str]) -> str:
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # where things are
-    nats: str | None = None  # nats://host:port; None starts the embedded server
+    # nats://host:port, or a comma-separated seed list; None: `up` embeds a server
+    nats: str | None = None
+    connect_timeout: PositiveFloat = 30.0  # give up reaching NATS at start after this long
     data_dir: str = msgspec.field(default_factory=lambda: _default_data_dir(os.environ))
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None
@@ -83,6 +85,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     relay_attempts: Annotated[int, Meta(ge=0)] = 3
     relay_backoff: Annotated[float, Meta(ge=0)] = 0.05  # seconds, times the relay's number
     ack_wait: PositiveFloat = 30.0
+    # how long a stage retries a stored publish while JetStream has no leader or no answer
+    # for it (an election in a cluster), before it reports the stage unavailable
+    bus_retry: PositiveFloat = 10.0
     max_deliver: PositiveInt = 5
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat

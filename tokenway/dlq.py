@@ -230,7 +230,9 @@ class DlqMover:
         self.settings = settings
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = await bus.connect(nats_url, "tokenway-dlq")
+        nc = await bus.connect(
+            nats_url, "tokenway-dlq", timeout=self.settings.connect_timeout, stop=stop
+        )
         js = nc.jetstream()
         await consume(js, mover_consumer(self.settings), lambda msg: self.handle(js, msg), stop)
         await nc.drain()

@@ -64,6 +64,13 @@ class StageUnavailable(TokenwayError):
     type = "ServiceUnavailableError"
 
 
+class Unavailable(TokenwayError):
+    """The bus cannot take the request now (JetStream electing leaders): retry shortly."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
 class StageTimeout(TokenwayError):
     status = 504
     type = "TimeoutError"
@@ -79,6 +86,11 @@ class NoCompatibleEngine(EngineFailed):
 
     status = 503
     type = "ServiceUnavailableError"
+
+
+class CannotStart(Exception):
+    """A process that cannot start or go on (NATS out of reach, its port taken, its data
+    directory in use): the message says why in one line; the command exits with status 1."""
 
 
 class _Error(msgspec.Struct, omit_defaults=False):

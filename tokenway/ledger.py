@@ -20,7 +20,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from tokenway import bus
 from tokenway import headers as h
@@ -33,7 +32,6 @@ _json = msgspec.json.Encoder()
 _delivery = msgspec.msgpack.Encoder()
 
 PUBLISH_WITHIN = 10.0  # seconds a ledger publish keeps trying (a server restart takes ~1)
-PUBLISH_TRY = 2.0
 
 
 def out_headers(
@@ -107,11 +105,6 @@ async def deliver(nc: NATS, reply: str, events: list[Delivered]) -> None:
     await nc.publish(bus.sse_subject(reply), _delivery.encode(Delivery(events=events)))
 
 
-def transient(exc: BaseException) -> bool:
-    """NATS away, or the stream not back yet; a refusal (an API error) is an answer."""
-    return isinstance(exc, nats.errors.Error) and not isinstance(exc, APIError)
-
-
 async def publish(
     js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
 ) -> PubAck:
@@ -123,7 +116,7 @@ async def publish(
     message, byte for byte (`already_stored`).
     """
     try:
-        return await _publish(js, subject, payload, headers, within)
+        return await bus.publish_stored(js, subject, payload, headers, within)
     except APIError as exc:
         if superseded(exc) and (seq := await already_stored(js, subject, payload, headers)):
             return PubAck(stream=bus.OUT_STREAM, seq=seq, duplicate=True)
@@ -142,27 +135,6 @@ async def already_stored(
     stored_headers = last.headers or {}
     same = last.data == payload and all(stored_headers.get(k) == v for k, v in headers.items())
     return last.seq if same and last.seq else None
-
-
-async def _publish(
-    js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
-) -> PubAck:
-    try:  # the usual case, without the cost of a retry loop
-        return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
-    except nats.errors.Error as exc:
-        if not transient(exc):
-            raise
-        log.warning("ledger publish on %s failed (%r); retrying", subject, exc)
-    retrying = AsyncRetrying(
-        stop=stop_after_delay(within),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        retry=retry_if_exception(transient),
-        reraise=True,
-    )
-    async for attempt in retrying:
-        with attempt:
-            return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
-    raise AssertionError("unreachable: tenacity reraises")
 
 
 def superseded(exc: APIError) -> bool:

@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 from nats.protocol.command import hpub_cmd
 
-from tokenway import ledger
+from tokenway import bus, ledger
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +135,12 @@ class LedgerWriter:
                 del self._waiting[self._next]
                 round_.answer(index, exc)
         if round_.left:
-            await asyncio.wait({round_.answered}, timeout=ledger.PUBLISH_TRY)
+            await asyncio.wait({round_.answered}, timeout=bus.PUBLISH_TRY)
         outcomes: list[Outcome] = []
         for index, entry in enumerate(entries):
             self._waiting.pop(first + index, None)
             outcome = round_.outcomes[index]
-            if outcome is None or ledger.transient(outcome):
+            if outcome is None or bus.transient(outcome):
                 outcome = await self._again(entry, outcome)
             outcomes.append(outcome)
         return outcomes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -10,7 +11,6 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
 
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
@@ -20,13 +20,6 @@ log = logging.getLogger(__name__)
 
 # How long to wait for messages the consumer reported pending (they are normally there).
 _DRAIN_WAIT = 0.05
-
-# Stream-full answers from a `discard: new` stream.
-_FULL_CODES = {10077, 10047, 10028}
-
-
-def is_stream_full(exc: APIError) -> bool:
-    return exc.err_code in _FULL_CODES or "maximum" in (exc.description or "")
 
 
 def overloaded(stage: str) -> Overloaded:
@@ -48,18 +41,46 @@ async def consume(
     loop waits for `freed` instead of pulling work it cannot start (pull-based backpressure).
     """
     sub = await bus.pull(js, spec)
+    failing = False  # logged once when fetching starts to fail, once when it works again
     while not stop.is_set():
         waiter = freed.waiter() if freed else None
         want = batch()
         if want <= 0:
             await wait_any(stop, *([waiter] if waiter else []), timeout=idle_timeout)
             continue
-        msgs = await _fetch(sub, want, idle_timeout)
+        try:
+            msgs = await _fetch(sub, want, idle_timeout)
+        except nats.errors.Error as exc:  # NATS away, or the consumer has no leader or is gone
+            if not failing:
+                log.warning("%s cannot fetch (%r); subscribing anew until it can", spec.handler,
+                            exc)  # fmt: skip
+            failing = True
+            await wait_any(stop, timeout=idle_timeout)
+            sub = await _resubscribe(js, spec, sub)
+            continue
+        if failing:
+            log.warning("%s fetches again", spec.handler)
+            failing = False
         # Handled side by side: one message's publish round trips overlap the next one's work.
         async with asyncio.TaskGroup() as group:
             for msg in msgs:
                 group.create_task(_guarded(handle, msg, spec.handler))
-    await sub.unsubscribe()
+    with contextlib.suppress(nats.errors.Error):
+        await sub.unsubscribe()
+
+
+async def _resubscribe(
+    js: JetStreamContext, spec: bus.ConsumerSpec, sub: JetStreamContext.PullSubscription
+) -> JetStreamContext.PullSubscription:
+    """The durable consumer made again if the server dropped it, and a new subscription to
+    it; the old subscription while that cannot be done yet."""
+    try:
+        fresh = await bus.pull(js, spec)
+    except nats.errors.Error:
+        return sub
+    with contextlib.suppress(nats.errors.Error):
+        await sub.unsubscribe()
+    return fresh
 
 
 async def _guarded(handle: Callable[[Msg], Awaitable[None]], msg: Msg, stage: str) -> None:
@@ -81,10 +102,6 @@ async def _fetch(sub: JetStreamContext.PullSubscription, want: int, wait: float)
     try:
         msgs = await sub.fetch(1, timeout=wait)
     except (TimeoutError, NatsTimeout):
-        return []
-    except nats.errors.Error as exc:  # NATS away (a restart): wait a little, then pull again
-        log.warning("fetch failed: %r", exc)
-        await asyncio.sleep(wait)
         return []
     pending = msgs[0].metadata.num_pending
     if want > 1 and pending:

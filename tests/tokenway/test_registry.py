@@ -11,26 +11,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.conftest import make_settings, nats_server
+from tests.conftest import Logged, make_settings, nats_server
 from tests.test_cli import free_port
 from tokenway import bus
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineInfo
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-class _Seen(logging.Handler):
-    """Sets `event` when a record containing `needle` is logged."""
-
-    def __init__(self, needle: str) -> None:
-        super().__init__()
-        self.needle = needle
-        self.event = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.needle in record.getMessage():
-            self.event.set()
 
 
 async def _until(registry: EngineRegistry, task: asyncio.Task[None], key: str) -> None:
@@ -53,7 +40,7 @@ def _engine(engine_id: str) -> bytes:
 async def test_the_watch_outlives_an_outage_longer_than_the_ttl(tmp_path: Path) -> None:
     """The server is away for several TTLs, so renewing the watch fails; once it is back,
     the registry sees new engines again (it used to die on the stopped watch it kept)."""
-    renewal_failed = _Seen("registry watch not renewed")
+    renewal_failed = Logged("registry watch not renewed")
     logging.getLogger("tokenway.registry").addHandler(renewal_failed)
     settings = make_settings(tmp_path / "data")
     try:

@@ -42,7 +42,10 @@ class DerenderService:
         self.backend = derender_backend(settings, model_dir)
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = await bus.connect(nats_url, f"tokenway-derender-{self.model}")
+        nc = await bus.connect(
+            nats_url, f"tokenway-derender-{self.model}",
+            timeout=self.settings.connect_timeout, stop=stop,
+        )  # fmt: skip
 
         async def answer(msg: Msg) -> None:
             await msg.respond(await handle(self.backend, msg.data))

@@ -7,6 +7,7 @@ import logging
 import time
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
@@ -14,11 +15,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from tokenway import bus, ledger
+from tokenway.bus import is_stream_full, publish_stored, transient
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, internal
+from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, Unavailable, internal
 from tokenway.model import ModelInfo
 from tokenway.wire import GenerateRequest, RenderRequest
-from tokenway.worker import consume, is_stream_full, overloaded
+from tokenway.worker import consume, overloaded
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
 
@@ -41,7 +43,10 @@ class RenderService:
         self.nc: NATS | None = None
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = self.nc = await bus.connect(nats_url, f"tokenway-render-{self.model}")
+        nc = self.nc = await bus.connect(
+            nats_url, f"tokenway-render-{self.model}",
+            timeout=self.settings.connect_timeout, stop=stop,
+        )  # fmt: skip
         self.max_payload = nc.max_payload
         js = nc.jetstream()
         spec = bus.render_consumer(self.settings, self.model)
@@ -89,17 +94,18 @@ class RenderService:
     ) -> None:
         payload = _encoder.encode(generate)
         try:
-            await js.publish(
-                bus.sched_subject(self.model),
-                payload,
-                headers=ledger.request_headers(rid, reply, deadline),
-            )
+            await publish_stored(
+                js, bus.sched_subject(self.model), payload,
+                ledger.request_headers(rid, reply, deadline), self.settings.bus_retry,
+            )  # fmt: skip
         except MaxPayloadError as exc:
             raise InvalidRequest(
                 f"the tokenized request ({len(generate.token_ids)} tokens, {len(payload)} bytes) "
                 f"exceeds the bus payload limit of {self.max_payload} bytes"
             ) from exc
-        except APIError as exc:
-            if is_stream_full(exc):
+        except nats.errors.Error as exc:
+            if isinstance(exc, APIError) and is_stream_full(exc):
                 raise overloaded("schedule") from exc
+            if transient(exc):
+                raise Unavailable(f"the schedule queue did not answer ({exc!r})") from exc
             raise

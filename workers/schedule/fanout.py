@@ -31,6 +31,7 @@ from ingress.router import Event, OutputRouter, Slot
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import wait_any
+from tokenway.bus import is_stream_full
 from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
@@ -40,7 +41,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.wire import TERMINAL_KINDS, ErrorInfo, GenerateRequest
-from tokenway.worker import is_stream_full, overloaded
+from tokenway.worker import overloaded
 from workers.derender.detok import SEED_TOKENS
 from workers.schedule.merge import Merge, Output, retryable
 

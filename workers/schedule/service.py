@@ -115,7 +115,10 @@ class ScheduleService:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = self._nc = await bus.connect(nats_url, f"tokenway-schedule-{self.owner_id}")
+        nc = self._nc = await bus.connect(
+            nats_url, f"tokenway-schedule-{self.owner_id}",
+            timeout=self.settings.connect_timeout, stop=stop,
+        )  # fmt: skip
         js = self._js = nc.jetstream()
         self._writer = ledger_writer.LedgerWriter(nc, js)
         await self._writer.start()
