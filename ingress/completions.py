@@ -82,9 +82,14 @@ class Reply:
 
     @classmethod
     def error(cls, info: ErrorInfo, *headers: tuple[bytes, bytes]) -> Reply:
-        if info.status in (429, 503):
+        return cls.failed(info.status, error_body(info), *headers)
+
+    @classmethod
+    def failed(cls, status: int, body: bytes, *headers: tuple[bytes, bytes]) -> Reply:
+        """An error body; a refusal that may pass (429, 503) says when to ask again."""
+        if status in (429, 503):
             headers += ((b"retry-after", b"1"),)
-        return cls(info.status, error_body(info), headers)
+        return cls(status, body, headers)
 
     async def send(self, send: Send) -> None:
         headers = [(b"content-length", b"%d" % len(self.body)), *self.headers]
@@ -184,7 +189,7 @@ class Completions:
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
             if first.kind == "error":
-                return Reply(first.status, first.payload), first
+                return Reply.failed(first.status, first.payload), first
             if not stream:
                 return Reply(200, first.payload), first
             return Stream(rid, slot, first, SseWriter(ids)), first

@@ -16,11 +16,21 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import Logged, Stack, make_settings, start_stack
+from tests.test_errors import assert_error
 from tokenway import bus
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+async def refused(stack: Stack, *needles: str) -> None:
+    """A chat request is refused for now: 503, Retry-After, an error naming `needles`."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        resp = await http.post(f"{stack.url}/v1/chat/completions", json=CHAT)
+    error = assert_error(resp, 503, *needles)
+    assert error["type"] == "ServiceUnavailableError"
+    assert resp.headers["retry-after"] == "1"
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -71,12 +81,44 @@ async def test_a_request_that_cannot_be_queued_is_503_with_retry_after(
     js = nc.jetstream()
     await js.delete_stream(bus.RENDER_STREAM)
     try:
-        async with httpx.AsyncClient(timeout=60) as http:
-            resp = await http.post(f"{own_stack.url}/v1/chat/completions", json=CHAT)
-        assert resp.status_code == 503, resp.text
-        assert resp.headers["retry-after"] == "1"
-        error = resp.json()["error"]
-        assert error["type"] == "ServiceUnavailableError" and "queue" in error["message"]
+        await refused(own_stack, "queue")
     finally:
         await bus.provision_streams(js, own_stack.settings)
         await nc.close()
+
+
+async def test_a_stream_longer_than_the_owners_ack_wait_stays_with_its_owner(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """Owners give up a request within `owner_ack_wait` of dying, so a live owner must keep
+    acknowledging progress on every request it holds: a stream of several ack waits is
+    never redelivered to another worker."""
+    settings = make_settings(tmp_path, owner_ack_wait=0.4, sim_itl=0.01)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
+    nc = await nats.connect(nats_url)
+    try:
+        body = {**CHAT, "max_tokens": 150, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=60) as http:
+            resp = await http.post(f"{stack.url}/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 150
+        spec = bus.sched_consumer(settings, stack.ingress.served)
+        info = await nc.jetstream().consumer_info(spec.stream, spec.durable)
+        assert info.config.ack_wait == 0.4
+        assert info.num_redelivered == 0
+    finally:
+        await nc.close()
+        await stack.close()
+
+
+async def test_a_model_with_no_live_engine_is_a_503_naming_it(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """No engine registered: the request waits `engine_wait` for one, then says so, instead
+    of sitting in the queue until its deadline."""
+    settings = make_settings(tmp_path, engine_wait=0.5, request_timeout=20)
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule"])
+    try:
+        await refused(stack, stack.ingress.served, "no engine")
+    finally:
+        await stack.close()

@@ -214,7 +214,7 @@ def sched_consumer(s: Settings, model: str) -> ConsumerSpec:
         durable=f"schedule-{token(model)}",
         filter_subject=sched_subject(model),
         handler="workers.schedule.service",
-        ack_wait=s.ack_wait,
+        ack_wait=s.owner_ack_wait,
         max_deliver=s.max_deliver,
         max_ack_pending=s.max_inflight * 4,
     )

@@ -310,6 +310,15 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-inflight", type=int, help="requests one schedule worker owns (1024)")
     g.add_argument(
+        "--engine-wait", type=float,
+        help="seconds a request waits for an engine of its model to register before a 503 (10)",
+    )  # fmt: skip
+    g.add_argument(
+        "--owner-ack-wait", type=float,
+        help="seconds after a schedule worker's last progress ack that its requests move to "
+        "another worker (2)",
+    )  # fmt: skip
+    g.add_argument(
         "--relay-attempts",
         type=int,
         help="times a request continues on another engine after one fails it (3)",

@@ -84,13 +84,18 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # after an engine fails an attempt, continue from the committed output this many times
     relay_attempts: Annotated[int, Meta(ge=0)] = 3
     relay_backoff: Annotated[float, Meta(ge=0)] = 0.05  # seconds, times the relay's number
-    ack_wait: PositiveFloat = 30.0
+    ack_wait: PositiveFloat = 30.0  # render, dead-letter mover: work without progress acks
+    # How long a request stays with a schedule worker that stopped acknowledging progress:
+    # a dead owner's requests go to another worker this long after its last progress ack
+    # (sent every quarter of it, for every request it owns).
+    owner_ack_wait: PositiveFloat = 2.0
     # how long a stage retries a stored publish while JetStream has no leader or no answer
     # for it (an election in a cluster), before it reports the stage unavailable
     bus_retry: PositiveFloat = 10.0
     max_deliver: PositiveInt = 5
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
+    engine_wait: PositiveFloat = 10.0  # with no live engine for the model, a 503 after this
     # multi-prompt requests (fan-out): how many one schedule worker owns at once (more: 429),
     # output events held per prompt until every prompt's stream has begun (more: an error),
     # and whole-request retries when a prompt fails before any output was sent

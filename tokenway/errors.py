@@ -71,6 +71,10 @@ class Unavailable(TokenwayError):
     type = "ServiceUnavailableError"
 
 
+class NoEngine(Unavailable):
+    """No engine of the model has been registered for the scheduler's engine wait."""
+
+
 class StageTimeout(TokenwayError):
     status = 504
     type = "TimeoutError"

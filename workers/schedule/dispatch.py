@@ -30,7 +30,13 @@ from prometheus_client import Histogram
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, EngineFailed, InvalidRequest, NoCompatibleEngine
+from tokenway.errors import (
+    DeadlineExceeded,
+    EngineFailed,
+    InvalidRequest,
+    NoCompatibleEngine,
+    NoEngine,
+)
 from tokenway.obfuscation import ObfuscationError, Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
@@ -47,6 +53,9 @@ QUEUE_WAIT = Histogram(
 )
 
 _DISPATCH_TRIES = 3
+# What an owner pulls while no engine of its model is alive: each request waits
+# `engine_wait` for one, then is told there is none.
+_WITHOUT_ENGINES = 16
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
@@ -97,6 +106,10 @@ class Dispatcher:
 
     def free_slots(self) -> int:
         alive = self.registry.alive()
+        if not alive:
+            # Requests still come in, to wait a while for an engine and then meet the 503
+            # in `_wait_turn` instead of lying in the queue until their deadline.
+            return _WITHOUT_ENGINES
         # With only incompatible engines, their room still lets requests in, so that each
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
         return routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
@@ -182,10 +195,13 @@ class Dispatcher:
         """The request's plan once it is first in line and an engine has room."""
         entry = (r.request.priority, next(self._arrivals), r)
         heapq.heappush(self._waiting, entry)
+        alone_since: float | None = None  # since when no engine of the model is alive
         try:
             while True:
                 waits = (self._turn.waiter(), self.registry.changed.waiter(), self.freed.waiter())
                 now = time.monotonic()
+                patience = self._patience(now, alone_since)
+                alone_since = None if patience is None else alone_since or now
                 engines = [
                     e
                     for e in self._compatible()
@@ -203,13 +219,26 @@ class Dispatcher:
                 remaining = r.deadline - time.time()
                 if remaining <= 0:
                     raise DeadlineExceeded("no engine had room before the request's deadline")
-                await wait_any(*waits, r.ended, timeout=remaining)
+                await wait_any(*waits, r.ended, timeout=min(remaining, patience or remaining))
                 if r.ended.is_set():
                     return None
         finally:
             self._waiting.remove(entry)
             heapq.heapify(self._waiting)
             self._turn.fire()
+
+    def _patience(self, now: float, alone_since: float | None) -> float | None:
+        """With no engine of the model alive: how much longer to wait for one (a 503 once
+        `engine_wait` is over). None while there is one."""
+        if self.registry.alive():
+            return None
+        left = self.settings.engine_wait - (now - (alone_since or now))
+        if left <= 0:
+            raise NoEngine(
+                f"no engine is serving model {self.registry.model} "
+                f"(none registered for {self.settings.engine_wait:g}s); retry later"
+            )
+        return left
 
     def _claim(self, plan: Plan, now: float) -> bool:
         """Take the engines' breaker turn (a half-open breaker lets one probe through)."""

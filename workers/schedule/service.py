@@ -35,6 +35,7 @@ from tokenway.errors import (
     InvalidRequest,
     StageTimeout,
     StageUnavailable,
+    Unavailable,
     internal,
 )
 from tokenway.obfuscation import Permutation
@@ -166,16 +167,17 @@ class ScheduleService:
         return min(room, self.dispatcher.free_slots(), 64)
 
     async def _keepalive(self, stop: asyncio.Event) -> None:
-        """In-progress acks keep our messages ours while requests run longer than ack_wait."""
+        """In-progress acks keep our messages ours while requests run longer than the
+        owner's ack wait; four per wait, so one that is late or lost does not cost them."""
         while not stop.is_set():
-            await wait_any(stop, timeout=self.settings.ack_wait / 3)
-            for r in list(self.requests.values()):
+            await wait_any(stop, timeout=self.settings.owner_ack_wait / 4)
+            held = [r.msg for r in self.requests.values()]
+            held += self.fanout.held() if self.fanout is not None else []
+            for msg in held:
                 try:
-                    await r.msg.in_progress()
+                    await msg.in_progress()
                 except nats.errors.Error as exc:  # NATS away: the next round retries
-                    log.warning("in-progress ack of %s failed: %r", r.rid, exc)
-            for held in self.fanout.held() if self.fanout is not None else []:
-                await held.in_progress()
+                    log.warning("in-progress ack on %s failed: %r", msg.subject, exc)
             if self.dispatcher is not None:
                 self.dispatcher.index.expire(time.monotonic())
 
@@ -220,7 +222,13 @@ class ScheduleService:
             r.fail(DeadlineExceeded(
                 f"request {r.rid} passed its deadline after {r.out_seq} chunks"
             ).info())  # fmt: skip
-        except (EngineFailed, StageUnavailable, DeadlineExceeded, InvalidRequest) as exc:
+        except (
+            EngineFailed,
+            StageUnavailable,
+            Unavailable,
+            DeadlineExceeded,
+            InvalidRequest,
+        ) as exc:
             r.fail(exc.info())
         except Exception as exc:  # a bug fails this request, never the worker
             log.exception("owning %s failed", r.rid)
