@@ -72,6 +72,10 @@ class Engine(Protocol):
         """Run one attempt, calling `emit` per step; cancelled on abort."""
         ...
 
+    async def healthy(self) -> str | None:
+        """None when the engine can take work; else why not (it stays out of the registry)."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections, after every attempt has ended."""
         ...
@@ -109,7 +113,9 @@ class Bridge:
             await nc.subscribe(bus.engine_subject(self.id, "generate"), cb=self._on_generate)
             await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
             await nc.subscribe(bus.orphan_subject(), cb=self._on_abort)
-            group.create_task(heartbeat(kv, self.info, self.settings.engine_ttl, stop))
+            group.create_task(
+                heartbeat(kv, self.info, self.engine.healthy, self.settings.engine_ttl, stop)
+            )
             log.info(
                 "engine %s (%s) serving %s%s",
                 self.id,

@@ -200,6 +200,9 @@ class SimEngine:
             id=c.id, model=c.model, role=c.role, max_seqs=c.max_seqs, running=self.running
         )
 
+    async def healthy(self) -> str | None:
+        return None  # in process: up as long as the bridge is
+
     async def aclose(self) -> None:
         """Nothing to release: no connections."""
 

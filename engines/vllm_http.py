@@ -49,6 +49,7 @@ from engines.vllm_wire import (
     COMPLETIONS_ID_PREFIX,
     COMPLETIONS_PATH,
     GENERATE_PATH,
+    HEALTH_PATH,
     REQUEST_ID_PREFIX,
     Answer,
     completions_request,
@@ -175,6 +176,17 @@ class VllmEngine:
         return EngineInfo(
             id=e.id, model=e.model, role=e.role, max_seqs=e.max_seqs, running=self.running
         )
+
+    async def healthy(self) -> str | None:
+        """vLLM's `/health` answers 200 while its engine runs (503 once it died)."""
+        try:
+            async with asyncio.timeout(self.endpoint.connect_timeout):
+                resp = await self.client.request("GET", HEALTH_PATH)
+        except (TimeoutError, TransportError) as exc:
+            return f"{self.url}{HEALTH_PATH} did not answer: {exc!r}"
+        if resp.status != 200:
+            return f"{self.url}{HEALTH_PATH} answered HTTP {resp.status}"
+        return None
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -20,6 +20,7 @@ from tokenway.wire import EngineWork, LogprobEntry, SamplingParams, TokenLogprob
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 COMPLETIONS_PATH = "/v1/completions"
+HEALTH_PATH = "/health"
 # vLLM's serving.py runs a generate request under this prefix + the request_id we send.
 REQUEST_ID_PREFIX = "generate-tokens-"
 # ... and a completions request under this prefix + request_id + the prompt's index.

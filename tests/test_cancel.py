@@ -17,7 +17,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 async def consumer_names(nats_url: str) -> set[str]:
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=bus.seeds(nats_url))
     try:
         js = nc.jetstream()
         names = set()

@@ -111,7 +111,7 @@ async def nothing_left(c: StageProcesses, consumers: set[str]) -> None:
     assert all(not b.tasks for b in stack.by_name.get("engine", []))
     assert not stack.ingress.router.slots
     assert await consumer_names(stack.settings.nats) == consumers
-    nc = await nats.connect(stack.settings.nats)
+    nc = await nats.connect(servers=bus.seeds(stack.settings.nats))
     try:
         js = nc.jetstream()
         model = stack.ingress.served
@@ -123,11 +123,13 @@ async def nothing_left(c: StageProcesses, consumers: set[str]) -> None:
         await nc.close()
 
 
-def report(fault: str, got: list[Streamed], baseline: list[Streamed], failed: int) -> None:
+def report(
+    fault: str, got: list[Streamed], baseline: list[Streamed], failed: int, also: str = ""
+) -> None:
     normal = max(s.longest_wait for s in baseline)
     waited = max(s.longest_wait for s in got)
     print(
-        f"\nchaos {fault}: longest client wait {waited:.2f} s (fault-free {normal:.2f} s), "
+        f"\nchaos {fault}: longest client wait {waited:.2f} s (fault-free {normal:.2f} s){also}, "
         f"{len(got) - failed}/{len(got)} streams completed, {failed} explicit errors"
     )
 

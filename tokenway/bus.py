@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.api import PubAck
@@ -316,6 +317,23 @@ async def publish_stored(
         with attempt:
             return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
     raise AssertionError("unreachable: tenacity reraises")
+
+
+async def ack_surely(msg: Msg, within: float) -> None:
+    """An ack the server confirms, sent again while it is `transient`, for up to `within`
+    seconds: a lost ack hands a finished request to another owner, who then only finds its
+    end stored (what happens anyway if this one gives up)."""
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(within),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(transient),
+            reraise=True,
+        ):
+            with attempt:
+                await msg.ack_sync(timeout=PUBLISH_TRY)
+    except nats.errors.Error as exc:
+        log.warning("ack of %s not confirmed (%r): it will be redelivered", msg.subject, exc)
 
 
 async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> None:

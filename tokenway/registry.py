@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -37,10 +37,18 @@ class EngineRegistry:
         self.engines: dict[str, EngineInfo] = {}
         self.changed = Signal()
         self.on_removed: list[Callable[[str], None]] = []
+        # When the bucket last answered (an update, a watch made). Heartbeats age against
+        # it, not the clock: while NATS is away or elects a leader, nothing is heard from
+        # any engine, which says nothing about the engines.
+        self.heard = time.time()
+        self._snapshot: set[str] | None = None  # keys a fresh watch's snapshot has shown
+
+    def _horizon(self) -> float:
+        return min(time.time(), self.heard) - self.ttl
 
     def alive(self) -> list[EngineInfo]:
         """Engines whose last heartbeat is within a TTL (a safety net under the markers)."""
-        horizon = time.time() - self.ttl
+        horizon = self._horizon()
         return [e for e in self.engines.values() if e.updated >= horizon]
 
     def _remove(self, key: str) -> None:
@@ -51,7 +59,7 @@ class EngineRegistry:
 
     def _prune(self) -> None:
         """Drop engines past their TTL: the delete that says so may have been lost."""
-        horizon = time.time() - self.ttl
+        horizon = self._horizon()
         for key in [k for k, e in self.engines.items() if e.updated < horizon]:
             self._remove(key)
         self.changed.fire()
@@ -87,8 +95,15 @@ class EngineRegistry:
                     log.warning("registry watch failed (%r); watching anew", exc)
                     watcher = await self._rewatch(watcher)
                     continue
-                if entry is None:  # the end of the initial snapshot
+                self.heard = time.time()
+                if entry is None:  # the end of a watch's snapshot: what it left out is gone
+                    for key in set(self.engines) - (self._snapshot or set()):
+                        self._remove(key)
+                    self._snapshot = None
+                    self.changed.fire()
                     continue
+                if self._snapshot is not None:
+                    self._snapshot.add(entry.key)
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                     self._remove(entry.key)
                 else:
@@ -104,10 +119,13 @@ class EngineRegistry:
     async def _watch(self) -> Any:
         """A watch of the whole bucket (its snapshot refreshes every entry), or None."""
         try:
-            return await self._kv.watchall()
+            watcher = await self._kv.watchall()
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("registry watch not renewed (%r); trying again in a TTL", exc)
             return None
+        self.heard = time.time()
+        self._snapshot = set()
+        return watcher
 
     async def _rewatch(self, watcher: Any) -> Any:
         """A fresh watch in place of `watcher`, which is stopped only once the new one
@@ -126,17 +144,33 @@ class EngineRegistry:
 
 
 async def heartbeat(
-    kv: KeyValue, info: Callable[[], EngineInfo], ttl: float, stop: asyncio.Event
+    kv: KeyValue,
+    info: Callable[[], EngineInfo],
+    healthy: Callable[[], Awaitable[str | None]],
+    ttl: float,
+    stop: asyncio.Event,
 ) -> None:
-    """Refresh an engine's entry three times per TTL until `stop`, then remove it."""
+    """Refresh an engine's entry three times per TTL while `healthy()` finds nothing wrong;
+    while it does, the entry is gone (owners send nothing there). Removed at `stop`."""
     key = bus.token(info().id)
+    was_healthy: bool | None = None  # at the last check; None before the first
     while not stop.is_set():
-        beat = info()
-        beat.updated = time.time()
+        problem = await healthy()
+        if (problem is None) != was_healthy:
+            if problem is None:
+                log.info("engine %s is healthy: in the registry", key)
+            else:
+                log.warning("engine %s is not healthy, out of the registry: %s", key, problem)
         try:
-            await kv.put(key, _encoder.encode(beat))
+            if problem is None:
+                beat = info()
+                beat.updated = time.time()
+                await kv.put(key, _encoder.encode(beat))
+            elif was_healthy:
+                await kv.delete(key)
         except nats.errors.Error as exc:  # NATS away for a moment: the next beat may land
             log.warning("heartbeat of %s not stored: %r", key, exc)
+        was_healthy = problem is None
         await wait_any(stop, timeout=ttl / 3)
     with contextlib.suppress(nats.errors.Error):
         await kv.delete(key)

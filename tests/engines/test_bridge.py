@@ -112,6 +112,9 @@ class Turns:
             if last:
                 return
 
+    async def healthy(self) -> str | None:
+        return None
+
     async def aclose(self) -> None:
         pass
 

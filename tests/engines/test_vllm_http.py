@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
+import nats
 import openai
 import pytest
 import pytest_asyncio
+from nats.js.errors import KeyNotFoundError
 from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
@@ -30,7 +33,9 @@ from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH, completions_reque
 from tests.conftest import make_settings, start_stack, wait_engines
 from tests.engines.emits import Emits
 from tests.fakes.vllm_engine import FakeVllm, Knobs
+from tokenway import bus
 from tokenway.cli import resolve_model
+from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineWork, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -528,3 +533,37 @@ async def test_chat_streams_through_the_pipeline_and_a_client_leaving_aborts_vll
             await bridge
             await engine.aclose()
             await stack.close()
+
+
+async def test_the_bridge_is_registered_only_while_vllm_answers_its_health_check(
+    fake: FakeVllm, make_engine: MakeEngine, nats_url: str, tmp_path: Path
+) -> None:
+    """A bridge in front of a vLLM that is not up yet (or whose engine died) would take
+    requests that then hang: it joins the registry once `/health` answers 200, leaves it
+    when it stops answering 200, and joins again when it does."""
+    fake.reset(Knobs(health=503))
+    name = f"health-{uuid.uuid4().hex[:8]}"
+    engine = make_engine(id=name, model=name)
+    settings = make_settings(tmp_path, engine_ttl=1.5)
+    stop = asyncio.Event()
+    running = asyncio.create_task(Bridge(settings, engine).run(nats_url, stop))
+    nc = await nats.connect(nats_url)
+    kv = await bus.engines_kv(nc.jetstream(), settings)
+    registry = EngineRegistry(kv, name, settings.engine_ttl)
+    watching = asyncio.create_task(registry.run(stop))
+    try:
+        await fake.wait_until(lambda: fake.health_checks >= 2)  # two beats: vLLM not healthy
+        with pytest.raises(KeyNotFoundError):
+            await kv.get(name)
+        fake.knobs.health = 200
+        await wait_engines(registry, 1)
+        fake.knobs.health = 503
+        async with asyncio.timeout(10):
+            while registry.alive():
+                await registry.changed.waiter().wait()
+        fake.knobs.health = 200
+        await wait_engines(registry, 1)
+    finally:
+        stop.set()
+        await asyncio.gather(running, watching)
+        await nc.close()

@@ -38,6 +38,7 @@ from tokenway.wire import SamplingParams
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATHS = ("/inference/v1/abort_requests", "/abort_requests")
+HEALTH_PATH = "/health"
 COMPLETIONS_PATH = "/v1/completions"
 REQUEST_ID_PREFIX = "generate-tokens-"
 COMPLETIONS_ID_PREFIX = "cmpl-"
@@ -83,6 +84,7 @@ class Knobs:
     # for an id it has not registered), until the event is set.
     queue_until: asyncio.Event | None = None
     abort_fail_first: int = 0  # answer the first N abort calls with a 503
+    health: int = 200  # what GET /health answers (vLLM: 503 once its engine died)
 
 
 @dataclass
@@ -180,6 +182,7 @@ class FakeVllm:
         self.requests: list[Received] = []
         self.aborted: list[str] = []  # ids named by abort_requests answered 200, in order
         self.abort_calls = 0  # every abort_requests call, refused ones too
+        self.health_checks = 0
         self.disconnected: list[str] = []  # ids whose client left before the end
         self.active: dict[str, _Run] = {}
         self.url = ""
@@ -289,6 +292,11 @@ class FakeVllm:
             await self._generate(scope, receive, send)
         elif path in ABORT_PATHS and method == "POST":
             await self._abort(receive, send)
+        elif path == HEALTH_PATH and method == "GET":
+            self.health_checks += 1
+            self._bump()
+            await send_json(send, self.knobs.health, {} if self.knobs.health == 200 else
+                            {"error": "EngineDeadError"})  # fmt: skip
         elif path in (GENERATE_PATH, COMPLETIONS_PATH) or path in ABORT_PATHS:
             await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:

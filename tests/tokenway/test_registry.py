@@ -38,11 +38,12 @@ def _engine(engine_id: str) -> bytes:
 
 
 async def test_the_watch_outlives_an_outage_longer_than_the_ttl(tmp_path: Path) -> None:
-    """The server is away for several TTLs, so renewing the watch fails; once it is back,
-    the registry sees new engines again (it used to die on the stopped watch it kept)."""
+    """The server is away for several TTLs, so renewing the watch fails: the engines known
+    stay known meanwhile, and once it is back the registry sees new engines again (it used
+    to die on the stopped watch it kept) and forgets those whose entries expired."""
     renewal_failed = Logged("registry watch not renewed")
     logging.getLogger("tokenway.registry").addHandler(renewal_failed)
-    settings = make_settings(tmp_path / "data")
+    settings = make_settings(tmp_path / "data", engine_ttl=1.0)  # the bucket's TTL
     try:
         async with nats_server(tmp_path / "nats", port=free_port()) as server:
             nc = await bus.connect(server.url, "test-registry")
@@ -55,10 +56,13 @@ async def test_the_watch_outlives_an_outage_longer_than_the_ttl(tmp_path: Path) 
 
             await asyncio.to_thread(server.stop)
             await renewal_failed.event.wait()
+            # Not hearing from the bucket is no news of the engines: they stay.
+            assert [e.id for e in registry.alive()] == ["before"]
             await server.start()
 
             await kv.put("after", _engine("after"))
             await asyncio.wait_for(_until(registry, task, "after"), 30)
+            assert "before" not in registry.engines  # its entry expired while we were away
             stop.set()
             await task
             await nc.close()

@@ -322,6 +322,6 @@ class FanOut:
             except Exception:
                 log.exception("could not deliver the error of %s", p.rid)
         self.parents.pop(p.rid, None)
-        await p.msg.ack()
+        await bus.ack_surely(p.msg, self.settings.bus_retry)
         if not self.parents:
             self.empty.set()

@@ -318,7 +318,7 @@ class ScheduleService:
         self.requests.pop(r.rid, None)
         self.dispatcher.release(r)
         if not r.superseded:  # its new owner holds the message now
-            await r.msg.ack()
+            await bus.ack_surely(r.msg, self.settings.bus_retry)
         if not self.requests:
             self.empty.set()
 
