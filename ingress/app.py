@@ -3,6 +3,7 @@ FastAPI app for everything else (resume, models, health, readiness, metrics)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class IngressContext:
     context_length: int
     request_timeout: float
     bus_retry: float
+    draining: asyncio.Event
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -52,7 +54,7 @@ def _error(exc: TokenwayError) -> Response:
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = Metrics()
     completions = Completions(
-        ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry
+        ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry, ctx.draining
     )
     app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
     js = ctx.nc.jetstream()
@@ -116,11 +118,12 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
     @app.get("/ready")
     async def ready() -> JSONResponse:
         checks = {
+            "draining": ctx.draining.is_set(),
             "nats": ctx.nc.is_connected,
             "streams": await streams_present(),
             "engines": len(ctx.registry.alive()),
         }
-        ok = checks["nats"] and checks["streams"] and checks["engines"] > 0
+        ok = not checks["draining"] and checks["nats"] and checks["streams"] and checks["engines"]
         return JSONResponse({"ready": ok, **checks}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

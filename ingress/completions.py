@@ -143,6 +143,7 @@ class Completions:
     model: str
     request_timeout: float
     bus_retry: float
+    draining: asyncio.Event
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -155,6 +156,11 @@ class Completions:
         body = await _body(receive)
         if body is None:
             return  # nobody to answer
+        if self.draining.is_set():
+            stopping = Unavailable("the server is shutting down; send the request again")
+            self.metrics.requests.labels(api, stopping.status).inc()
+            await Reply.error(stopping.info()).send(send)
+            return
         rid = secrets.token_hex(12)
         slot = self.router.open(rid)
         watcher = asyncio.ensure_future(_watch(receive, slot))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
@@ -23,7 +24,8 @@ from nats.js.api import RawStreamMsg
 
 from tokenway import bus, ledger, sse
 from tokenway import headers as h
-from tokenway.wire import Delivered, Delivery
+from tokenway.errors import error_body
+from tokenway.wire import Delivered, Delivery, ErrorInfo
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,12 @@ class Slot:
         self.stream_seq = max(self.stream_seq, event.stream_seq)
         self.events.append(event)
         self.arrived.set()
+
+    def cut(self, error: bytes) -> None:
+        """Ends the stream here with `error` (an error body): its writer is going away."""
+        event = Event(rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq,
+                      payload=error, kind=h.KIND_ERROR, status=503)  # fmt: skip
+        self.put(event)
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -106,6 +114,11 @@ class OutputRouter:
         self.slots.pop(rid, None)
         if not self.slots:
             self.idle.set()
+
+    def cut(self, error: Callable[[str], ErrorInfo]) -> None:
+        """End every open stream with its own error event (the ingress is going away)."""
+        for rid, slot in self.slots.items():
+            slot.cut(error_body(error(rid)))
 
     def cancel(self, rid: str) -> None:
         """Tell the request's owner the client left (safe to call from a finalizer)."""

@@ -15,7 +15,7 @@ from ingress.ledger_read import LedgerReader
 from ingress.router import OutputRouter
 from tokenway import bus
 from tokenway.config import Settings
-from tokenway.errors import CannotStart
+from tokenway.errors import CannotStart, Unavailable
 from tokenway.model import ModelInfo
 from tokenway.registry import EngineRegistry
 
@@ -51,6 +51,8 @@ class IngressService:
         self.served = served_model_name
         self.ingress_id = settings.resolved_ingress_id()
         self.started = asyncio.Event()
+        self.draining = asyncio.Event()  # stopping: new requests are refused
+        self.drained = asyncio.Event()  # its streams are done: the process may stop the rest
         self.server: _Server | None = None
         self.router: OutputRouter | None = None
         self.registry: EngineRegistry | None = None
@@ -85,6 +87,7 @@ class IngressService:
             context_length=self.model.context_length,
             request_timeout=self.settings.request_timeout,
             bus_retry=self.settings.bus_retry,
+            draining=self.draining,
         )
         config = uvicorn.Config(
             create_app(ctx),
@@ -106,6 +109,23 @@ class IngressService:
             self.started.set()
             log.info("ingress %s listening on %s", self.ingress_id, self.url)
             await stop.wait()
+            await self._drain(router)
             server.should_exit = True
+        self.drained.set()
         await router.stop()
         await nc.drain()
+
+    async def _drain(self, router: OutputRouter) -> None:
+        """Refuse new requests, give open streams the drain timeout to finish, then end each
+        one left with an error event naming the shutdown (and where to resume it)."""
+        self.draining.set()
+        log.info("ingress %s draining: %d open streams", self.ingress_id, len(router.slots))
+        try:
+            await asyncio.wait_for(router.idle.wait(), self.settings.drain_timeout)
+        except TimeoutError:
+            router.cut(
+                lambda rid: Unavailable(
+                    f"the server is shutting down; resume with GET /v1/streams/{rid} "
+                    "(Last-Event-ID: the data events received) on another ingress"
+                ).info()
+            )

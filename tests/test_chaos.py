@@ -14,6 +14,7 @@ recovery time; run with `-s` to see it.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -194,3 +195,29 @@ async def test_restarting_the_nats_server_mid_stream_loses_nothing_silently(
             failed = check(got, expected, errors_allowed=True)
             report("nats", got, expected, failed)
             await nothing_left(c, await consumer_names(server.url))
+
+
+async def test_a_stopping_schedule_worker_hands_its_requests_to_a_peer_at_once(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM with no drain time left: what the worker owns goes to its peer at once (a
+    NAK), not after the owner's ack wait, here far longer than the clients would wait."""
+    async with stage_processes(nats_url, tmp_path, "schedule", processes=0) as c:
+        slow = ["--owner-ack-wait", "300", "--drain-timeout", "0"]
+        doomed = await c.spawn("schedule", *slow)
+        await c.spawn("schedule", *slow)
+        consumers = await consumer_names(nats_url)
+        expected = await run_load(c, c.url)
+
+        async def term() -> None:
+            doomed.send_signal(signal.SIGTERM)
+
+        async with asyncio.timeout(60):
+            got = await run_load(c, c.url, started(5), term)
+            assert await doomed.wait() == 0
+        assert doomed.stderr is not None
+        said = (await doomed.stderr.read()).decode()
+        assert re.search(r"draining: [1-9]\d* requests", said), said  # it had some to hand over
+        failed = check(got, expected, errors_allowed=False)
+        report("schedule SIGTERM", got, expected, failed)
+        await nothing_left(c, consumers)

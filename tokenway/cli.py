@@ -182,11 +182,25 @@ async def serve(
         nc = await bus.connect(url, "tokenway-provision", timeout=s.connect_timeout, stop=stop)
         await bus.provision_streams(nc.jetstream(), s)
         await nc.close()
+        # Stages that drain first (the ingress: its streams need the others) stop on
+        # `stop`; the rest of this process once those have drained.
+        drained = {stage.name: e for stage in stages if (e := getattr(stage, "drained", None))}
+        rest = asyncio.Event() if drained else stop
         async with asyncio.TaskGroup() as group:
             for stage in stages:
-                group.create_task(stage.run(url, stop), name=stage.name)
+                until = stop if stage.name in drained else rest
+                group.create_task(stage.run(url, until), name=stage.name)
+            if drained:
+                group.create_task(_after(stop, list(drained.values()), rest))
             if announce:
                 group.create_task(_announce(stages, url))
+
+
+async def _after(stop: asyncio.Event, drained: list[asyncio.Event], then: asyncio.Event) -> None:
+    await stop.wait()
+    for event in drained:
+        await event.wait()
+    then.set()
 
 
 @contextlib.contextmanager
@@ -231,8 +245,12 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        running = asyncio.current_task()
+        assert running is not None
 
         def on_signal() -> None:
+            if stopping.is_set():  # a second signal: no more draining
+                running.cancel()
             stopping.set()
             stop.set()
 
@@ -251,6 +269,8 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
     except* CannotStart as group:
         if not stopping.is_set():
             raise SystemExit(f"tokenway: {group.exceptions[0]}") from None
+    except* asyncio.CancelledError:
+        raise SystemExit("tokenway: stopped without draining (a second signal)") from None
 
 
 def _run_loop(main: Coroutine[None, None, None]) -> None:
@@ -272,6 +292,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="NATS server URL, or a comma-separated seed list of a cluster's servers "
         "(TOKENWAY_NATS); `up` without it embeds a nats-server, other stages need it",
     )
+    g.add_argument(
+        "--drain-timeout", type=float,
+        help="seconds open streams and owned requests get to finish on SIGTERM/SIGINT (20)",
+    )  # fmt: skip
     g.add_argument(
         "--connect-timeout",
         type=float,

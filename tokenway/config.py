@@ -92,6 +92,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # how long a stage retries a stored publish while JetStream has no leader or no answer
     # for it (an election in a cluster), before it reports the stage unavailable
     bus_retry: PositiveFloat = 10.0
+    # on SIGTERM/SIGINT: how long open streams and owned requests get to finish
+    drain_timeout: Annotated[float, Meta(ge=0)] = 20.0
     max_deliver: PositiveInt = 5
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat

@@ -48,7 +48,6 @@ from workers.schedule.merge import Merge, Output, retryable
 log = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
-_SHUTDOWN_GRACE = 10.0
 # How long a cancelled sibling's owner may take to let go of it, and how often to look.
 _RELEASE_TIMEOUT = 10.0
 _RELEASE_POLL = (0.005, 0.25)
@@ -127,7 +126,7 @@ class FanOut:
         self._group: asyncio.TaskGroup | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Own requests until `stop`; then let them finish within a grace period."""
+        """Own requests until `stop`; then let them finish within the drain timeout."""
         await self.router.start()
         try:
             async with asyncio.TaskGroup() as group:
@@ -135,7 +134,7 @@ class FanOut:
                 self.started.set()
                 await stop.wait()
                 try:
-                    await asyncio.wait_for(self.empty.wait(), _SHUTDOWN_GRACE)
+                    await asyncio.wait_for(self.empty.wait(), self.settings.drain_timeout)
                 except TimeoutError:
                     for p in list(self.parents.values()):
                         self._end(p, StageUnavailable("the schedule worker shut down").info())

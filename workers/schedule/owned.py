@@ -109,6 +109,7 @@ class Owned:
     # publish expects (a fence against an owner that lost the request while it stalled).
     ledger_seq: int = 0
     superseded: bool = False  # another owner has the request: leave everything to it
+    handed_over: bool = False  # this worker is stopping: a peer continues it from the ledger
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -184,6 +185,11 @@ class Owned:
     def cancel(self) -> None:
         self.cancelled = True
         self.ended.set()
+
+    def hand_over(self) -> None:
+        """This worker stops before the request ends: a peer takes it (its message NAKed)."""
+        self.handed_over = True
+        self.cancel()
 
     def supersede(self) -> None:
         """Another worker owns the request now (this one stalled past the ack wait)."""

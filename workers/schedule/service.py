@@ -67,7 +67,6 @@ _step_decoder = msgspec.msgpack.Decoder(TokenStep)
 _CANCEL_MEMORY = 10_000
 # Engine work still reporting to us that we no longer want is aborted again this often.
 _REABORT_EVERY = 1.0
-_SHUTDOWN_GRACE = 10.0
 _DERENDER_BACKOFF = 0.05
 
 # A derender work item: the request, its choice (None: the closing usage chunk), the entry.
@@ -133,13 +132,15 @@ class ScheduleService:
             nc, self.owner_id, self.registry, self.settings, self.obfuscation
         )
         self.fanout = FanOut(nc, self.settings, self.model, self.owner_id)
+        # What it owns stays its own (progress acks, the engines' registry) until drained.
+        drained = asyncio.Event()
         async with asyncio.TaskGroup() as group:
             self._group = group
-            group.create_task(self.registry.run(stop))
+            group.create_task(self.registry.run(drained))
             group.create_task(self.fanout.run(stop))
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
             await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
-            group.create_task(self._keepalive(stop))
+            group.create_task(self._keepalive(drained))
             rounds = group.create_task(self._rounds())
             log.info("schedule %s owning %s", self.owner_id, self.model)
             await consume(
@@ -147,17 +148,22 @@ class ScheduleService:
                 batch=self._capacity, freed=self.dispatcher.freed,
             )  # fmt: skip
             await self._shutdown()
+            drained.set()
             rounds.cancel()
         await nc.drain()
         await self.derenderer.aclose()
 
     async def _shutdown(self) -> None:
-        """Stop fetching (done by now), let owned requests finish, then end the stragglers."""
+        """Stop fetching (done by now), let owned requests finish within the drain timeout,
+        then hand the rest over: a NAK redelivers each at once to a peer, which continues
+        it from the ledger (no waiting out the owner's ack wait)."""
+        if self.requests:
+            log.info("schedule %s draining: %d requests", self.owner_id, len(self.requests))
         try:
-            await asyncio.wait_for(self.empty.wait(), _SHUTDOWN_GRACE)
+            await asyncio.wait_for(self.empty.wait(), self.settings.drain_timeout)
         except TimeoutError:
             for r in list(self.requests.values()):
-                r.fail(StageUnavailable("the schedule worker shut down").info())
+                r.hand_over()
             await self.empty.wait()
 
     def _capacity(self) -> int:
@@ -317,7 +323,9 @@ class ScheduleService:
                 log.exception("could not deliver the error of %s", r.rid)
         self.requests.pop(r.rid, None)
         self.dispatcher.release(r)
-        if not r.superseded:  # its new owner holds the message now
+        if r.handed_over:
+            await r.msg.nak()
+        elif not r.superseded:  # its new owner holds the message now
             await bus.ack_surely(r.msg, self.settings.bus_retry)
         if not self.requests:
             self.empty.set()
