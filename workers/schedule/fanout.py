@@ -320,7 +320,7 @@ class FanOut:
                 await ledger.publish_error(self.nc, p.reply, p.rid, p.out_seq + 1, p.error)
             except Exception:
                 log.exception("could not deliver the error of %s", p.rid)
+        await bus.ack_surely(p.msg, self.settings.bus_retry)  # held (in progress) until then
         self.parents.pop(p.rid, None)
-        await bus.ack_surely(p.msg, self.settings.bus_retry)
         if not self.parents:
             self.empty.set()

@@ -321,12 +321,14 @@ class ScheduleService:
                 log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
             except Exception:
                 log.exception("could not deliver the error of %s", r.rid)
-        self.requests.pop(r.rid, None)
         self.dispatcher.release(r)
+        # Still ours (kept in progress) until the server confirms the ack: gone from
+        # `requests` only then, so a drained worker has nothing left in flight.
         if r.handed_over:
             await r.msg.nak()
         elif not r.superseded:  # its new owner holds the message now
             await bus.ack_surely(r.msg, self.settings.bus_retry)
+        self.requests.pop(r.rid, None)
         if not self.requests:
             self.empty.set()
 
