@@ -126,7 +126,7 @@ class Bridge:
             await stop.wait()
             for task in list(self.tasks.values()):
                 task.cancel()
-        await nc.drain()
+        await bus.drain(nc)
         await self.engine.aclose()  # after the cancelled attempts sent their aborts
 
     def info(self) -> EngineInfo:

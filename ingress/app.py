@@ -123,7 +123,8 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             "streams": await streams_present(),
             "engines": len(ctx.registry.alive()),
         }
-        ok = not checks["draining"] and checks["nats"] and checks["streams"] and checks["engines"]
+        live = checks["nats"] and checks["streams"] and checks["engines"] > 0
+        ok = live and not checks["draining"]
         return JSONResponse({"ready": ok, **checks}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -12,6 +12,7 @@ sequence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -95,9 +96,12 @@ class OutputRouter:
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(bus.sse_subject(self.ingress_id), cb=self._on_msg)
-        # A subscription is only surely known to the server after a round trip.
-        await self.nc.flush()
-        await self.nc.flush()
+        # A subscription is only surely known to the server after a round trip; one made
+        # while NATS is away is made again when it is back.
+        if self.nc.is_connected:
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.flush()
+                await self.nc.flush()
 
     async def stop(self) -> None:
         if self._sub is not None:

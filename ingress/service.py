@@ -113,7 +113,7 @@ class IngressService:
             server.should_exit = True
         self.drained.set()
         await router.stop()
-        await nc.drain()
+        await bus.drain(nc)
 
     async def _drain(self, router: OutputRouter) -> None:
         """Refuse new requests, give open streams the drain timeout to finish, then end each

@@ -308,3 +308,17 @@ async def test_a_second_up_on_one_data_dir_refuses_naming_the_first(up, tmp_path
     assert proc.returncode == 1
     assert f"pid {first.pid}" in err.decode() and str(tmp_path) in err.decode(), err.decode()
     assert "Traceback" not in err.decode()
+
+
+async def test_a_stage_whose_nats_went_away_stops_on_sigterm(tmp_path: Path) -> None:
+    """Nothing to drain into: the stage closes its connection and exits cleanly."""
+    async with nats_server(tmp_path / "nats", port=free_port()) as server:
+        proc = await spawn("schedule", "--nats", server.url, "--data-dir", str(tmp_path / "d"))
+        await logged(proc, b"owning")
+        await asyncio.to_thread(server.stop)
+        await logged(proc, b"NATS error")
+        code = await stop(proc, signal.SIGTERM)
+        assert proc.stderr is not None
+        said = (await proc.stderr.read()).decode()
+        assert code == 0, said
+        assert "Traceback" not in said

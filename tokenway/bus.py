@@ -319,6 +319,16 @@ async def publish_stored(
     raise AssertionError("unreachable: tenacity reraises")
 
 
+async def drain(nc: NATS) -> None:
+    """A stage's last word to NATS: what it published is flushed and what it received is
+    handled (a drain); with NATS away there is nothing to drain into, so just close."""
+    try:
+        await nc.drain()
+    except nats.errors.Error as exc:
+        log.warning("NATS connection closed without draining (%r)", exc)
+        await nc.close()
+
+
 async def ack_surely(msg: Msg, within: float) -> None:
     """An ack the server confirms, sent again while it is `transient`, for up to `within`
     seconds: a lost ack hands a finished request to another owner, who then only finds its

@@ -235,7 +235,7 @@ class DlqMover:
         )
         js = nc.jetstream()
         await consume(js, mover_consumer(self.settings), lambda msg: self.handle(js, msg), stop)
-        await nc.drain()
+        await bus.drain(nc)
 
     async def handle(self, js: JetStreamContext, msg: Msg) -> None:
         kind = msg.subject.split(".")[4] if msg.subject.count(".") >= 4 else ""

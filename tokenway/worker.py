@@ -40,7 +40,9 @@ async def consume(
     `batch()` is asked before every fetch: a stage with no capacity returns 0 and the
     loop waits for `freed` instead of pulling work it cannot start (pull-based backpressure).
     """
-    sub = await bus.pull(js, spec)
+    sub = await _subscribe(js, spec, stop, idle_timeout)
+    if sub is None:
+        return  # stopped before NATS let us subscribe
     failing = False  # logged once when fetching starts to fail, once when it works again
     while not stop.is_set():
         waiter = freed.waiter() if freed else None
@@ -67,6 +69,21 @@ async def consume(
                 group.create_task(_guarded(handle, msg, spec.handler))
     with contextlib.suppress(nats.errors.Error):
         await sub.unsubscribe()
+
+
+async def _subscribe(
+    js: JetStreamContext, spec: bus.ConsumerSpec, stop: asyncio.Event, wait: float
+) -> JetStreamContext.PullSubscription | None:
+    """The stage's durable consumer and a subscription to it, tried again every `wait`
+    while NATS or JetStream cannot answer; None if `stop` comes first."""
+    while True:
+        try:
+            return await bus.pull(js, spec)
+        except nats.errors.Error as exc:
+            log.warning("%s cannot subscribe (%r); trying again", spec.handler, exc)
+        await wait_any(stop, timeout=wait)
+        if stop.is_set():
+            return None
 
 
 async def _resubscribe(

@@ -64,5 +64,5 @@ class DerenderService:
             log.info("derender serving %s (%s backend)", self.model, self.settings.derender_backend)
             await stop.wait()
             await sub.drain()  # takes what was received; the task group awaits the answers
-        await nc.drain()
+        await bus.drain(nc)
         await self.backend.aclose()

@@ -55,7 +55,7 @@ class RenderService:
             await consume(js, spec, lambda msg: self.handle(js, msg), stop)
         finally:
             await self.backend.aclose()
-        await nc.drain()
+        await bus.drain(nc)
 
     async def handle(self, js: JetStreamContext, msg: Msg) -> None:
         try:

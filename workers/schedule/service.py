@@ -142,6 +142,7 @@ class ScheduleService:
             await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
             group.create_task(self._keepalive(drained))
             rounds = group.create_task(self._rounds())
+            await self.fanout.started.wait()  # its subscription made
             log.info("schedule %s owning %s", self.owner_id, self.model)
             await consume(
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
@@ -150,7 +151,7 @@ class ScheduleService:
             await self._shutdown()
             drained.set()
             rounds.cancel()
-        await nc.drain()
+        await bus.drain(nc)
         await self.derenderer.aclose()
 
     async def _shutdown(self) -> None:
