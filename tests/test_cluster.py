@@ -23,7 +23,8 @@ from tokenway import bus
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-ITL = 0.03  # a stream lasts 4.5 s: longer than an election, and than a rolling restart
+ITL = 0.02  # a stream lasts 3 s: it spans a node's loss and the election that follows
+ROLLING_ITL = 0.04  # 6 s: most of a rolling restart
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -34,11 +35,11 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 async def faulted(
     cluster: Cluster, tmp: Path, fault: str, seeds: str,
-    act: Callable[[], Awaitable[float]],
+    act: Callable[[], Awaitable[float]], itl: float = ITL,
 ) -> None:  # fmt: skip
     """The load fault-free, then again while `act` (returning when it began) runs."""
     settings = make_settings(tmp, replicas=3, served_model_name=f"cluster-{fault}",
-                             request_timeout=60.0, sim_itl=ITL)  # fmt: skip
+                             request_timeout=60.0, sim_itl=itl)  # fmt: skip
     stack = await start_stack(seeds, settings, ["ingress", "render", "schedule", "sim"])
     try:
         c = StageProcesses(stack, tmp, url=stack.url)
@@ -110,4 +111,4 @@ async def test_a_rolling_restart(cluster: Cluster, tmp_path: Path) -> None:
             await cluster.all_healthy()
         return at
 
-    await faulted(cluster, tmp_path, "rolling-restart", cluster.seeds, roll)
+    await faulted(cluster, tmp_path, "rolling-restart", cluster.seeds, roll, ROLLING_ITL)
