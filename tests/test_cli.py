@@ -322,3 +322,27 @@ async def test_a_stage_whose_nats_went_away_stops_on_sigterm(tmp_path: Path) -> 
         said = (await proc.stderr.read()).decode()
         assert code == 0, said
         assert "Traceback" not in said
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's exit waits for its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_the_embedded_nats_server_logs_to_the_data_dir_and_dies_with_up(
+    up, tmp_path: Path
+) -> None:
+    """Its output is drained to a file (a pipe nobody reads fills, then blocks the server),
+    and a SIGKILLed `up` takes it along instead of leaving an orphan on the store."""
+    proc, _ = up
+    [server] = nats_servers_of(tmp_path)
+    assert "Server is ready" in (tmp_path / "nats-server.log").read_text()
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+    async with asyncio.timeout(10):
+        while running(server):  # noqa: ASYNC110 - another process: nothing to wait on
+            await asyncio.sleep(0.05)

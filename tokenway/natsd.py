@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import shutil
@@ -14,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def server_binary() -> str:
@@ -28,6 +31,17 @@ def server_binary() -> str:
     return found
 
 
+# Resolved here, not in the forked child: between fork and exec only the call itself runs.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM when its parent dies (even by
+    SIGKILL), so no orphan server stays on the JetStream store."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class EmbeddedNats:
     """A local nats-server on 127.0.0.1 with its JetStream store under `store_dir`."""
 
@@ -36,6 +50,7 @@ class EmbeddedNats:
         self.port = port
         self.max_payload = max_payload
         self.url = ""
+        self.log_path = store_dir.parent / "nats-server.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._ports_dir: str | None = None
 
@@ -60,9 +75,12 @@ class EmbeddedNats:
             "-js",
             "--ports_file_dir", self._ports_dir,
         ]  # fmt: skip
-        self._proc = subprocess.Popen(  # noqa: ASYNC220 - a fork+exec, it does not wait
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+        # Its log goes to a file: a pipe nobody reads fills up, then blocks the server.
+        with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - once, at start
+            self._proc = subprocess.Popen(  # noqa: ASYNC220 - a fork+exec, it does not wait
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
         self.url = await self._wait_ready(ready_timeout)
         log.info("embedded nats-server at %s (store %s)", self.url, self.store_dir)
         return self.url
@@ -75,8 +93,10 @@ class EmbeddedNats:
         delay = 0.005
         while loop.time() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
-                raise RuntimeError(f"nats-server exited with {self._proc.returncode}: {err}")
+                last = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(
+                    f"nats-server exited with {self._proc.returncode}: {' / '.join(last)}"
+                )
             if ports_file.exists():
                 ports = json.loads(ports_file.read_text() or "{}")
                 if ports.get("nats"):
@@ -100,8 +120,6 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        if self._proc.stderr:
-            self._proc.stderr.close()
         self._proc = None
         if self._ports_dir:
             shutil.rmtree(self._ports_dir, ignore_errors=True)
