@@ -45,6 +45,7 @@ class IngressContext:
     request_timeout: float
     bus_retry: float
     draining: asyncio.Event
+    max_request_bytes: int
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -54,8 +55,9 @@ def _error(exc: TokenwayError) -> Response:
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = Metrics()
     completions = Completions(
-        ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry, ctx.draining
-    )
+        ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry, ctx.draining,
+        ctx.max_request_bytes,
+    )  # fmt: skip
     app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
     js = ctx.nc.jetstream()
 

@@ -35,6 +35,7 @@ from tokenway.errors import (
     ModelNotFound,
     StageUnavailable,
     TokenwayError,
+    TooLarge,
     Unavailable,
     error_body,
     internal,
@@ -109,16 +110,25 @@ class Stream:
     writer: SseWriter
 
 
-async def _body(receive: Receive) -> bytes | None:
-    """The request body, or None when the client left before sending all of it."""
-    parts = []
+async def _body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None when the client left before sending all of it;
+    `TooLarge` as soon as it grows past `limit` bytes."""
+    parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        parts.append(message.get("body", b""))
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)
+
+
+def _too_large(limit: int) -> TooLarge:
+    return TooLarge(f"the request body is over the limit of {limit} bytes")
 
 
 async def _watch(receive: Receive, slot: Slot) -> None:
@@ -144,6 +154,7 @@ class Completions:
     request_timeout: float
     bus_retry: float
     draining: asyncio.Event
+    max_request_bytes: int
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -153,7 +164,14 @@ class Completions:
             wrong = MethodNotAllowed(f"{scope['method']} {scope['path']} is not allowed; use POST")
             await Reply.error(wrong.info(), (b"allow", b"POST")).send(send)
             return
-        body = await _body(receive)
+        try:
+            if int(_header(scope, b"content-length") or 0) > self.max_request_bytes:
+                raise _too_large(self.max_request_bytes)  # not a byte of it read
+            body = await _body(receive, self.max_request_bytes)
+        except TooLarge as exc:
+            self.metrics.requests.labels(api, exc.status).inc()
+            await Reply.error(exc.info()).send(send)
+            return
         if body is None:
             return  # nobody to answer
         if self.draining.is_set():

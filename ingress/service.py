@@ -88,6 +88,7 @@ class IngressService:
             request_timeout=self.settings.request_timeout,
             bus_retry=self.settings.bus_retry,
             draining=self.draining,
+            max_request_bytes=self.settings.max_request_bytes,
         )
         config = uvicorn.Config(
             create_app(ctx),

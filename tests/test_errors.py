@@ -117,3 +117,37 @@ async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:
                 task.cancel()
             await nc.close()
         await stack.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", 2**70), ("seed", -(2**64)), ("priority", 2**63), ("top_k", 2**64), ("top_k", -5)],
+)
+async def test_a_number_the_wire_cannot_carry_is_400_naming_it(
+    stack: Stack, field: str, value: int
+) -> None:
+    """vLLM's bounds (64-bit seeds, top_k of -1, 0 or more): a 400, never a 500 later."""
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
+    resp = await post(stack, "/v1/completions", json=body)
+    error = assert_error(resp, 400, field)
+    assert error["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "chunked"])
+async def test_a_body_over_the_request_limit_is_413_before_it_is_read(
+    stack: Stack, sized: bool
+) -> None:
+    limit = stack.settings.max_request_bytes
+    chunk = b" " * 65536
+    chunks = limit // len(chunk) + 2
+
+    async def body():
+        for _ in range(chunks):
+            yield chunk
+
+    headers = {"content-type": "application/json"}
+    if sized:
+        headers["content-length"] = str(chunks * len(chunk))
+    resp = await post(stack, "/v1/completions", content=body(), headers=headers)
+    error = assert_error(resp, 413, str(limit))
+    assert error["param"] is None

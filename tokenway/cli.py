@@ -424,6 +424,10 @@ def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--ingress-id", help="this ingress's id on the bus (default: random)")
+    p.add_argument(
+        "--max-request-bytes", type=int,
+        help="a request body above this is refused with a 413 before it is read (8000000)",
+    )  # fmt: skip
 
 
 def _sim(p: argparse.ArgumentParser) -> None:

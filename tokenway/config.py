@@ -64,6 +64,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     ingress_id: str | None = None
+    # a request body above this is a 413, refused before it is read (the bus carries
+    # max_payload, 8 MiB, with the request's envelope around it)
+    max_request_bytes: PositiveInt = 8_000_000
 
     # bus sizing: every stream is bounded
     queue_max_msgs: PositiveInt = 10_000

@@ -39,6 +39,11 @@ class Unprocessable(TokenwayError):
     type = "UnprocessableEntityError"
 
 
+class TooLarge(TokenwayError):
+    status = 413
+    type = "RequestTooLargeError"
+
+
 class ModelNotFound(TokenwayError):
     status = 404
     type = "NotFoundError"

@@ -19,6 +19,9 @@ PosInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# What the wire (msgpack) and the engines carry: vLLM bounds seeds to a signed 64-bit int.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1)]  # -1 or 0: off, as vLLM takes it
 
 
 class ContentPart(Struct, kw_only=True):
@@ -79,7 +82,7 @@ class _Common(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=128)] = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptionsBody | None = None
@@ -88,7 +91,7 @@ class _Common(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -98,7 +101,7 @@ class _Common(Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool | None = None
-    priority: int = 0
+    priority: Int64 = 0
     request_id: str | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
