@@ -11,6 +11,7 @@ results from `out_subject(reply, rid)` (or live from `sse_subject(reply)`: msgpa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -326,7 +327,9 @@ async def drain(nc: NATS) -> None:
         await nc.drain()
     except nats.errors.Error as exc:
         log.warning("NATS connection closed without draining (%r)", exc)
-        await nc.close()
+        # Under uvloop the dead socket refuses nats-py's last flush with a RuntimeError.
+        with contextlib.suppress(RuntimeError):
+            await nc.close()
 
 
 async def ack_surely(msg: Msg, within: float) -> None:
