@@ -122,3 +122,20 @@ async def test_a_model_with_no_live_engine_is_a_503_naming_it(
         await refused(stack, stack.ingress.served, "no engine")
     finally:
         await stack.close()
+
+
+async def test_a_publish_over_the_bus_limit_is_refused_at_once_not_retried(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Too big is an answer, like a refusal: `publish_stored` must not retry it for
+    `within` seconds (the client would wait that long for its 400)."""
+    nc = await nats.connect(nats_url)
+    try:
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await bus.publish_stored(
+                nc.jetstream(), bus.render_subject("too-big"), b"x" * (nc.max_payload + 1),
+                {}, within=30.0,
+            )  # fmt: skip
+        assert "retrying" not in caplog.text
+    finally:
+        await nc.close()

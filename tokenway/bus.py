@@ -291,10 +291,11 @@ def is_stream_full(exc: APIError) -> bool:
 
 def transient(exc: BaseException) -> bool:
     """NATS away, or JetStream without a leader or an answer for a moment (a cluster
-    electing one, a server restarting): the call may be made again. A refusal is an answer."""
+    electing one, a server restarting): the call may be made again. A refusal is an answer,
+    and so is a payload over the bus limit (the client refuses it before sending)."""
     if isinstance(exc, APIError):
         return exc.code == 503 and not is_stream_full(exc)
-    return isinstance(exc, nats.errors.Error)
+    return isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.errors.MaxPayloadError)
 
 
 async def publish_stored(
