@@ -22,12 +22,10 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
-from nats.js.errors import APIError
 
 from ingress.metrics import Metrics
 from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import bus, ledger
-from tokenway.bus import is_stream_full, publish_stored, transient
 from tokenway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -42,7 +40,7 @@ from tokenway.errors import (
 )
 from tokenway.protocol import ChatDecoder, CompletionDecoder
 from tokenway.wire import Api, ErrorInfo, RenderRequest
-from tokenway.worker import overloaded
+from tokenway.worker import enqueue
 
 log = logging.getLogger(__name__)
 
@@ -162,22 +160,20 @@ class Completions:
     async def __call__(self, api: Api, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
             wrong = MethodNotAllowed(f"{scope['method']} {scope['path']} is not allowed; use POST")
-            await Reply.error(wrong.info(), (b"allow", b"POST")).send(send)
+            await self._refuse(api, wrong, send, (b"allow", b"POST"))
             return
         try:
             if int(_header(scope, b"content-length") or 0) > self.max_request_bytes:
                 raise _too_large(self.max_request_bytes)  # not a byte of it read
             body = await _body(receive, self.max_request_bytes)
         except TooLarge as exc:
-            self.metrics.requests.labels(api, exc.status).inc()
-            await Reply.error(exc.info()).send(send)
+            await self._refuse(api, exc, send)
             return
         if body is None:
             return  # nobody to answer
         if self.draining.is_set():
             stopping = Unavailable("the server is shutting down; send the request again")
-            self.metrics.requests.labels(api, stopping.status).inc()
-            await Reply.error(stopping.info()).send(send)
+            await self._refuse(api, stopping, send)
             return
         rid = secrets.token_hex(12)
         slot = self.router.open(rid)
@@ -199,6 +195,13 @@ class Completions:
                 self.router.close(rid)
                 if first is None or not first.terminal:  # the owner still works for nobody
                     self.router.cancel(rid)
+
+    async def _refuse(
+        self, api: Api, exc: TokenwayError, send: Send, *headers: tuple[bytes, bytes]
+    ) -> None:
+        """Answered before the request goes anywhere, and counted like every reply."""
+        self.metrics.requests.labels(api, exc.status).inc()
+        await Reply.error(exc.info(), *headers).send(send)
 
     async def _answer(
         self, api: Api, scope: Scope, body: bytes, rid: str, slot: Slot
@@ -241,8 +244,8 @@ class Completions:
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
         deadline = time.time() + self.request_timeout
         try:
-            await publish_stored(
-                self.js, bus.render_subject(self.model), _encoder.encode(request),
+            await enqueue(
+                self.js, "render", bus.render_subject(self.model), _encoder.encode(request),
                 ledger.request_headers(rid, self.router.ingress_id, deadline), self.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:
@@ -251,12 +254,6 @@ class Completions:
                 f"of {self.nc.max_payload} bytes"
             ) from exc
         except NatsError as exc:
-            if isinstance(exc, APIError) and is_stream_full(exc):
-                raise overloaded("render") from exc
-            if transient(exc):
-                raise Unavailable(
-                    f"could not queue the request: the render queue did not answer ({exc!r})"
-                ) from exc
             raise StageUnavailable(f"could not queue the request: {exc!r}") from exc
 
     async def _first(self, slot: Slot) -> Event | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Stack, make_settings, start_stack
+from tests.conftest import make_settings, start_stack
 from tests.streams import Streamed, post, until
 from tests.test_errors import assert_error
 from tokenway.aio import Signal
@@ -27,17 +27,23 @@ def body(tokens: int) -> dict:
 
 
 async def stopped_mid_stream(
-    stack: Stack, tokens: int, meanwhile: Callable[[httpx.AsyncClient], Awaitable[None]]
+    nats_url: str,
+    tmp: Path,
+    tokens: int,
+    meanwhile: Callable[[httpx.AsyncClient, str], Awaitable[None]] | None = None,
+    **overrides: object,
 ) -> Streamed:
-    """A stream of `tokens`, the stack told to stop once it has begun; `meanwhile` runs
-    once the stack is draining. The stream as its client saw it."""
+    """A stack with `overrides`, told to stop once a stream of `tokens` has begun;
+    `meanwhile(client, base URL)` runs once it drains. The stream as its client saw it."""
+    stack = await start_stack(nats_url, make_settings(tmp, **overrides), STAGES)
     progress, out = Signal(), Streamed()
     async with httpx.AsyncClient(timeout=60) as http:
         streaming = asyncio.create_task(post(http, stack.url, body(tokens), out, progress))
         await until(progress, lambda: len(out.times) >= 3)
         stack.stop.set()
         await stack.ingress.draining.wait()
-        await meanwhile(http)
+        if meanwhile is not None:
+            await meanwhile(http, stack.url)
         await streaming
     await stack.task
     return out
@@ -46,16 +52,13 @@ async def stopped_mid_stream(
 async def test_a_stopping_stack_refuses_new_requests_and_finishes_open_streams(
     nats_url: str, tmp_path: Path
 ) -> None:
-    settings = make_settings(tmp_path, sim_itl=0.01, drain_timeout=60)
-    stack = await start_stack(nats_url, settings, STAGES)
-
-    async def refused(http: httpx.AsyncClient) -> None:
-        resp = await http.post(f"{stack.url}/v1/completions", json=body(5))
+    async def refused(http: httpx.AsyncClient, url: str) -> None:
+        resp = await http.post(f"{url}/v1/completions", json=body(5))
         error = assert_error(resp, 503, "shutting down")
         assert error["type"] == "ServiceUnavailableError"
-        assert (await http.get(f"{stack.url}/ready")).status_code == 503
+        assert (await http.get(f"{url}/ready")).status_code == 503
 
-    out = await stopped_mid_stream(stack, 150, refused)
+    out = await stopped_mid_stream(nats_url, tmp_path, 150, refused, sim_itl=0.01, drain_timeout=60)
     assert out.error is None and out.done == 1
     assert out.usage is not None and out.usage["completion_tokens"] == 150
 
@@ -63,13 +66,7 @@ async def test_a_stopping_stack_refuses_new_requests_and_finishes_open_streams(
 async def test_a_stream_that_outlasts_the_drain_ends_with_an_error_naming_it(
     nats_url: str, tmp_path: Path
 ) -> None:
-    settings = make_settings(tmp_path, sim_itl=0.05, drain_timeout=0.5)
-    stack = await start_stack(nats_url, settings, STAGES)
-
-    async def nothing(http: httpx.AsyncClient) -> None:
-        pass
-
-    out = await stopped_mid_stream(stack, 400, nothing)
+    out = await stopped_mid_stream(nats_url, tmp_path, 400, sim_itl=0.05, drain_timeout=0.5)
     assert out.error is not None and "shutting down" in out.error["message"], out.raw[-300:]
     assert out.rid and out.rid in out.error["message"]  # where to resume it
     assert out.done == 1

@@ -298,6 +298,16 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.errors.MaxPayloadError)
 
 
+def _retrying(within: float) -> AsyncRetrying:
+    """While a call's failure is `transient`, for up to `within` seconds, backing off."""
+    return AsyncRetrying(
+        stop=stop_after_delay(within),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        retry=retry_if_exception(transient),
+        reraise=True,
+    )
+
+
 async def publish_stored(
     js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
 ) -> PubAck:
@@ -310,12 +320,7 @@ async def publish_stored(
         if not transient(exc):
             raise
         log.warning("publish to %s failed (%r); retrying", subject, exc)
-    async for attempt in AsyncRetrying(
-        stop=stop_after_delay(within),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        retry=retry_if_exception(transient),
-        reraise=True,
-    ):
+    async for attempt in _retrying(within):
         with attempt:
             return await js.publish(subject, payload, headers=headers, timeout=PUBLISH_TRY)
     raise AssertionError("unreachable: tenacity reraises")
@@ -338,12 +343,7 @@ async def ack_surely(msg: Msg, within: float) -> None:
     seconds: a lost ack hands a finished request to another owner, who then only finds its
     end stored (what happens anyway if this one gives up)."""
     try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_delay(within),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception(transient),
-            reraise=True,
-        ):
+        async for attempt in _retrying(within):
             with attempt:
                 await msg.ack_sync(timeout=PUBLISH_TRY)
     except nats.errors.Error as exc:

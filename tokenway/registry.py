@@ -44,7 +44,7 @@ class EngineRegistry:
         self._snapshot: set[str] | None = None  # keys a fresh watch's snapshot has shown
 
     def _horizon(self) -> float:
-        return min(time.time(), self.heard) - self.ttl
+        return self.heard - self.ttl
 
     def alive(self) -> list[EngineInfo]:
         """Engines whose last heartbeat is within a TTL (a safety net under the markers)."""

@@ -11,10 +11,11 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
-from tokenway.errors import Overloaded
+from tokenway.errors import Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,27 @@ _DRAIN_WAIT = 0.05
 
 def overloaded(stage: str) -> Overloaded:
     return Overloaded(f"the {stage} queue is full; retry later", code="queue_full")
+
+
+async def enqueue(
+    js: JetStreamContext,
+    stage: str,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str],
+    within: float,
+) -> None:
+    """A request stored in `stage`'s queue (`bus.publish_stored`): a full queue is the
+    client's 429, one that did not answer within `within` seconds a 503; anything else
+    (a payload over the bus limit, another refusal) as it was raised."""
+    try:
+        await bus.publish_stored(js, subject, payload, headers, within)
+    except nats.errors.Error as exc:
+        if isinstance(exc, APIError) and bus.is_stream_full(exc):
+            raise overloaded(stage) from exc
+        if bus.transient(exc):
+            raise Unavailable(f"the {stage} queue did not answer ({exc!r})") from exc
+        raise
 
 
 async def consume(

@@ -7,20 +7,17 @@ import logging
 import time
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
 
 from tokenway import bus, ledger
-from tokenway.bus import is_stream_full, publish_stored, transient
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, Unavailable, internal
+from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, internal
 from tokenway.model import ModelInfo
 from tokenway.wire import GenerateRequest, RenderRequest
-from tokenway.worker import consume, overloaded
+from tokenway.worker import consume, enqueue
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
 
@@ -94,8 +91,8 @@ class RenderService:
     ) -> None:
         payload = _encoder.encode(generate)
         try:
-            await publish_stored(
-                js, bus.sched_subject(self.model), payload,
+            await enqueue(
+                js, "schedule", bus.sched_subject(self.model), payload,
                 ledger.request_headers(rid, reply, deadline), self.settings.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:
@@ -103,9 +100,3 @@ class RenderService:
                 f"the tokenized request ({len(generate.token_ids)} tokens, {len(payload)} bytes) "
                 f"exceeds the bus payload limit of {self.max_payload} bytes"
             ) from exc
-        except nats.errors.Error as exc:
-            if isinstance(exc, APIError) and is_stream_full(exc):
-                raise overloaded("schedule") from exc
-            if transient(exc):
-                raise Unavailable(f"the schedule queue did not answer ({exc!r})") from exc
-            raise
