@@ -184,14 +184,14 @@ async def serve(
         await nc.close()
         # Stages that drain first (the ingress: its streams need the others) stop on
         # `stop`; the rest of this process once those have drained.
-        drained = {stage.name: e for stage in stages if (e := getattr(stage, "drained", None))}
+        drained = [e for stage in stages if (e := getattr(stage, "drained", None))]
         rest = asyncio.Event() if drained else stop
         async with asyncio.TaskGroup() as group:
             for stage in stages:
-                until = stop if stage.name in drained else rest
+                until = rest if getattr(stage, "drained", None) is None else stop
                 group.create_task(stage.run(url, until), name=stage.name)
             if drained:
-                group.create_task(_after(stop, list(drained.values()), rest))
+                group.create_task(_after(stop, drained, rest))
             if announce:
                 group.create_task(_announce(stages, url))
 
