@@ -105,7 +105,7 @@ class Bridge:
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self._nc = await bus.connect(
-            nats_url, f"tokenway-engine-{self.id}", timeout=self.settings.connect_timeout, stop=stop
+            nats_url, f"tokenway-engine-{self.id}", self.settings, stop=stop
         )
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         async with asyncio.TaskGroup() as group:

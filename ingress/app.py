@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from ingress.auth import ApiKeys, Unauthorized
 from ingress.completions import (
     EVENT_IDS_HEADER,
     ROUTES,
@@ -22,6 +23,7 @@ from ingress.completions import (
     Scope,
     Send,
     event_ids,
+    header,
 )
 from ingress.ledger_read import LedgerRead, LedgerReader
 from ingress.metrics import Metrics
@@ -46,6 +48,7 @@ class IngressContext:
     bus_retry: float
     draining: asyncio.Event
     max_request_bytes: int
+    keys: ApiKeys
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -85,7 +88,8 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             return _error(exc)
         if not _RID.fullmatch(rid):
             return _error(InvalidRequest(f"{rid!r} is not a request id", param="rid"))
-        ledger_read = await ctx.ledger.read_from(rid)
+        # Another tenant's stream is as absent as one that never was.
+        ledger_read = await ctx.ledger.read_from(rid, request.scope["state"]["tenant"])
         if ledger_read is None:
             return _error(ModelNotFound(f"no stream {rid} within the output retention",
                                         code="stream_not_found"))  # fmt: skip
@@ -141,10 +145,19 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         return _error(TokenwayError(f"internal error: {type(exc).__name__}: {exc}"))
 
     async def serve(scope: Scope, receive: Receive, send: Send) -> None:
-        api = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        api = ROUTES.get(scope["path"])
+        try:
+            tenant = ctx.keys.tenant(scope["path"], header(scope, b"authorization"))
+        except Unauthorized as exc:
+            await completions.refuse(api, exc, send, (b"www-authenticate", b"Bearer"))
+            return
         if api is not None:
-            await completions(api, scope, receive, send)
+            await completions(api, scope, receive, send, tenant)
         else:
+            scope.setdefault("state", {})["tenant"] = tenant
             await app(scope, receive, send)
 
     return serve

@@ -136,11 +136,12 @@ async def _watch(receive: Receive, slot: Slot) -> None:
     slot.abandon()
 
 
-def _header(scope: Scope, name: bytes) -> str:
+def header(scope: Scope, name: bytes) -> bytes:
+    """A request header's value (the first, by its lower-case name); b"" when absent."""
     for key, value in scope["headers"]:
         if key == name:
-            return value.decode("latin-1")
-    return ""
+            return value
+    return b""
 
 
 @dataclass
@@ -157,23 +158,26 @@ class Completions:
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
 
-    async def __call__(self, api: Api, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(
+        self, api: Api, scope: Scope, receive: Receive, send: Send, tenant: str
+    ) -> None:
+        """`tenant`: whose API key the request came with ("" where no key is asked for)."""
         if scope["method"] != "POST":
             wrong = MethodNotAllowed(f"{scope['method']} {scope['path']} is not allowed; use POST")
-            await self._refuse(api, wrong, send, (b"allow", b"POST"))
+            await self.refuse(api, wrong, send, (b"allow", b"POST"))
             return
         try:
-            if int(_header(scope, b"content-length") or 0) > self.max_request_bytes:
+            if int(header(scope, b"content-length") or 0) > self.max_request_bytes:
                 raise _too_large(self.max_request_bytes)  # not a byte of it read
             body = await _body(receive, self.max_request_bytes)
         except TooLarge as exc:
-            await self._refuse(api, exc, send)
+            await self.refuse(api, exc, send)
             return
         if body is None:
             return  # nobody to answer
         if self.draining.is_set():
             stopping = Unavailable("the server is shutting down; send the request again")
-            await self._refuse(api, stopping, send)
+            await self.refuse(api, stopping, send)
             return
         rid = secrets.token_hex(12)
         slot = self.router.open(rid)
@@ -181,7 +185,7 @@ class Completions:
         first: Event | None = None
         streaming = False
         try:
-            outcome, first = await self._answer(api, scope, body, rid, slot)
+            outcome, first = await self._answer(api, scope, body, rid, tenant, slot)
             if isinstance(outcome, Stream):
                 streaming = True  # the stream closes its slot itself
                 self.metrics.requests.labels(api, 200).inc()
@@ -196,22 +200,24 @@ class Completions:
                 if first is None or not first.terminal:  # the owner still works for nobody
                     self.router.cancel(rid)
 
-    async def _refuse(
-        self, api: Api, exc: TokenwayError, send: Send, *headers: tuple[bytes, bytes]
+    async def refuse(
+        self, api: Api | None, exc: TokenwayError, send: Send, *headers: tuple[bytes, bytes]
     ) -> None:
-        """Answered before the request goes anywhere, and counted like every reply."""
-        self.metrics.requests.labels(api, exc.status).inc()
+        """Answered before the request goes anywhere, and counted like every reply of a
+        completion route (`api`)."""
+        if api is not None:
+            self.metrics.requests.labels(api, exc.status).inc()
         await Reply.error(exc.info(), *headers).send(send)
 
     async def _answer(
-        self, api: Api, scope: Scope, body: bytes, rid: str, slot: Slot
+        self, api: Api, scope: Scope, body: bytes, rid: str, tenant: str, slot: Slot
     ) -> tuple[Reply | Stream, Event | None]:
         """The whole reply, or a stream once its first event is committed; and that event."""
         first: Event | None = None
         try:
-            ids = event_ids(_header(scope, _EVENT_IDS))
+            ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
             stream = self._decode(api, body)
-            await self._submit(api, body, rid)
+            await self._submit(api, body, rid, tenant)
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
@@ -240,13 +246,14 @@ class Completions:
             )
         return bool(req.stream)
 
-    async def _submit(self, api: Api, body: bytes, rid: str) -> None:
+    async def _submit(self, api: Api, body: bytes, rid: str, tenant: str) -> None:
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
-        deadline = time.time() + self.request_timeout
+        who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
+                              tenant)  # fmt: skip
         try:
             await enqueue(
                 self.js, "render", bus.render_subject(self.model), _encoder.encode(request),
-                ledger.request_headers(rid, self.router.ingress_id, deadline), self.bus_retry,
+                who.headers(), self.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:
             raise InvalidRequest(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
@@ -17,6 +18,7 @@ from nats.js.errors import NotFoundError
 
 from ingress.router import Event, event_of
 from tokenway import bus
+from tokenway import headers as h
 
 
 class LedgerRead:
@@ -26,14 +28,18 @@ class LedgerRead:
         sub: JetStreamContext.PushSubscription,
         idle_timeout: float,
         rid: str,
+        first: Msg | None,
     ) -> None:
         self._js = js
         self._rid = rid
         self._sub = sub
         self._idle = idle_timeout
+        self._first = first
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         """Events in ledger order; ends when no more come within the idle timeout."""
+        if self._first is not None and (event := event_of(self._rid, self._first)):
+            yield [event]  # read while checking whose stream it is
         while True:
             try:
                 msg = await self._sub.next_msg(timeout=self._idle)
@@ -56,8 +62,9 @@ class LedgerReader:
         self.js = js
         self.idle_timeout = idle_timeout
 
-    async def read_from(self, rid: str) -> LedgerRead | None:
-        """A reader of the request's ledger, or None when nothing of it is stored."""
+    async def read_from(self, rid: str, tenant: str) -> LedgerRead | None:
+        """A reader of the request's ledger, or None when nothing of it is stored for
+        `tenant` (its messages name the tenant whose key made the request)."""
         sub = await self.js.subscribe(
             bus.out_subject("*", rid),
             stream=bus.OUT_STREAM,
@@ -67,7 +74,12 @@ class LedgerReader:
         info = await sub.consumer_info()
         # consumer_seq counts what this consumer delivered (stream_seq may have moved past
         # other requests' messages it skipped): nothing pending, nothing delivered = unknown.
-        if info.num_pending == 0 and info.delivered.consumer_seq == 0 and sub.pending_msgs == 0:
-            await LedgerRead(self.js, sub, self.idle_timeout, rid).close()
+        first = None
+        if info.num_pending or info.delivered.consumer_seq or sub.pending_msgs:
+            with contextlib.suppress(NatsTimeout, TimeoutError):
+                first = await sub.next_msg(timeout=self.idle_timeout)
+        reader = LedgerRead(self.js, sub, self.idle_timeout, rid, first)
+        if first is None or (first.headers or {}).get(h.TENANT, "") != tenant:
+            await reader.close()
             return None
-        return LedgerRead(self.js, sub, self.idle_timeout, rid)
+        return reader

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from ingress.app import IngressContext, create_app
+from ingress.auth import ApiKeys
 from ingress.ledger_read import LedgerReader
 from ingress.router import OutputRouter
 from tokenway import bus
@@ -47,6 +48,8 @@ class IngressService:
 
     def __init__(self, settings: Settings, model: ModelInfo, served_model_name: str) -> None:
         self.settings = settings
+        # ValueError when the keys given are unusable: refuse to start rather than run open
+        self.keys = ApiKeys.load(settings.api_key, settings.api_key_file, settings.open_routes)
         self.model = model
         self.served = served_model_name
         self.ingress_id = settings.resolved_ingress_id()
@@ -70,8 +73,8 @@ class IngressService:
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         sock = listen(self.settings.host, self.settings.port)  # a taken port fails first
         nc = await bus.connect(
-            nats_url, f"tokenway-ingress-{self.ingress_id}", reconnected=self._reconnected,
-            timeout=self.settings.connect_timeout, stop=stop,
+            nats_url, f"tokenway-ingress-{self.ingress_id}", self.settings,
+            reconnected=self._reconnected, stop=stop,
         )  # fmt: skip
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         self.registry = registry = EngineRegistry(kv, self.served, self.settings.engine_ttl)
@@ -89,6 +92,7 @@ class IngressService:
             bus_retry=self.settings.bus_retry,
             draining=self.draining,
             max_request_bytes=self.settings.max_request_bytes,
+            keys=self.keys,
         )
         config = uvicorn.Config(
             create_app(ctx),

@@ -45,9 +45,9 @@ def _container_nats() -> Iterator[str]:
 
 @contextlib.asynccontextmanager
 async def nats_server(
-    store: Path, max_payload: int = 8 << 20, port: int = -1
+    store: Path, max_payload: int = 8 << 20, port: int = -1, config: dict | None = None
 ) -> AsyncIterator[EmbeddedNats]:
-    server = EmbeddedNats(store, port=port, max_payload=max_payload)
+    server = EmbeddedNats(store, port=port, max_payload=max_payload, config=config)
     await server.start()
     try:
         yield server

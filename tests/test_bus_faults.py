@@ -116,7 +116,9 @@ async def test_a_model_with_no_live_engine_is_a_503_naming_it(
 ) -> None:
     """No engine registered: the request waits `engine_wait` for one, then says so, instead
     of sitting in the queue until its deadline."""
-    settings = make_settings(tmp_path, engine_wait=0.5, request_timeout=20)
+    # A model of its own: other tests' engines of the default model share this NATS.
+    settings = make_settings(tmp_path, engine_wait=0.5, request_timeout=20,
+                             served_model_name=f"engineless-{tmp_path.name}")  # fmt: skip
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule"])
     try:
         await refused(stack, stack.ingress.served, "no engine")

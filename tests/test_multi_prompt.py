@@ -273,7 +273,7 @@ async def test_a_direct_publisher_sends_several_prompts_and_reads_one_response(
         out = await js.subscribe(bus.out_subject(reply, rid), stream=bus.OUT_STREAM,
                                  ordered_consumer=True)  # fmt: skip
         await js.publish(bus.sched_subject("deepseek-v4"), msgspec.msgpack.encode(request),
-                         headers=ledger.request_headers(rid, reply))  # fmt: skip
+                         headers=ledger.Identity(rid, reply).headers())  # fmt: skip
         msg = await out.next_msg(timeout=30)
     finally:
         await nc.close()

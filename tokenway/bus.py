@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from tokenway.config import Settings
+from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
 
 log = logging.getLogger(__name__)
@@ -227,27 +229,46 @@ def seeds(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+def redacted(url: str) -> str:
+    """The URL for a log line: a `user:password@` or `token@` in it shown as `***@`."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
+_USERINFO = re.compile(r"([a-z]+://)[^/@,]+@")
+
+
 async def connect(
     url: str,
     name: str,
+    settings: Settings | None = None,
+    *,
     reconnected: Callable[[], Awaitable[None]] | None = None,
-    timeout: float = 30.0,
     stop: asyncio.Event | None = None,
 ) -> NATS:
     """A service connection over a seed list: reconnect forever, notice a dead server
     within seconds; `reconnected` runs after each reconnect (subscriptions are back by then).
+    The settings' credentials authenticate it (`tokenway.credentials`).
 
-    Reaching NATS the first time takes at most `timeout` (then `CannotStart`), one log line
-    per failed attempt; a set `stop` ends the attempt at once (`CannotStart` as well).
+    Reaching NATS the first time takes at most the settings' connect timeout (30 s without
+    settings; then `CannotStart`), one log line per failed attempt; a set `stop` ends the
+    attempt at once, and so does a server refusing the credentials (`CannotStart` both).
     """
+    timeout = settings.connect_timeout if settings is not None else 30.0
+    options = connect_options(settings) if settings is not None else {}
     last: list[BaseException] = []
+    shown = redacted(url)
+    refused = asyncio.Event()
+    why: list[BaseException] = []  # the refusal itself (a reset may follow it)
 
     async def failed(exc: Exception) -> None:  # nats-py would log a traceback each time
         last[:] = [exc]
         if attempt.done():  # connected once: reconnects, slow consumers, server errors
-            log.warning("%s: NATS error (%s): %r", name, url, exc)
-        else:
-            log.warning("%s cannot reach NATS (%s): %r", name, url, exc)
+            log.warning("%s: NATS error (%s): %r", name, shown, exc)
+            return
+        log.warning("%s cannot reach NATS (%s): %r", name, shown, exc)
+        if _refusal(exc) and not refused.is_set():
+            why.append(exc)
+            refused.set()
 
     attempt = asyncio.ensure_future(
         nats.connect(
@@ -260,24 +281,37 @@ async def connect(
             max_outstanding_pings=3,
             reconnected_cb=reconnected,
             error_cb=failed,
+            **options,
         )
     )
-    waits: set[asyncio.Future[object]] = {attempt}
+    rejection = asyncio.ensure_future(refused.wait())
+    waits: set[asyncio.Future[object]] = {attempt, rejection}
     stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
     if stopping is not None:
         waits.add(stopping)
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if stopping is not None:
-            stopping.cancel()
+        for waiter in (stopping, rejection):
+            if waiter is not None:
+                waiter.cancel()
     if attempt.done():
         return attempt.result()
     attempt.cancel()
     if stop is not None and stop.is_set():
-        raise CannotStart(f"stopped while connecting to NATS at {url}")
+        raise CannotStart(f"stopped while connecting to NATS at {shown}")
+    if refused.is_set():
+        raise CannotStart(f"NATS at {shown} refused this process's credentials: {why[0]!r}")
     cause = f" (last error: {last[0]!r})" if last else ""
-    raise CannotStart(f"cannot reach NATS at {url} within {timeout:g}s{cause}")
+    raise CannotStart(f"cannot reach NATS at {shown} within {timeout:g}s{cause}")
+
+
+def _refusal(exc: Exception) -> bool:
+    """The server will not have us as we are: wrong or missing credentials, or a TLS peer
+    that fails verification. Trying again changes nothing."""
+    if isinstance(exc, nats.errors.AuthorizationError | ssl.SSLCertVerificationError):
+        return True
+    return "authorization violation" in str(exc).lower()
 
 
 # Stream-full answers from a `discard: new` stream.

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from tokenway import bus
 from tokenway.config import Settings, load_settings
+from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import EmbeddedNats
@@ -92,7 +93,10 @@ def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
         if name == "ingress":
             from ingress.service import IngressService
 
-            stages.append(IngressService(s, model, served))
+            try:
+                stages.append(IngressService(s, model, served))
+            except ValueError as exc:
+                raise SystemExit(f"tokenway: {exc}") from exc
         elif name == "render":
             from workers.render.service import RenderService
 
@@ -179,7 +183,7 @@ async def serve(
             natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload)
             held.callback(natsd.stop)
             url = await natsd.start()
-        nc = await bus.connect(url, "tokenway-provision", timeout=s.connect_timeout, stop=stop)
+        nc = await bus.connect(url, "tokenway-provision", s, stop=stop)
         await bus.provision_streams(nc.jetstream(), s)
         await nc.close()
         # Stages that drain first (the ingress: its streams need the others) stop on
@@ -230,9 +234,8 @@ async def _announce(stages: list[Stage], nats_url: str) -> None:
         started = getattr(stage, "started", None)
         if started is not None:
             await started.wait()
-            print(
-                f"tokenway serving the OpenAI API at {stage.url}/v1  (NATS {nats_url})", flush=True
-            )
+            nats = bus.redacted(nats_url)
+            print(f"tokenway serving the OpenAI API at {stage.url}/v1  (NATS {nats})", flush=True)
 
 
 def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> None:
@@ -301,6 +304,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds to keep trying to reach NATS at start before exiting with status 1 (30)",
     )
+    _nats_credentials(p)
     g.add_argument("--data-dir", help="state directory (JetStream store, model dir)")
     g.add_argument(
         "--model-dir",
@@ -320,6 +324,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--request-timeout", type=float, help="default deadline of a request, seconds (600)"
     )
+
+
+def _nats_credentials(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "NATS credentials (one way; each flag also reads TOKENWAY_<FLAG>; prefer the files)"
+    )
+    g.add_argument("--nats-user", help="user name, with a password")
+    g.add_argument("--nats-password", help="password (prefer --nats-password-file)")
+    g.add_argument("--nats-password-file", help="read the password from this file")
+    g.add_argument("--nats-token", help="token (prefer --nats-token-file)")
+    g.add_argument("--nats-token-file", help="read the token from this file")
+    g.add_argument("--nats-nkey-file", help="an nkey seed file (SU...)")
+    g.add_argument("--nats-creds", help="a .creds file: user JWT and nkey seed")
+    g.add_argument("--nats-tls-ca", help="CA certificate(s) to trust for the server (PEM)")
+    g.add_argument("--nats-tls-cert", help="client certificate for mutual TLS (PEM)")
+    g.add_argument("--nats-tls-key", help="its private key (PEM)")
 
 
 def _scheduling(p: argparse.ArgumentParser) -> None:
@@ -428,6 +448,19 @@ def _http(p: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int,
         help="a request body above this is refused with a 413 before it is read (8000000)",
     )  # fmt: skip
+    g = p.add_argument_group("API keys (none given: the API is open)")
+    g.add_argument(
+        "--api-key", action="append",
+        help="a key clients send as `Authorization: Bearer KEY` (repeatable; tenant "
+        "`default`); prefer TOKENWAY_API_KEY (comma-separated) or --api-key-file",
+    )  # fmt: skip
+    g.add_argument(
+        "--api-key-file", help="keys of several tenants, `TENANT KEY` per line (# comments)"
+    )
+    g.add_argument(
+        "--open-routes",
+        help="routes served without a key besides /health: ready, metrics, both (default) or none",
+    )
 
 
 def _sim(p: argparse.ArgumentParser) -> None:
@@ -485,6 +518,7 @@ def dlq_parser() -> argparse.ArgumentParser:
     def verb(name: str, text: str, filters: bool = False) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=text)
         p.add_argument("--nats", help="NATS server URL (required)")
+        _nats_credentials(p)
         p.add_argument("--json", action="store_true", help="one JSON object per line")
         if filters:
             p.add_argument("--stage", help="only this stage's letters (render, schedule, ...)")
@@ -503,7 +537,7 @@ def dlq_parser() -> argparse.ArgumentParser:
     return dlq
 
 
-async def _dlq(args: argparse.Namespace, url: str) -> int:
+async def _dlq(args: argparse.Namespace, settings: Settings) -> int:
     """`tokenway dlq <verb>`: the operations live in `tokenway.dlq`; this parses and prints."""
     import nats
     from nats.js.errors import NotFoundError
@@ -515,20 +549,29 @@ async def _dlq(args: argparse.Namespace, url: str) -> int:
     async def noted(exc: Exception) -> None:
         errors.append(exc)
 
+    url = settings.nats or ""
+    try:
+        options = connect_options(settings)
+    except CannotStart as exc:
+        raise SystemExit(f"tokenway: {exc}") from None
     try:
         nc = await nats.connect(
             servers=bus.seeds(url), name="tokenway-dlq", allow_reconnect=False,
-            connect_timeout=3, error_cb=noted,
+            connect_timeout=3, error_cb=noted, **options,
         )  # fmt: skip
     except Exception as exc:
         cause = errors[-1] if errors else exc
-        raise SystemExit(f"tokenway: cannot connect to NATS at {url}: {cause!r}") from exc
+        raise SystemExit(
+            f"tokenway: cannot connect to NATS at {bus.redacted(url)}: {cause!r}"
+        ) from exc
     try:
         js = nc.jetstream()
         try:
             await js.stream_info(bus.DLQ_STREAM)
         except NotFoundError:
-            raise SystemExit(f"tokenway: no {bus.DLQ_STREAM} stream at {url}") from None
+            raise SystemExit(
+                f"tokenway: no {bus.DLQ_STREAM} stream at {bus.redacted(url)}"
+            ) from None
         since = None
         if getattr(args, "since", None):
             try:
@@ -623,8 +666,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = dlq_parser().parse_args(argv[1:]) if argv[:1] == ["dlq"] else parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
-    if isinstance(flags.get("vllm_url"), list):
-        flags["vllm_url"] = ",".join(flags["vllm_url"])
+    for name in ("vllm_url", "api_key"):  # repeatable flags, one comma-separated setting
+        if isinstance(flags.get(name), list):
+            flags[name] = ",".join(flags[name])
     settings = load_settings(flags)
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
@@ -635,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.verb == "move":
             _run(settings, ["dlq"])
         else:
-            raise SystemExit(asyncio.run(_dlq(args, settings.nats)))
+            raise SystemExit(asyncio.run(_dlq(args, settings)))
         return
     if args.command != "up" and not settings.nats:
         raise SystemExit(

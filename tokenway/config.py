@@ -17,8 +17,16 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 
 # Secrets: an empty variable is a deployment whose secret went missing, which must refuse
-# to start, never run as if obfuscation were off.
-_EMPTY_IS_SET = frozenset({"obfuscation_key", "obfuscation_key_file"})
+# to start, never run as if obfuscation or API keys were off. An empty `open_routes` opens
+# nothing.
+_NATS_CREDENTIALS = (
+    "nats_user", "nats_password", "nats_password_file", "nats_token", "nats_token_file",
+    "nats_nkey_file", "nats_creds", "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
+)  # fmt: skip
+_EMPTY_IS_SET = frozenset(
+    {"obfuscation_key", "obfuscation_key_file", "api_key", "api_key_file", "open_routes",
+     *_NATS_CREDENTIALS}
+)  # fmt: skip
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
@@ -34,6 +42,18 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # nats://host:port, or a comma-separated seed list; None: `up` embeds a server
     nats: str | None = None
     connect_timeout: PositiveFloat = 30.0  # give up reaching NATS at start after this long
+    # NATS credentials (`tokenway.credentials`): one of user + password, a token, an nkey
+    # seed file or a .creds file (JWT), with or without TLS. Secrets: files or env vars.
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_password_file: str | None = None
+    nats_token: str | None = None
+    nats_token_file: str | None = None
+    nats_nkey_file: str | None = None  # an nkey seed, `SU...`
+    nats_creds: str | None = None  # a .creds file: user JWT and seed (`nsc generate creds`)
+    nats_tls_ca: str | None = None  # CA to trust for the server's certificate
+    nats_tls_cert: str | None = None  # client certificate (with its key) for mutual TLS
+    nats_tls_key: str | None = None
     data_dir: str = msgspec.field(default_factory=lambda: _default_data_dir(os.environ))
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None
@@ -67,6 +87,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # a request body above this is a 413, refused before it is read (the bus carries
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
+    # API keys (secret: prefer the file or the env var to the flag). None of either: open.
+    api_key: str | None = None  # comma-separated keys of the tenant "default"
+    api_key_file: str | None = None  # `TENANT KEY` per line
+    open_routes: str = "ready,metrics"  # served without a key, besides /health ("none")
 
     # bus sizing: every stream is bounded
     queue_max_msgs: PositiveInt = 10_000

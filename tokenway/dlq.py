@@ -230,9 +230,7 @@ class DlqMover:
         self.settings = settings
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
-        nc = await bus.connect(
-            nats_url, "tokenway-dlq", timeout=self.settings.connect_timeout, stop=stop
-        )
+        nc = await bus.connect(nats_url, "tokenway-dlq", self.settings, stop=stop)
         js = nc.jetstream()
         await consume(js, mover_consumer(self.settings), lambda msg: self.handle(js, msg), stop)
         await bus.drain(nc)

@@ -15,6 +15,7 @@ DEADLINE = "Tw-Deadline"
 REPLY = "Tw-Reply"
 KIND = "Tw-Kind"
 STATUS = "Tw-Status"
+TENANT = "Tw-Tenant"  # the API key's tenant, set by the ingress
 TRACEPARENT = "traceparent"
 
 # Optimistic concurrency: stored only if the subject's last message has this sequence.

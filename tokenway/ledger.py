@@ -44,9 +44,11 @@ def out_headers(
     tokens: list[int] | None = None,
     status: int | None = None,
     after: int | None = None,
+    tenant: str = "",
 ) -> dict[str, str]:
     """`after`: the stream sequence of the request's last ledger message as its owner knows
-    it; a publish from an owner that lost the request (another one published since) fails."""
+    it; a publish from an owner that lost the request (another one published since) fails.
+    `tenant`: whose request it is, for whoever reads the ledger back for a client."""
     # Lean: every header costs the ingress parsing time, and the subject names the rid.
     hdrs = {h.MSG_ID: f"{rid}:{seq}", h.SEQ: str(seq)}
     if after is not None:
@@ -61,6 +63,8 @@ def out_headers(
         hdrs[h.TOKENS] = h.encode_tokens(tokens)
     if status is not None:
         hdrs[h.STATUS] = str(status)
+    if tenant:
+        hdrs[h.TENANT] = tenant
     return hdrs
 
 
@@ -71,9 +75,10 @@ async def publish_error(
     seq: int,
     info: ErrorInfo,
     after: int | None = None,
+    tenant: str = "",
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
-    hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after)
+    hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after, tenant=tenant)
     await commit(nc, reply, rid, seq, h.KIND_ERROR, error_body(info), hdrs, status=info.status)
 
 
@@ -227,18 +232,28 @@ async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -
     await msg.term()
 
 
-def request_headers(
-    rid: str, reply: str, deadline: float | None = None, msg_id: str | None = None
-) -> dict[str, str]:
-    """Headers of a request on `tw.render.*` / `tw.sched.*`."""
-    hdrs = {h.MSG_ID: msg_id or rid, h.RID: rid, h.REPLY: reply}
-    if deadline is not None:
-        hdrs[h.DEADLINE] = f"{deadline:.3f}"
-    return hdrs
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a request is, as the headers of its messages on `tw.render.*` / `tw.sched.*`
+    say: its id, where its output goes, its deadline, and its API key's tenant."""
 
+    rid: str
+    reply: str
+    deadline: float | None = None
+    tenant: str = ""  # "" where the ingress asks for no key
 
-def request_identity(msg: Msg) -> tuple[str, str, float | None]:
-    """(rid, reply, deadline) of a request message; KeyError when a header is missing."""
-    hdrs = msg.headers or {}
-    deadline = hdrs.get(h.DEADLINE)
-    return hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None
+    def headers(self, msg_id: str | None = None) -> dict[str, str]:
+        hdrs = {h.MSG_ID: msg_id or self.rid, h.RID: self.rid, h.REPLY: self.reply}
+        if self.deadline is not None:
+            hdrs[h.DEADLINE] = f"{self.deadline:.3f}"
+        if self.tenant:
+            hdrs[h.TENANT] = self.tenant
+        return hdrs
+
+    @classmethod
+    def of(cls, msg: Msg) -> Identity:
+        """KeyError when a header is missing, ValueError when the deadline is no number."""
+        hdrs = msg.headers or {}
+        deadline = hdrs.get(h.DEADLINE)
+        return cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
+                   hdrs.get(h.TENANT, ""))  # fmt: skip

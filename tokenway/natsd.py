@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,16 @@ def _die_with_parent() -> None:
 class EmbeddedNats:
     """A local nats-server on 127.0.0.1 with its JetStream store under `store_dir`."""
 
-    def __init__(self, store_dir: Path, port: int = -1, max_payload: int = 8 << 20) -> None:
+    def __init__(
+        self,
+        store_dir: Path,
+        port: int = -1,
+        max_payload: int = 8 << 20,
+        config: Mapping[str, object] | None = None,
+    ) -> None:
+        """`config`: more of the server's configuration (authorization, TLS...)."""
         self.store_dir = store_dir
+        self.config = dict(config or {})
         self.port = port
         self.max_payload = max_payload
         self.url = ""
@@ -64,6 +73,7 @@ class EmbeddedNats:
                 {
                     "max_payload": self.max_payload,
                     "jetstream": {"store_dir": str(self.store_dir)},
+                    **self.config,
                 }
             )
         )

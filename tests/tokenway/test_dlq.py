@@ -69,7 +69,8 @@ async def test_undecodable_render_requests_are_dead_lettered_with_a_reason(
     stack = await start_stack(server, make_settings(tmp_path / "data"), ["render"])
     try:
         subject = bus.render_subject(stack.by_name["render"][0].model)
-        await js.publish(subject, b"\xc1 not msgpack", headers=ledger.request_headers("r1", "i1"))
+        headers = ledger.Identity("r1", "i1").headers()
+        await js.publish(subject, b"\xc1 not msgpack", headers=headers)
         await js.publish(subject, b"no headers at all")
         await wait_letters(js, 2)
     finally:
@@ -99,7 +100,7 @@ async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
         max_ack_pending=8,
     )
     sub = await bus.pull(js, spec)
-    hdrs = ledger.request_headers("rid-1", "i1")
+    hdrs = ledger.Identity("rid-1", "i1").headers()
     sent = await js.publish(bus.render_subject("poison"), b"crashes the worker", headers=hdrs)
     for _ in range(spec.max_deliver):
         (msg,) = await sub.fetch(1, timeout=5)

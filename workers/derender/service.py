@@ -43,9 +43,8 @@ class DerenderService:
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = await bus.connect(
-            nats_url, f"tokenway-derender-{self.model}",
-            timeout=self.settings.connect_timeout, stop=stop,
-        )  # fmt: skip
+            nats_url, f"tokenway-derender-{self.model}", self.settings, stop=stop
+        )
 
         async def answer(msg: Msg) -> None:
             await msg.respond(await handle(self.backend, msg.data))

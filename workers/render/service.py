@@ -16,7 +16,7 @@ from tokenway import bus, ledger
 from tokenway.config import Settings
 from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, internal
 from tokenway.model import ModelInfo
-from tokenway.wire import GenerateRequest, RenderRequest
+from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
 from tokenway.worker import consume, enqueue
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
@@ -41,9 +41,8 @@ class RenderService:
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self.nc = await bus.connect(
-            nats_url, f"tokenway-render-{self.model}",
-            timeout=self.settings.connect_timeout, stop=stop,
-        )  # fmt: skip
+            nats_url, f"tokenway-render-{self.model}", self.settings, stop=stop
+        )
         self.max_payload = nc.max_payload
         js = nc.jetstream()
         spec = bus.render_consumer(self.settings, self.model)
@@ -56,7 +55,7 @@ class RenderService:
 
     async def handle(self, js: JetStreamContext, msg: Msg) -> None:
         try:
-            rid, reply, deadline = ledger.request_identity(msg)
+            who = ledger.Identity.of(msg)
         except (KeyError, ValueError) as exc:
             await ledger.dead_letter(js, "render", msg, f"no valid request headers: {exc!r}")
             return
@@ -64,36 +63,37 @@ class RenderService:
             request = _decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             reason = f"undecodable render request: {exc}"
-            await ledger.publish_error(self.nc, reply, rid, 1, InvalidRequest(reason).info())
+            await self._fail(who, InvalidRequest(reason).info())
             await ledger.dead_letter(js, "render", msg, reason)
             return
         try:
-            if deadline is not None and time.time() > deadline:
+            if who.deadline is not None and time.time() > who.deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
             generate = await self.backend.render(request)
             if self.settings.derender_backend == "vllm":
                 generate.context.request_body = request.body
-            await self._forward(js, rid, reply, deadline, generate)
+            await self._forward(js, who, generate)
         except TokenwayError as exc:
-            await ledger.publish_error(self.nc, reply, rid, 1, exc.info())
+            await self._fail(who, exc.info())
         except Exception as exc:  # a bug: the client still hears about it
-            log.exception("render failed for %s", rid)
-            await ledger.publish_error(self.nc, reply, rid, 1, internal(exc))
+            log.exception("render failed for %s", who.rid)
+            await self._fail(who, internal(exc))
         await msg.ack()
+
+    async def _fail(self, who: ledger.Identity, info: ErrorInfo) -> None:
+        await ledger.publish_error(self.nc, who.reply, who.rid, 1, info, tenant=who.tenant)
 
     async def _forward(
         self,
         js: JetStreamContext,
-        rid: str,
-        reply: str,
-        deadline: float | None,
+        who: ledger.Identity,
         generate: GenerateRequest,
     ) -> None:
         payload = _encoder.encode(generate)
         try:
             await enqueue(
                 js, "schedule", bus.sched_subject(self.model), payload,
-                ledger.request_headers(rid, reply, deadline), self.settings.bus_retry,
+                who.headers(), self.settings.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:
             raise InvalidRequest(

@@ -78,11 +78,12 @@ class Parent:
     """One multi-prompt request this worker owns."""
 
     def __init__(
-        self, rid: str, reply: str, request: GenerateRequest, deadline: float, msg: Msg
+        self, who: ledger.Identity, request: GenerateRequest, deadline: float, msg: Msg
     ) -> None:
         assert request.prompts
-        self.rid = rid
-        self.reply = reply
+        self.rid = who.rid
+        self.reply = who.reply
+        self.tenant = who.tenant
         self.request = request
         self.deadline = deadline
         self.msg = msg  # held un-acked while we own the request
@@ -156,9 +157,10 @@ class FanOut:
         return True
 
     async def take(
-        self, msg: Msg, rid: str, reply: str, deadline: float, request: GenerateRequest
+        self, msg: Msg, who: ledger.Identity, deadline: float, request: GenerateRequest
     ) -> None:
         await self.started.wait()
+        rid = who.rid
         assert self._group is not None
         if rid in self.parents:  # redelivered while we still own it: keep the newest handle
             self.parents[rid].msg = msg
@@ -169,10 +171,10 @@ class FanOut:
                 "(--max-fanout); retry later",
                 code="queue_full",
             )
-            await ledger.publish_error(self.nc, reply, rid, 1, busy.info())
+            await ledger.publish_error(self.nc, who.reply, rid, 1, busy.info(), tenant=who.tenant)
             await msg.ack()
             return
-        p = Parent(rid, reply, request, deadline, msg)
+        p = Parent(who, request, deadline, msg)
         self.parents[rid] = p
         self.empty.clear()
         self._group.create_task(self._own(p), name=f"fanout-{rid}")
@@ -242,7 +244,8 @@ class FanOut:
         return merge.error or p.error
 
     async def _publish(self, p: Parent, sub: GenerateRequest) -> int:
-        headers = ledger.request_headers(sub.request_id, self.router.ingress_id, p.deadline)
+        sub_of = ledger.Identity(sub.request_id, self.router.ingress_id, p.deadline, p.tenant)
+        headers = sub_of.headers()
         try:
             ack = await self.js.publish(
                 bus.sched_subject(self.model), _encoder.encode(sub), headers=headers
@@ -259,7 +262,7 @@ class FanOut:
         # Counted before the publish: an unanswered publish may still have been stored, so
         # the request counts as having shown output (no retry after it).
         p.out_seq += 1
-        hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind)
+        hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind, tenant=p.tenant)
         try:
             await ledger.commit(self.nc, p.reply, p.rid, p.out_seq, out.kind, out.payload, hdrs)
         except Exception as exc:
@@ -317,7 +320,9 @@ class FanOut:
         """The one exit: tell the client what went wrong (unless it left), free, ack."""
         if p.error is not None and not p.cancelled:
             try:
-                await ledger.publish_error(self.nc, p.reply, p.rid, p.out_seq + 1, p.error)
+                await ledger.publish_error(
+                    self.nc, p.reply, p.rid, p.out_seq + 1, p.error, tenant=p.tenant
+                )
             except Exception:
                 log.exception("could not deliver the error of %s", p.rid)
         await bus.ack_surely(p.msg, self.settings.bus_retry)  # held (in progress) until then

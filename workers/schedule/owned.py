@@ -82,6 +82,7 @@ class Owned:
     request: GenerateRequest
     deadline: float
     msg: Any  # the TW_SCHED message held un-acked while we own the request
+    tenant: str = ""  # whose API key it came with: its ledger messages say so
     engine: str | None = None
     attempt: int = 0
     next_delta: int = 0  # the per-attempt seq expected next from the engine

@@ -116,9 +116,8 @@ class ScheduleService:
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self._nc = await bus.connect(
-            nats_url, f"tokenway-schedule-{self.owner_id}",
-            timeout=self.settings.connect_timeout, stop=stop,
-        )  # fmt: skip
+            nats_url, f"tokenway-schedule-{self.owner_id}", self.settings, stop=stop
+        )
         js = self._js = nc.jetstream()
         self._writer = ledger_writer.LedgerWriter(nc, js)
         await self._writer.start()
@@ -193,23 +192,26 @@ class ScheduleService:
     async def _on_request(self, msg: Msg) -> None:
         assert self._js is not None and self._group is not None
         try:
-            rid, reply, deadline = ledger.request_identity(msg)
+            who = ledger.Identity.of(msg)
             request = _request_decoder.decode(msg.data)
         except (KeyError, ValueError, msgspec.DecodeError) as exc:
             await ledger.dead_letter(self._js, "schedule", msg, f"undecodable request: {exc!r}")
             return
+        rid = who.rid
         if rid in self.requests:  # redelivered while we still own it: keep the newest handle
             self.requests[rid].msg = msg
             return
         if rid in self._cancelled:
             await msg.ack()
             return
+        deadline = who.deadline
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
         if request.prompts and self.fanout is not None:  # one sub-request per prompt
-            await self.fanout.take(msg, rid, reply, deadline, request)
+            await self.fanout.take(msg, who, deadline, request)
             return
-        r = Owned(rid=rid, reply=reply, request=request, deadline=deadline, msg=msg)
+        r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
+                  tenant=who.tenant)  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
         self._group.create_task(self._own(r, msg.metadata.timestamp.timestamp()))
@@ -314,8 +316,9 @@ class ScheduleService:
         if r.error is not None and not r.cancelled:
             try:
                 await ledger.publish_error(
-                    self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq
-                )
+                    self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq,
+                    tenant=r.tenant,
+                )  # fmt: skip
             except APIError as exc:
                 if not ledger.superseded(exc):
                     raise
@@ -494,7 +497,7 @@ class ScheduleService:
         _, res, kind, payload, tokens = pub
         hdrs = ledger.out_headers(
             r.rid, r.out_seq + 1, kind, attempt=r.attempt, state=res.state, tokens=tokens,
-            after=r.ledger_seq,
+            after=r.ledger_seq, tenant=r.tenant,
         )  # fmt: skip
         return bus.out_subject(r.reply, r.rid), payload, hdrs
 

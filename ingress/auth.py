@@ -1,0 +1,117 @@
+"""API keys: which tenant a request is made for, or why it is refused.
+
+Keys come from `--api-key` / `TOKENWAY_API_KEY` (comma-separated, tenant `default`) and
+from `--api-key-file` (`TENANT KEY` per line). Only their SHA-256 digests are kept: a key
+is found by the digest of what the client sent, so how long a wrong guess takes to fail
+depends on its digest, which tells nothing about any key's bytes (no prefix can be learnt
+byte by byte, the attack a plain `==` allows). No key, nor any line of the file, is ever
+put in a message or a log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenway.errors import TokenwayError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"  # the tenant of `--api-key` keys
+# A tenant rides the bus in a header and may name NATS users and subjects later: one token.
+TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+WEAK_KEY_CHARS = 16
+ALWAYS_OPEN = frozenset({"/health"})  # liveness probes carry no key
+OPTIONAL_OPEN = {"ready": "/ready", "metrics": "/metrics"}
+
+
+class Unauthorized(TokenwayError):
+    status = 401
+    type = "AuthenticationError"
+
+
+_MISSING = "Missing API key: send it as `Authorization: Bearer <key>`."
+_WRONG = "Incorrect API key provided."
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    tenants: dict[bytes, str]  # SHA-256 of a key → its tenant; empty: no key is required
+    open_paths: frozenset[str] = ALWAYS_OPEN
+
+    @property
+    def required(self) -> bool:
+        return bool(self.tenants)
+
+    def tenant(self, path: str, authorization: bytes) -> str:
+        """The request's tenant ("" where no key is asked for); `Unauthorized` otherwise."""
+        if not self.tenants or path in self.open_paths:
+            return ""
+        scheme, _, key = authorization.strip().partition(b" ")
+        key = key.strip()
+        if scheme.lower() != b"bearer" or not key:
+            raise Unauthorized(_MISSING, code="invalid_api_key")
+        tenant = self.tenants.get(_digest(key))
+        if tenant is None:
+            raise Unauthorized(_WRONG, code="invalid_api_key")
+        return tenant
+
+    @classmethod
+    def load(cls, keys: str | None, key_file: str | None, open_routes: str) -> ApiKeys:
+        """From the settings; ValueError (naming the flag, never a key) when they are unusable."""
+        pairs = [(DEFAULT_TENANT, k.strip(), "--api-key") for k in (keys or "").split(",")]
+        if keys is not None and not any(k for _, k, _ in pairs):
+            raise ValueError("--api-key (or TOKENWAY_API_KEY) is set but holds no key")
+        pairs = [p for p in pairs if p[1]]
+        if key_file is not None:
+            pairs += _read_key_file(key_file)
+        tenants: dict[bytes, str] = {}
+        for tenant, key, where in pairs:
+            digest = _digest(key.encode())
+            if tenants.setdefault(digest, tenant) != tenant:
+                raise ValueError(f"{where}: a key is given to two tenants, {tenants[digest]} "
+                                 f"and {tenant}")  # fmt: skip
+            if len(key) < WEAK_KEY_CHARS:
+                log.warning("%s: a key of tenant %s has %d characters; use %d or more "
+                            "(e.g. `openssl rand -hex 24`)", where, tenant, len(key),
+                            WEAK_KEY_CHARS)  # fmt: skip
+        return cls(tenants, ALWAYS_OPEN | _open_paths(open_routes))
+
+
+def _open_paths(open_routes: str) -> frozenset[str]:
+    names = {n.strip() for n in open_routes.split(",") if n.strip()} - {"none"}
+    if unknown := names - OPTIONAL_OPEN.keys():
+        raise ValueError(
+            f"--open-routes: unknown {sorted(unknown)}; choose from {sorted(OPTIONAL_OPEN)} or none"
+        )
+    return frozenset(OPTIONAL_OPEN[n] for n in names)
+
+
+def _read_key_file(key_file: str) -> Iterable[tuple[str, str, str]]:
+    path = Path(key_file).expanduser()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --api-key-file {path}: {exc}") from None
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        where = f"--api-key-file {path} line {number}"
+        if len(fields) != 2 or not TENANT.fullmatch(fields[0]):
+            # The line may hold a key: say what is wrong without showing it.
+            raise ValueError(f"{where}: expected `TENANT KEY` (a tenant name of letters, "
+                             "digits, '_' and '-', up to 64; one key without spaces)")  # fmt: skip
+        found.append((fields[0], fields[1], where))
+    if not found:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return found

@@ -1,0 +1,66 @@
+"""API keys: how they are read, kept and checked (`ingress.auth`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from ingress.auth import ApiKeys, Unauthorized
+from tokenway.config import load_settings
+
+KEY_A = "sk-tenant-a-0123456789abcdef"
+KEY_B = "sk-tenant-b-0123456789abcdef"
+KEY_DEFAULT = "sk-default-0123456789abcdef"
+
+
+def test_keys_are_kept_only_as_digests(tmp_path: Path) -> None:
+    keys = ApiKeys.load(KEY_DEFAULT, None, "")
+    assert KEY_DEFAULT.encode() not in repr(keys).encode()
+    assert keys.tenant("/v1/models", f"Bearer {KEY_DEFAULT}".encode()) == "default"
+    assert keys.tenant("/v1/models", f"bearer   {KEY_DEFAULT} ".encode()) == "default"
+    assert keys.tenant("/health", b"") == ""
+    with pytest.raises(Unauthorized):
+        keys.tenant("/metrics", b"")  # `none` of the optional routes is open here
+
+
+def test_no_key_configured_opens_every_route() -> None:
+    keys = ApiKeys.load(None, None, "ready,metrics")
+    assert not keys.required
+    assert keys.tenant("/v1/completions", b"") == ""
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        (f"acme {KEY_A} extra\n", "expected `TENANT KEY`"),
+        (f"{KEY_A}\n", "expected `TENANT KEY`"),
+        (f"ac/me {KEY_A}\n", "expected `TENANT KEY`"),
+        (f"acme {KEY_A}\nglobex {KEY_A}\n", "given to two tenants"),
+        ("# nothing\n\n", "holds no key"),
+    ],
+)
+def test_an_unusable_key_file_refuses_without_showing_a_key(
+    tmp_path: Path, text: str, why: str
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=why) as raised:
+        ApiKeys.load(None, str(path), "")
+    assert KEY_A not in str(raised.value) and KEY_A[:10] not in str(raised.value)
+
+
+def test_a_set_but_empty_key_variable_refuses_to_start(tmp_path: Path) -> None:
+    """An empty TOKENWAY_API_KEY is a secret gone missing, never an open API."""
+    s = load_settings({}, {"TOKENWAY_API_KEY": "", "TOKENWAY_DATA_DIR": str(tmp_path)})
+    with pytest.raises(ValueError, match="holds no key"):
+        ApiKeys.load(s.api_key, s.api_key_file, s.open_routes)
+    with pytest.raises(ValueError, match="unknown"):
+        ApiKeys.load(KEY_A, None, "ready,docs")
+
+
+def test_a_short_key_is_warned_about_without_showing_it(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        ApiKeys.load("short-key", None, "")
+    assert "9 characters" in caplog.text and "short-key" not in caplog.text
