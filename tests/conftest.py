@@ -16,6 +16,7 @@ import pytest_asyncio
 
 from tokenway.cli import build_stages, serve
 from tokenway.config import Settings
+from tokenway.nats_users import NatsUsers
 from tokenway.natsd import EmbeddedNats
 from tokenway.registry import EngineRegistry
 
@@ -117,11 +118,14 @@ class Stack:
         await self.task
 
 
-async def start_stack(nats: str, settings: Settings, names: list[str]) -> Stack:
+async def start_stack(
+    nats: str, settings: Settings, names: list[str], users: NatsUsers | None = None
+) -> Stack:
+    """With `users`, each stage connects as its role (and the provision role provisions)."""
     settings = msgspec.structs.replace(settings, nats=nats)
-    stages = build_stages(settings, names)
+    stages = build_stages(settings, names, users)
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(settings, stages, stop))
+    task = asyncio.create_task(serve(settings, stages, stop, users=users))
     stack = Stack(settings=settings, stages=stages, stop=stop, task=task)
     for stage in stages:
         stack.by_name.setdefault(stage.name, []).append(stage)

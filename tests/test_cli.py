@@ -182,7 +182,7 @@ async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     from tokenway.config import Settings, load_settings
 
     root = parser()
-    internal = {"help", "command", "kind"}
+    internal = {"help", "command", "kind", "dir"}  # `dir`: where `nats-auth` writes
     stack = [root]
     while stack:
         p = stack.pop()

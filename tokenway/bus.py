@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.api import PubAck
-from nats.js.errors import APIError, BadRequestError, BucketNotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
@@ -41,6 +41,10 @@ OUT_STREAM = "TW_OUT"
 DLQ_STREAM = "TW_DLQ"
 ADVISORY_STREAM = "TW_ADVISORIES"
 ENGINES_BUCKET = "tw-engines"
+ENGINES_STREAM = f"KV_{ENGINES_BUCKET}"  # the stream JetStream keeps the bucket in
+ENGINES_KEYS = f"$KV.{ENGINES_BUCKET}.>"  # where a bucket write is published
+JS_API = "$JS.API"
+ANY = None  # in a subject function: every model (a wildcard), as permissions name them
 
 DERENDER_QUEUE = "derender"
 
@@ -52,12 +56,12 @@ def token(name: str) -> str:
     return _UNSAFE.sub("_", name) or "_"
 
 
-def render_subject(model: str) -> str:
-    return f"tw.render.{token(model)}"
+def render_subject(model: str | None) -> str:
+    return f"tw.render.{'*' if model is ANY else token(model)}"
 
 
-def sched_subject(model: str) -> str:
-    return f"tw.sched.{token(model)}"
+def sched_subject(model: str | None) -> str:
+    return f"tw.sched.{'*' if model is ANY else token(model)}"
 
 
 def out_subject(reply: str, rid: str) -> str:
@@ -78,8 +82,14 @@ def engine_subject(engine_id: str, verb: str) -> str:
     return f"tw.engine.{engine_id}.{verb}"
 
 
-def derender_subject(model: str) -> str:
-    return f"tw.derender.{token(model)}"
+def derender_subject(model: str | None) -> str:
+    return f"tw.derender.{'*' if model is ANY else token(model)}"
+
+
+def inbox_prefix(role: str) -> str:
+    """Where a role's replies arrive (JetStream answers, acks, request replies): its own
+    inboxes, which no other role may read."""
+    return f"_INBOX.{role}"
 
 
 def cancel_subject(rid: str = "*") -> str:
@@ -399,6 +409,18 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
     for spec in streams(s):
         await _ensure_stream(js, spec.config)
     return await engines_kv(js, s)
+
+
+async def check_streams(js: JetStreamContext, s: Settings) -> None:
+    """For a process that does not provision: every stream and the registry exist."""
+    for name in [spec.config.name for spec in streams(s)] + [ENGINES_STREAM]:
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            raise CannotStart(
+                f"stream {name} does not exist; create the streams with `tokenway provision` "
+                "(the provision role's credentials) or let this process do it (--provision)"
+            ) from None
 
 
 async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:

@@ -18,11 +18,14 @@ from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from tokenway import bus
 from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
+from tokenway.nats_users import AUTH_FILE, NatsUsers
 from tokenway.natsd import EmbeddedNats
 from tokenway.obfuscation import ObfuscationError, Permutation, load_key
 from workers.render.parse import ParserFlags
@@ -83,13 +86,18 @@ def obfuscation(s: Settings, model: ModelInfo) -> Permutation | None:
         raise SystemExit(f"tokenway: {exc}") from exc
 
 
-def build_stages(s: Settings, which: Sequence[str]) -> list[Stage]:
-    """Stages by name; imported here so a single-stage process loads only what it runs."""
-    model, served = resolve_model(s)
+def build_stages(
+    base: Settings, which: Sequence[str], users: NatsUsers | None = None
+) -> list[Stage]:
+    """Stages by name; imported here so a single-stage process loads only what it runs.
+    With `users`, each stage connects to NATS as its own role."""
+    model, served = resolve_model(base)
     # One permutation for every stage of this process that maps IDs (schedule, engines).
-    obf = obfuscation(s, model) if {"schedule", "sim", "vllm"} & set(which) else None
+    obf = obfuscation(base, model) if {"schedule", "sim", "vllm"} & set(which) else None
     stages: list[Stage] = []
     for name in which:
+        role = "engine" if name in ("sim", "vllm") else name
+        s = base if users is None else users.settings(base, role)
         if name == "ingress":
             from ingress.service import IngressService
 
@@ -173,18 +181,29 @@ def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | N
 
 
 async def serve(
-    s: Settings, stages: list[Stage], stop: asyncio.Event, announce: bool = False
+    s: Settings,
+    stages: list[Stage],
+    stop: asyncio.Event,
+    announce: bool = False,
+    users: NatsUsers | None = None,
 ) -> None:
-    """Start NATS (embedded unless `--nats`), provision the bus, run stages until `stop`."""
+    """Start NATS (embedded unless `--nats`; with `users`, it lets in those users only),
+    provision the bus (or check it), run stages until `stop`."""
     url = s.nats
     with contextlib.ExitStack() as held:
         if url is None:
             held.enter_context(data_dir_lock(s.data_path))
-            natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload)
+            auth = {"authorization": users.authorization} if users is not None else None
+            natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload,
+                                 config=auth)  # fmt: skip
             held.callback(natsd.stop)
             url = await natsd.start()
-        nc = await bus.connect(url, "tokenway-provision", s, stop=stop)
-        await bus.provision_streams(nc.jetstream(), s)
+        provisioner = s if users is None else users.settings(s, "provision")
+        nc = await bus.connect(url, "tokenway-provision", provisioner, stop=stop)
+        if provisioner.provision:
+            await bus.provision_streams(nc.jetstream(), s)
+        else:
+            await bus.check_streams(nc.jetstream(), s)
         await nc.close()
         # Stages that drain first (the ingress: its streams need the others) stop on
         # `stop`; the rest of this process once those have drained.
@@ -197,7 +216,7 @@ async def serve(
             if drained:
                 group.create_task(_after(stop, drained, rest))
             if announce:
-                group.create_task(_announce(stages, url))
+                group.create_task(_announce(stages, url, users))
 
 
 async def _after(stop: asyncio.Event, drained: list[asyncio.Event], then: asyncio.Event) -> None:
@@ -229,12 +248,14 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
         yield
 
 
-async def _announce(stages: list[Stage], nats_url: str) -> None:
+async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None) -> None:
+    nats = bus.redacted(nats_url)
+    if users is not None:
+        nats += f", its users in {users.directory}"
     for stage in stages:
         started = getattr(stage, "started", None)
         if started is not None:
             await started.wait()
-            nats = bus.redacted(nats_url)
             print(f"tokenway serving the OpenAI API at {stage.url}/v1  (NATS {nats})", flush=True)
 
 
@@ -259,13 +280,15 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        stages = build_stages(s, stage_names)
+        # An embedded server lets in its own users only, one per role.
+        users = NatsUsers.prepare(s.data_path / "nats-auth") if s.nats is None else None
+        stages = build_stages(s, stage_names, users)
         # What start-up made (modules, tokenizers, templates) lives as long as the process.
         # Frozen out of the collector's reach, it is no longer walked by full collections,
         # which took a stage 33-155 ms each (an owner paused stalls all its streams).
         gc.collect()
         gc.freeze()
-        await serve(s, stages, stop, announce)
+        await serve(s, stages, stop, announce, users)
 
     try:
         _run_loop(main())
@@ -298,6 +321,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--drain-timeout", type=float,
         help="seconds open streams and owned requests get to finish on SIGTERM/SIGINT (20)",
+    )  # fmt: skip
+    g.add_argument(
+        "--provision", action=argparse.BooleanOptionalAction,
+        help="create or update the streams at start (default); --no-provision only checks "
+        "that they exist (a least-privilege role may not touch them)",
     )  # fmt: skip
     g.add_argument(
         "--connect-timeout",
@@ -655,6 +683,16 @@ def parser() -> argparse.ArgumentParser:
     _common(vllm), _vllm(vllm), _obfuscation(vllm)
     # Listed for --help only: main() hands `dlq ...` to dlq_parser().
     sub.add_parser("dlq", add_help=False, help="dead letters: ls, show, replay, purge, move")
+    prov = sub.add_parser(
+        "provision", help="create or update the streams and the engine registry, then exit"
+    )
+    _common(prov), _scheduling(prov)
+    auth = sub.add_parser(
+        "nats-auth",
+        help="write one NATS user per role (nkey seeds, env files) and the nats-server "
+        "authorization that gives each exactly its permissions",
+    )
+    auth.add_argument("dir", help="where to write them (seeds are kept if present)")
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
     return root
@@ -673,6 +711,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
         return
+    if args.command == "nats-auth":
+        users = NatsUsers.prepare(Path(args.dir).expanduser())
+        print(f"wrote {users.directory / AUTH_FILE} (include it in the nats-server configuration)")
+        print(f"and per role a seed (<role>.nk, mode 0600) and the settings to use it "
+              f"(<role>.env) in {users.directory}")  # fmt: skip
+        return
     if args.command == "dlq":
         if not settings.nats:
             raise SystemExit("tokenway: dlq commands need --nats URL (or TOKENWAY_NATS)")
@@ -686,7 +730,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"tokenway {args.command}: no NATS server to join; pass --nats nats://host:4222 "
             "(or set TOKENWAY_NATS), or run `tokenway up`, which embeds one"
         )
-    if args.command == "up":
+    if args.command == "provision":
+        _run(msgspec.structs.replace(settings, provision=True), [])
+    elif args.command == "up":
         pool = ["derender"] if settings.derender_placement == "pool" else []
         _run(settings, ["ingress", "render", "schedule", *pool, "dlq", "sim"], announce=True)
     elif args.command == "engine":

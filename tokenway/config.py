@@ -54,6 +54,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     nats_tls_ca: str | None = None  # CA to trust for the server's certificate
     nats_tls_cert: str | None = None  # client certificate (with its key) for mutual TLS
     nats_tls_key: str | None = None
+    # where this process's replies arrive: a role's own (`tokenway nats-auth` sets it)
+    nats_inbox_prefix: str = "_INBOX"
+    # create or update the streams at start; off, a process only checks that they exist
+    # (a least-privilege role may not touch them: `tokenway provision` does)
+    provision: bool = True
     data_dir: str = msgspec.field(default_factory=lambda: _default_data_dir(os.environ))
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None

@@ -24,6 +24,7 @@ from tests.conftest import make_settings, nats_server, start_stack
 from tokenway import bus, dlq, ledger
 from tokenway import headers as h
 from tokenway.cli import _dlq, dlq_parser, main
+from tokenway.config import Settings
 from tokenway.wire import DeadLetter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -242,7 +243,7 @@ async def test_cli_prints_tables_and_json_and_refuses_a_second_replay(
     async def run(*argv: str) -> tuple[int, str]:
         args = dlq_parser().parse_args([*argv, "--nats", server])
         try:
-            rc = await _dlq(args, server)
+            rc = await _dlq(args, Settings(nats=server))
         except SystemExit as exc:
             rc = str(exc)  # type: ignore[assignment]
         return rc, capsys.readouterr().out

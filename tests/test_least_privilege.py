@@ -1,0 +1,176 @@
+"""Least privilege on the bus (`tokenway.roles`, `tokenway nats-auth`), on a real
+nats-server that lets in the generated users only: every stage runs end to end as its own
+role, and each attack of an outsider fails for every role that has no business doing it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import nats
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.conftest import make_settings, nats_server, start_stack
+from tests.test_cli import spawn
+from tokenway.cli import serve
+from tokenway.errors import CannotStart
+from tokenway.nats_users import NatsUsers
+from tokenway.natsd import server_binary
+from tokenway.roles import roles
+
+ROLES = [r.name for r in roles()]
+# What an outsider did to an open bus, and the roles whose work it is.
+ATTACKS: dict[str, tuple[str, str, set[str]]] = {
+    "read every message": ("sub", ">", set()),
+    "read the request bodies": ("sub", "tw.render.>", set()),
+    "read the output ledger as it is written": ("sub", "tw.out.>", set()),
+    "read another role's replies": ("sub", "_INBOX.>", set()),
+    "read an ingress's streams live": ("sub", "tw.sse.i0123", {"ingress", "schedule"}),
+    "read an hour of everyone's output": (
+        "pub",
+        "$JS.API.CONSUMER.CREATE.TW_OUT",
+        {"ingress", "provision"},
+    ),
+    "forge a final response": ("pub", "tw.out.i0123.r0123", {"render", "schedule"}),
+    "register a fake engine": ("pub", "$KV.tw-engines.fake", {"engine"}),
+    "race a token delta": ("pub", "tw.tok.o0123", {"engine"}),
+    "call an engine": ("pub", "tw.engine.e0123.generate", {"schedule"}),
+    "run free inference": ("pub", "tw.sched.deepseek-v4", {"render", "schedule", "ops"}),
+    "cancel another client's request": ("pub", "tw.cancel.r0123", {"ingress", "schedule"}),
+    "flood the render queue": ("pub", "tw.render.deepseek-v4", {"ingress", "ops"}),
+    "delete the ledger": ("pub", "$JS.API.STREAM.DELETE.TW_OUT", {"provision"}),
+    "delete the render queue": ("pub", "$JS.API.STREAM.DELETE.TW_RENDER", {"provision"}),
+    "create a stream": ("pub", "$JS.API.STREAM.CREATE.TW_EVIL", {"provision"}),
+}
+
+
+@pytest.fixture
+def users(tmp_path: Path) -> NatsUsers:
+    return NatsUsers.prepare(tmp_path / "auth")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def guarded(users: NatsUsers, tmp_path: Path) -> AsyncIterator[str]:
+    """A nats-server that lets in the generated role users only."""
+    async with nats_server(tmp_path / "js", config={"authorization": users.authorization}) as s:
+        yield s.url
+
+
+def _violations(errors: list[object]) -> list[str]:
+    return [str(e) for e in errors if "permissions violation" in str(e).lower()]
+
+
+@pytest.mark.parametrize("role", ROLES)
+async def test_each_attack_fails_for_every_role_that_should_not_do_it(
+    guarded: str, users: NatsUsers, role: str
+) -> None:
+    refused: dict[str, asyncio.Event] = {}
+
+    async def noted(exc: Exception) -> None:  # the server's -ERR names the subject
+        for subject, event in refused.items():
+            if f'"{subject.lower()}"' in str(exc).lower() and _violations([exc]):
+                event.set()
+
+    env = users.env(role)
+    nc = await nats.connect(guarded, nkeys_seed=env["nats_nkey_file"],
+                            inbox_prefix=env["nats_inbox_prefix"], error_cb=noted)  # fmt: skip
+    try:
+        for attack, (kind, subject, allowed) in ATTACKS.items():
+            if role in allowed:
+                continue  # its own work, proven end to end below
+            refused[subject] = asyncio.Event()
+            if kind == "sub":
+                await nc.subscribe(subject)
+            else:
+                await nc.publish(subject, b"x")
+            try:
+                async with asyncio.timeout(5):
+                    await refused[subject].wait()
+            except TimeoutError:
+                pytest.fail(f"{role} could {attack} ({kind} {subject}): no violation")
+    finally:
+        await nc.close()
+
+
+async def test_an_unauthenticated_connection_is_refused(guarded: str) -> None:
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(guarded, allow_reconnect=False, max_reconnect_attempts=0)
+
+
+async def test_every_stage_runs_end_to_end_as_its_own_role(
+    guarded: str, users: NatsUsers, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    settings = make_settings(tmp_path, derender_placement="pool")
+    names = ["ingress", "render", "schedule", "derender", "dlq", "sim"]
+    stack = await start_stack(guarded, settings, names, users)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+        chat = [{"role": "user", "content": "hi"}]
+        text = ""
+        async for chunk in await client.chat.completions.create(
+            model="deepseek-v4", messages=chat, max_tokens=5, stream=True
+        ):
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        assert text
+        several = await client.completions.create(
+            model="deepseek-v4", prompt=["one", "two"], max_tokens=3
+        )  # the schedule role's multi-prompt path
+        assert len(several.choices) == 2
+        raw = await client.chat.completions.with_raw_response.create(
+            model="deepseek-v4", messages=chat, max_tokens=4, stream=True
+        )
+        rid = raw.headers["x-request-id"]
+        [_ async for _ in raw.parse()]
+        async with httpx.AsyncClient(base_url=stack.url) as http:  # the ingress reads TW_OUT
+            resumed = await http.get(f"/v1/streams/{rid}")
+        assert resumed.status_code == 200 and resumed.text.endswith("data: [DONE]\n\n")
+    finally:
+        await stack.close()
+    ops = {f"TOKENWAY_{k.upper()}": v for k, v in users.env("ops").items()}
+    proc = await spawn("dlq", "ls", "--nats", guarded, env=ops)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0 and out.startswith(b"ID "), err.decode()
+    assert not _violations([r.getMessage() for r in caplog.records]), caplog.text
+
+
+async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Path) -> None:
+    proc = await spawn("nats-auth", str(tmp_path / "auth"))
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    for role in ROLES:
+        assert (tmp_path / "auth" / f"{role}.nk").stat().st_mode & 0o077 == 0
+        env = (tmp_path / "auth" / f"{role}.env").read_text()
+        assert f"TOKENWAY_NATS_INBOX_PREFIX=_INBOX.{role}" in env
+    seeds = {r: (tmp_path / "auth" / f"{r}.nk").read_bytes() for r in ROLES}
+    again = await spawn("nats-auth", str(tmp_path / "auth"))
+    await again.communicate()
+    assert seeds == {r: (tmp_path / "auth" / f"{r}.nk").read_bytes() for r in ROLES}  # kept
+    conf = tmp_path / "server.conf"
+    conf.write_text("port: -1\ninclude ./auth/auth.conf\n")
+    check = await asyncio.create_subprocess_exec(
+        server_binary(), "-c", str(conf), "-t",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await check.communicate()
+    assert check.returncode == 0, out.decode()
+
+
+async def test_a_stage_that_does_not_provision_needs_the_streams_to_exist(
+    guarded: str, users: NatsUsers, tmp_path: Path
+) -> None:
+    settings = make_settings(tmp_path)
+    render = users.settings(msgspec.structs.replace(settings, nats=guarded), "render")
+    with pytest.raises(CannotStart, match="tokenway provision"):
+        await serve(render, [], asyncio.Event())
+    provision = {f"TOKENWAY_{k.upper()}": v for k, v in users.env("provision").items()}
+    proc = await spawn("provision", "--nats", guarded, "--data-dir", str(tmp_path), env=provision)
+    _, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    await serve(render, [], asyncio.Event())  # checks, finds them, runs nothing

@@ -1,0 +1,79 @@
+"""One NATS user per role: an nkey seed each, and the nats-server authorization that gives
+each exactly its role's permissions (`tokenway.roles`), kept in one directory.
+
+`tokenway nats-auth DIR` writes them for a deployment; `tokenway up` keeps its own under
+`<data-dir>/nats-auth` and runs its embedded server with them. Seeds are made once (mode
+0600) and kept; the authorization is written again from the role table every time, so it
+follows the code it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import nkeys
+
+from tokenway import bus
+from tokenway.config import Settings
+from tokenway.roles import roles, server_users
+
+AUTH_FILE = "auth.conf"
+
+
+def _seed_path(directory: Path, role: str) -> Path:
+    return directory / f"{role}.nk"
+
+
+def _seed(path: Path) -> nkeys.KeyPair:
+    """The role's key pair, its seed made (readable by the owner only) when missing."""
+    if not path.exists():
+        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(seed + b"\n")
+    return nkeys.from_seed(path.read_bytes().strip())
+
+
+@dataclass(frozen=True)
+class NatsUsers:
+    directory: Path
+    authorization: dict[str, object]  # the server configuration's `authorization` block
+
+    @classmethod
+    def prepare(cls, directory: Path) -> NatsUsers:
+        """Seeds made where missing, then the authorization and each role's env file."""
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        keys = {r.name: _seed(_seed_path(directory, r.name)).public_key.decode() for r in roles()}
+        users = cls(directory, {"users": server_users(keys)})
+        (directory / AUTH_FILE).write_text(
+            "# nats-server authorization for tokenway, one nkey user per role; generated\n"
+            "# by `tokenway nats-auth` from tokenway/roles.py. Include it in the server's\n"
+            "# configuration: `include auth.conf` at the top level.\n"
+            f"authorization: {json.dumps(users.authorization, indent=2)}\n"
+        )
+        for role in roles():
+            env = "".join(f"TOKENWAY_{k.upper()}={v}\n" for k, v in users.env(role.name).items())
+            (directory / f"{role.name}.env").write_text(f"# {role.name}: {role.does}\n{env}")
+        return users
+
+    def env(self, role: str) -> dict[str, str]:
+        """The settings that make a process connect as `role`."""
+        return {
+            "nats_nkey_file": str(_seed_path(self.directory, role).resolve()),
+            "nats_inbox_prefix": bus.inbox_prefix(role),
+            "provision": "true" if role == "provision" else "false",
+        }
+
+    def settings(self, s: Settings, role: str) -> Settings:
+        """`s` as a process of `role` has it (no other NATS credential left in it)."""
+        changes: dict[str, object] = {name: None for name in _OTHER_CREDENTIALS}
+        changes.update(self.env(role), provision=role == "provision")
+        return msgspec.structs.replace(s, **changes)
+
+
+_OTHER_CREDENTIALS = ("nats_user", "nats_password", "nats_password_file", "nats_token",
+                      "nats_token_file", "nats_creds")  # fmt: skip

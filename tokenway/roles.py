@@ -1,0 +1,181 @@
+"""Least privilege on the bus: what each role may publish and subscribe to, built from the
+bus table (`tokenway.bus`), so that the permissions follow the subjects they name.
+
+A role is what one kind of process does: a stage (ingress, render, schedule, derender, an
+engine bridge, the dead-letter mover), an operator's `tokenway dlq` (ops), or whoever
+creates the streams (provision, the only role that may create, change or delete one).
+Every role has inboxes of its own (`bus.inbox_prefix`), so no role reads another's
+JetStream answers or request replies, and each talks to JetStream only about its own
+streams and consumers. `tokenway nats-auth` writes these as a nats-server configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenway import bus
+
+# Every tokenway stream; their names and limits are no secret to any role.
+_STREAMS = (bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM,
+            bus.ADVISORY_STREAM, bus.ENGINES_STREAM)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    does: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    responds: bool = False  # answers requests (on the requester's reply subject)
+
+    @property
+    def inbox(self) -> str:
+        return bus.inbox_prefix(self.name)
+
+
+def _api(verb: str, *args: str) -> str:
+    return ".".join((bus.JS_API, verb, *args))
+
+
+def _consumes(stream: str) -> tuple[str, ...]:
+    """Drains a durable pull consumer of `stream`: makes it, fetches, acknowledges."""
+    return (
+        _api("CONSUMER.DURABLE.CREATE", stream, "*"),
+        _api("CONSUMER.INFO", stream, "*"),
+        _api("CONSUMER.MSG.NEXT", stream, "*"),
+        f"$JS.ACK.{stream}.>",
+    )
+
+
+def _reads(stream: str) -> tuple[str, ...]:
+    """Reads `stream` through short-lived consumers of its own (ordered or pull)."""
+    return (
+        _api("CONSUMER.CREATE", stream),
+        _api("CONSUMER.CREATE", stream, ">"),
+        _api("CONSUMER.INFO", stream, "*"),
+        _api("CONSUMER.DELETE", stream, "*"),
+        _api("CONSUMER.MSG.NEXT", stream, "*"),
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",  # an ordered consumer's flow control
+    )
+
+
+def _gets(stream: str) -> str:
+    """Reads single messages of `stream` by sequence or subject."""
+    return _api("STREAM.MSG.GET", stream)
+
+
+_INFO = tuple(_api("STREAM.INFO", name) for name in _STREAMS)
+_REGISTRY = _reads(bus.ENGINES_STREAM)  # watches the engine registry
+_LEDGER_WRITE = (bus.out_subject("*", "*"), bus.sse_subject("*"), _gets(bus.OUT_STREAM))
+
+
+def roles() -> list[Role]:
+    return [
+        Role(
+            "provision",
+            "creates and updates the streams and the engine registry (`tokenway up`, "
+            "`tokenway provision`)",
+            publish=(_api(">"),),
+            subscribe=(),
+        ),
+        Role(
+            "ingress",
+            "takes HTTP requests: queues them for render, streams their output, cancels",
+            publish=(
+                bus.render_subject(bus.ANY),
+                bus.cancel_subject(),
+                *_reads(bus.OUT_STREAM),
+                _gets(bus.OUT_STREAM),
+                *_REGISTRY,
+                *_INFO,
+            ),
+            subscribe=(bus.sse_subject("*"),),
+        ),
+        Role(
+            "render",
+            "tokenizes queued requests and queues them for the schedulers",
+            publish=(
+                *_consumes(bus.RENDER_STREAM),
+                bus.sched_subject(bus.ANY),
+                *_LEDGER_WRITE,
+                bus.dlq_subject("render"),
+                *_INFO,
+            ),
+            subscribe=(),
+        ),
+        Role(
+            "schedule",
+            "owns requests: dispatches them to engines, derenders, commits their output",
+            publish=(
+                *_consumes(bus.SCHED_STREAM),
+                *_LEDGER_WRITE,
+                _gets(bus.SCHED_STREAM),
+                bus.sched_subject(bus.ANY),  # a multi-prompt request's prompts
+                bus.engine_subject("*", "*"),
+                bus.orphan_subject(),
+                bus.cancel_subject(),
+                bus.derender_subject(bus.ANY),
+                bus.dlq_subject("schedule"),
+                *_REGISTRY,
+                *_INFO,
+            ),
+            subscribe=(bus.tok_subject("*"), bus.cancel_subject(), bus.sse_subject("*")),
+        ),
+        Role(
+            "derender",
+            "turns token IDs into OpenAI chunks for schedulers that call the pool",
+            publish=(),
+            subscribe=(bus.derender_subject(bus.ANY),),
+            responds=True,
+        ),
+        Role(
+            "engine",
+            "an engine bridge: runs generate calls, streams their tokens, keeps its registry entry",
+            publish=(bus.tok_subject("*"), bus.ENGINES_KEYS, *_INFO),
+            subscribe=(bus.engine_subject("*", "*"), bus.orphan_subject()),
+            responds=True,
+        ),
+        Role(
+            "dlq",
+            "the dead-letter mover: copies exhausted messages to TW_DLQ, removes them",
+            publish=(
+                *_consumes(bus.ADVISORY_STREAM),
+                bus.dlq_subject("*"),
+                *(_gets(q) for q in (bus.RENDER_STREAM, bus.SCHED_STREAM)),
+                *(_api("STREAM.MSG.DELETE", q) for q in (bus.RENDER_STREAM, bus.SCHED_STREAM)),
+                *_INFO,
+            ),
+            subscribe=(),
+        ),
+        Role(
+            "ops",
+            "`tokenway dlq`: lists, shows, replays and purges dead letters",
+            publish=(
+                *_reads(bus.DLQ_STREAM),
+                _gets(bus.DLQ_STREAM),
+                _api("STREAM.PURGE", bus.DLQ_STREAM),
+                bus.dlq_subject(">"),  # replay markers
+                bus.render_subject(bus.ANY),
+                bus.sched_subject(bus.ANY),  # replays
+                *_INFO,
+            ),
+            subscribe=(),
+        ),
+    ]
+
+
+def server_users(keys: dict[str, str]) -> list[dict[str, object]]:
+    """The `authorization.users` of a nats-server configuration: each role's nkey (its
+    public key in `keys`) with exactly its permissions."""
+    users = []
+    for role in roles():
+        permissions: dict[str, object] = {
+            # An empty allow list would allow everything: nothing is a deny of everything.
+            "publish": {"allow": list(role.publish)} if role.publish else {"deny": [">"]},
+            "subscribe": {"allow": [*role.subscribe, f"{role.inbox}.>"]},
+        }
+        if role.responds:
+            permissions["allow_responses"] = True
+        users.append({"nkey": keys[role.name], "permissions": permissions})
+    return users
