@@ -42,8 +42,9 @@ from tokenizers import Tokenizer
 from engines.sim import SimConfig, SimEngine
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import server_binary
+from tokenway.protocol import decode_body
 from tokenway.wire import EngineInfo, EngineWork, SamplingParams
-from workers.render.core import Renderer, decode_body
+from workers.render.core import Renderer
 
 ROOT = Path(__file__).resolve().parent.parent  # the stages run from the project root
 

@@ -48,6 +48,7 @@ class IngressContext:
     bus_retry: float
     draining: asyncio.Event
     max_request_bytes: int
+    body_timeout: float
     keys: ApiKeys
 
 
@@ -59,7 +60,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
     metrics = Metrics()
     completions = Completions(
         ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry, ctx.draining,
-        ctx.max_request_bytes,
+        ctx.max_request_bytes, ctx.body_timeout,
     )  # fmt: skip
     app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
     js = ctx.nc.jetstream()

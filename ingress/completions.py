@@ -27,6 +27,7 @@ from ingress.metrics import Metrics
 from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import bus, ledger
 from tokenway.errors import (
+    BodyTimeout,
     DeadlineExceeded,
     InvalidRequest,
     MethodNotAllowed,
@@ -38,7 +39,7 @@ from tokenway.errors import (
     error_body,
     internal,
 )
-from tokenway.protocol import ChatDecoder, CompletionDecoder
+from tokenway.protocol import decode_body
 from tokenway.wire import Api, ErrorInfo, RenderRequest
 from tokenway.worker import enqueue
 
@@ -154,6 +155,7 @@ class Completions:
     bus_retry: float
     draining: asyncio.Event
     max_request_bytes: int
+    body_timeout: float
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -169,9 +171,14 @@ class Completions:
         try:
             if int(header(scope, b"content-length") or 0) > self.max_request_bytes:
                 raise _too_large(self.max_request_bytes)  # not a byte of it read
-            body = await _body(receive, self.max_request_bytes)
+            async with asyncio.timeout(self.body_timeout):  # a half-sent body holds nothing
+                body = await _body(receive, self.max_request_bytes)
         except TooLarge as exc:
             await self.refuse(api, exc, send)
+            return
+        except TimeoutError:
+            late = BodyTimeout(f"the request body did not arrive within {self.body_timeout:g}s")
+            await self.refuse(api, late, send, (b"connection", b"close"))
             return
         if body is None:
             return  # nobody to answer
@@ -234,12 +241,7 @@ class Completions:
 
     def _decode(self, api: Api, body: bytes) -> bool:
         """Checks what the ingress checks itself; whether the client asked for a stream."""
-        try:
-            req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
-        except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"invalid request: {exc}") from exc
-        except msgspec.DecodeError as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        req = decode_body(api, body)
         if req.model is not None and req.model != self.model:
             raise ModelNotFound(
                 f"The model `{req.model}` does not exist.", param="model", code="model_not_found"

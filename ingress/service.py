@@ -92,6 +92,7 @@ class IngressService:
             bus_retry=self.settings.bus_retry,
             draining=self.draining,
             max_request_bytes=self.settings.max_request_bytes,
+            body_timeout=self.settings.body_timeout,
             keys=self.keys,
         )
         config = uvicorn.Config(

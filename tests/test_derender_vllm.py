@@ -231,8 +231,8 @@ async def test_derender_calls_too_big_for_the_bus_are_split_or_refused(
 ) -> None:
     """The client's body rides on every entry: entries that outgrow the bus's payload limit
     (8 MiB here) together go to the pool as several calls; a whole response's choices cannot
-    be split (derender merges them), so one too big for a call is a 502 naming the limit, not
-    silence. A schedule worker derendering in process has no such limit."""
+    be split (derender merges them), so one too big for a call is the client's 400 naming the
+    limit, not silence. A schedule worker derendering in process has no such limit."""
     fake.reset()
     pad = "x" * (2 << 20)  # an extra field: ignored by the parser, carried in the body
     body = {**CHAT, "model": MODEL, "seed": 1, "user": pad}
@@ -247,5 +247,5 @@ async def test_derender_calls_too_big_for_the_bus_are_split_or_refused(
         if stream or vllm_stack.settings.derender_placement == "owner":
             assert status == 200 and not error and sorted(text(docs)) == [0, 1, 2, 3, 4]
         else:
-            assert (error.get("code") if status == 200 else status) == 502
-            assert "exceeds the bus payload limit" in error["message"]
+            assert (error.get("code") if status == 200 else status) == 400
+            assert "over the bus's message limit" in error["message"]

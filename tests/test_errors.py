@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import msgspec
 import nats
 import openai
 import pytest
 
 from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tests.workers.render.test_render_core import deep_json
 from tokenway import bus
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -133,6 +135,13 @@ async def test_a_number_the_wire_cannot_carry_is_400_naming_it(
     assert error["type"] == "BadRequestError"
 
 
+@pytest.mark.parametrize("field", ["chat_template_kwargs", "kv_transfer_params", "tools"])
+async def test_json_nested_too_deep_is_400_not_500(stack: Stack, field: str) -> None:
+    resp = await post(stack, "/v1/chat/completions", content=deep_json(field, 1000),
+                      headers={"content-type": "application/json"})  # fmt: skip
+    assert_error(resp, 400, "nests deeper than")
+
+
 @pytest.mark.parametrize("sized", [True, False], ids=["content-length", "chunked"])
 async def test_a_body_over_the_request_limit_is_413_before_it_is_read(
     stack: Stack, sized: bool
@@ -151,3 +160,42 @@ async def test_a_body_over_the_request_limit_is_413_before_it_is_read(
     resp = await post(stack, "/v1/completions", content=body(), headers=headers)
     error = assert_error(resp, 413, str(limit))
     assert error["param"] is None
+
+
+async def test_a_body_that_stops_arriving_is_a_408_and_holds_nothing(stack: Stack) -> None:
+    """Half-sent bodies were held open forever; each gets its 408 after the body timeout."""
+    settings = msgspec.structs.replace(stack.settings, body_timeout=0.5)
+    ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
+    try:
+        host, port = ingress.url.removeprefix("http://").rsplit(":", 1)
+        conns = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+        for _, writer in conns:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n"
+                         b'content-type: application/json\r\n\r\n{"prompt": ')  # fmt: skip
+        for reader, writer in conns:
+            assert b" 408 " in await reader.readline()
+            rest = await reader.read()  # the server closes the connection after its answer
+            assert b"did not arrive within 0.5s" in rest
+            writer.close()
+    finally:
+        await ingress.close()
+
+
+async def test_a_request_no_engine_could_ever_hold_is_400_before_any_inference(
+    stack: Stack,
+) -> None:
+    """n=128 × max_tokens=8192 was a 502 from the engine; it never fits the engines' budget."""
+    body = {"prompt": "hi", "n": 128, "max_tokens": 8192}
+    error = assert_error(await post(stack, "/v1/completions", json=body), 400,
+                         "tokens of engine budget", "largest engine holds")  # fmt: skip
+    assert error["param"] == "max_tokens"
+
+
+async def test_prompts_that_could_never_run_at_once_are_400_up_front(stack: Stack) -> None:
+    """Many prompts × n: the merge would wait for all of them to begin, engines busy all along."""
+    engines = stack.ingress.registry.alive()
+    prompts = sum(e.max_seqs for e in engines) // 128 + 1
+    body = {"prompt": ["hi"] * prompts, "n": 128, "max_tokens": 2}
+    error = assert_error(await post(stack, "/v1/completions", json=body), 400,
+                         f"{prompts} prompts need", "send fewer prompts")  # fmt: skip
+    assert error["param"] == "prompt"

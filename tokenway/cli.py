@@ -476,6 +476,10 @@ def _http(p: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int,
         help="a request body above this is refused with a 413 before it is read (8000000)",
     )  # fmt: skip
+    p.add_argument(
+        "--body-timeout", type=float,
+        help="seconds a client has to send its whole request body; later, a 408 (30)",
+    )  # fmt: skip
     g = p.add_argument_group("API keys (none given: the API is open)")
     g.add_argument(
         "--api-key", action="append",

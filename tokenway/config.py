@@ -92,6 +92,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # a request body above this is a 413, refused before it is read (the bus carries
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
+    body_timeout: PositiveFloat = 30.0  # a request body not all there by then: a 408
     # API keys (secret: prefer the file or the env var to the flag). None of either: open.
     api_key: str | None = None  # comma-separated keys of the tenant "default"
     api_key_file: str | None = None  # `TENANT KEY` per line

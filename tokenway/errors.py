@@ -39,6 +39,11 @@ class Unprocessable(TokenwayError):
     type = "UnprocessableEntityError"
 
 
+class BodyTimeout(TokenwayError):
+    status = 408
+    type = "RequestTimeoutError"
+
+
 class TooLarge(TokenwayError):
     status = 413
     type = "RequestTooLargeError"
@@ -127,6 +132,16 @@ def error_body(info: ErrorInfo) -> bytes:
                 code=info.code if info.code is not None else info.status,
             )
         )
+    )
+
+
+def too_big_for_the_bus(size: int, limit: int, *, at_least: bool = False) -> InvalidRequest:
+    """A response that cannot travel as one message: the client asked for more than fits."""
+    return InvalidRequest(
+        f"the response is {'at least ' if at_least else ''}{size} bytes, over the bus's message "
+        f"limit of {limit} bytes; ask for it with stream: true, or for fewer tokens, choices "
+        "or logprobs",
+        param="stream",
     )
 
 

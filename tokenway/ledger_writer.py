@@ -131,7 +131,8 @@ class LedgerWriter:
             self._waiting[self._next] = (round_, index)
             try:
                 await self._publish(subject, payload, f"{self._prefix}{self._next}", headers)
-            except ValueError as exc:  # not sent: this request cannot commit
+            except (ValueError, nats.errors.MaxPayloadError) as exc:  # not sent: only this
+                # request cannot commit
                 del self._waiting[self._next]
                 round_.answer(index, exc)
         if round_.left:

@@ -1,8 +1,8 @@
 """OpenAI request bodies (plus vLLM's common extras) as msgspec structs.
 
-Decoding validates: the ingress answers 400 on a body that does not decode, and the render
-stage decodes the same bytes again to build the tokenized request. Unknown fields are
-ignored, as vLLM and OpenAI do.
+Decoding validates (`decode_body`): the ingress answers 400 on a body that does not decode,
+and the render stage decodes the same bytes again to build the tokenized request. Unknown
+fields are ignored, as vLLM and OpenAI do.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from tokenway.errors import InvalidRequest
 from tokenway.wire import TokenId
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -139,5 +140,57 @@ class CompletionRequest(_Common, kw_only=True):
     add_special_tokens: bool = True
 
 
-ChatDecoder = msgspec.json.Decoder(ChatCompletionRequest)
-CompletionDecoder = msgspec.json.Decoder(CompletionRequest)
+# Lax, as vLLM's pydantic models are: `min_tokens: 0.0` or `"max_tokens": "5"` is taken
+# (a number with a fraction in an integer field still is not).
+ChatDecoder = msgspec.json.Decoder(ChatCompletionRequest, strict=False)
+CompletionDecoder = msgspec.json.Decoder(CompletionRequest, strict=False)
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+# How deep the free-form JSON of a request (tool schemas, template kwargs, KV transfer
+# parameters, response formats) may nest: far above any real schema, far below the depth
+# at which walking it (the chat template, a re-encoding) runs out of stack.
+MAX_DEPTH = 64
+
+
+def decode_body(api: str, body: bytes) -> OpenAIRequest:
+    """Validate an OpenAI body; a malformed one is the client's 400 (`InvalidRequest`)."""
+    try:
+        req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
+    except msgspec.ValidationError as exc:
+        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
+        raise InvalidRequest(f"invalid request: {exc}", param=param) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels") from None
+    for param, value in _free_form(req):
+        if _depth(value, MAX_DEPTH) > MAX_DEPTH:
+            raise InvalidRequest(f"{param} nests deeper than {MAX_DEPTH} levels", param=param)
+    return req
+
+
+def _free_form(req: OpenAIRequest) -> list[tuple[str, object]]:
+    fields: list[tuple[str, object]] = [("kv_transfer_params", req.kv_transfer_params)]
+    if isinstance(req, ChatCompletionRequest):
+        fields += [("chat_template_kwargs", req.chat_template_kwargs),
+                   ("response_format", req.response_format)]  # fmt: skip
+        fields += [(f"tools[{i}].function.parameters", t.function.parameters)
+                   for i, t in enumerate(req.tools or [])]  # fmt: skip
+        fields += [(f"messages[{i}].tool_calls", m.tool_calls)
+                   for i, m in enumerate(req.messages) if m.tool_calls]  # fmt: skip
+    return fields
+
+
+def _depth(value: object, limit: int) -> int:
+    """How deep `value` nests (a scalar: 0), counted no further than past `limit`."""
+    if limit < 0:
+        return 1
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, list | tuple):
+        items = value
+    elif isinstance(value, Struct):
+        items = [getattr(value, f) for f in value.__struct_fields__]
+    else:
+        return 0
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)

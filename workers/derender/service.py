@@ -11,7 +11,8 @@ from nats.aio.msg import Msg
 
 from tokenway import bus
 from tokenway.config import Settings
-from tokenway.wire import DerenderCall, DerenderReply, ErrorInfo
+from tokenway.errors import too_big_for_the_bus
+from tokenway.wire import DerenderCall, DerenderReply, DerenderResult, ErrorInfo
 from workers.derender.backend import DerenderBackend, derender_backend
 
 log = logging.getLogger(__name__)
@@ -20,8 +21,9 @@ _decoder = msgspec.msgpack.Decoder(DerenderCall)
 _encoder = msgspec.msgpack.Encoder()
 
 
-async def handle(backend: DerenderBackend, payload: bytes) -> bytes:
-    """One call: every entry derendered on its own, so one bad entry fails only itself."""
+async def handle(backend: DerenderBackend, payload: bytes, limit: int) -> bytes:
+    """One call: every entry derendered on its own, so one bad entry fails only itself; a
+    reply over the bus's `limit` drops its largest results for errors until it fits."""
     try:
         call = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -30,7 +32,27 @@ async def handle(backend: DerenderBackend, payload: bytes) -> bytes:
     for result in results:
         if result.error is not None and result.error.status >= 500:
             log.error("derender failed: %s", result.error.message)
-    return _encoder.encode(DerenderReply(results=results))
+    reply = _encoder.encode(DerenderReply(results=results))
+    if len(reply) > limit:
+        reply = _encoder.encode(DerenderReply(results=_shed(results, limit)))
+    return reply
+
+
+_REPLY_ROOM = 4096  # what a reply holds besides its results, and then some
+
+
+def _shed(results: list[DerenderResult], limit: int) -> list[DerenderResult]:
+    """The results with the largest ones made errors (the client asked for more than one
+    message carries) until the rest fit in `limit` bytes: no retry could answer them."""
+    sizes = [len(_encoder.encode(r)) for r in results]
+    total = sum(sizes) + _REPLY_ROOM
+    shed = list(results)
+    for i in sorted(range(len(results)), key=sizes.__getitem__, reverse=True):
+        if total <= limit:
+            break
+        shed[i] = DerenderResult(error=too_big_for_the_bus(sizes[i], limit).info())
+        total -= sizes[i]
+    return shed
 
 
 class DerenderService:
@@ -47,7 +69,7 @@ class DerenderService:
         )
 
         async def answer(msg: Msg) -> None:
-            await msg.respond(await handle(self.backend, msg.data))
+            await msg.respond(await handle(self.backend, msg.data, nc.max_payload))
 
         async with asyncio.TaskGroup() as calls:
             # nats-py runs a subscription's callbacks one at a time: calls that wait on a

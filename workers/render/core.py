@@ -11,16 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 from transformers import AutoTokenizer
 
 from tokenway.errors import InvalidRequest, ModelNotFound
 from tokenway.model import ModelInfo
 from tokenway.protocol import (
     ChatCompletionRequest,
-    ChatDecoder,
-    CompletionDecoder,
     CompletionRequest,
+    OpenAIRequest,
+    decode_body,
 )
 from tokenway.wire import (
     MAX_PROMPTS,
@@ -41,19 +40,6 @@ from workers.render.sampling import (
     requested_max_tokens,
     sampling_params,
 )
-
-OpenAIRequest = ChatCompletionRequest | CompletionRequest
-
-
-def decode_body(api: str, body: bytes) -> OpenAIRequest:
-    """Validate an OpenAI body; a malformed one is the client's 400."""
-    try:
-        return (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
-    except msgspec.ValidationError as exc:
-        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
-        raise InvalidRequest(f"invalid request: {exc}", param=param) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -6,7 +6,7 @@ import msgspec
 
 from tokenway.errors import InvalidRequest
 from tokenway.protocol import ChatCompletionRequest, CompletionRequest
-from tokenway.wire import SamplingParams
+from tokenway.wire import GenerateRequest, SamplingParams
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -109,3 +109,28 @@ def keep_output_fields(remote: SamplingParams, ours: SamplingParams) -> Sampling
     """A render server's sampling parameters (its generation-config defaults included), with
     the fields tokenway's own output stage acts on taken from tokenway's parse."""
     return msgspec.structs.replace(remote, **{name: getattr(ours, name) for name in OUTPUT_FIELDS})
+
+
+# What each output token adds to a whole (non-streaming) response at the least: a byte of
+# text, its ID listed when asked for, its logprob entry (the token, its number, an offset)
+# and every top candidate's.
+_LEAST_TEXT, _LEAST_ID, _LEAST_LOGPROB, _LEAST_CANDIDATE = 1, 2, 20, 15
+
+
+def _must(budget: int | None, params: SamplingParams) -> int:
+    """Tokens a choice generates whatever the model does: all of its budget without EOS."""
+    if params.ignore_eos:
+        return budget or 0
+    return min(params.min_tokens, budget) if budget else params.min_tokens
+
+
+def least_response_bytes(request: GenerateRequest) -> int:
+    """How big the request's whole response will be at the least: what its choices must
+    generate (`min_tokens`, or `max_tokens` with `ignore_eos`) times the least per token."""
+    params, ctx = request.sampling_params, request.context
+    budgets = [p.max_tokens or params.max_tokens for p in request.prompts or ()]
+    must = sum(_must(b, params) for b in budgets or [params.max_tokens])
+    per_token = _LEAST_TEXT + _LEAST_ID * ctx.return_token_ids
+    if ctx.logprobs is not None:
+        per_token += _LEAST_LOGPROB + _LEAST_CANDIDATE * ctx.logprobs
+    return max(params.n, 1) * must * per_token

@@ -14,12 +14,19 @@ from nats.js import JetStreamContext
 
 from tokenway import bus, ledger
 from tokenway.config import Settings
-from tokenway.errors import DeadlineExceeded, InvalidRequest, TokenwayError, internal
+from tokenway.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    TokenwayError,
+    internal,
+    too_big_for_the_bus,
+)
 from tokenway.model import ModelInfo
 from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
 from tokenway.worker import consume, enqueue
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
+from workers.render.sampling import least_response_bytes
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +96,10 @@ class RenderService:
         who: ledger.Identity,
         generate: GenerateRequest,
     ) -> None:
+        if not generate.context.stream:  # a whole response travels as one message
+            least = least_response_bytes(generate)
+            if least > self.max_payload:
+                raise too_big_for_the_bus(least, self.max_payload, at_least=True)
         payload = _encoder.encode(generate)
         try:
             await enqueue(

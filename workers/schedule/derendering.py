@@ -24,7 +24,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from tokenway import bus
 from tokenway.config import Settings
-from tokenway.errors import StageTimeout, StageUnavailable
+from tokenway.errors import StageTimeout, StageUnavailable, too_big_for_the_bus
 from tokenway.wire import DerenderCall, DerenderEntry, DerenderReply, DerenderResult
 from workers.derender.backend import DerenderBackend, LocalBackend
 
@@ -110,12 +110,9 @@ class Pool:
             for i, e in enumerate(entries)
         ]
         groups = list(dict.fromkeys(keys))
-        if len(groups) == 1:
+        if len(groups) == 1:  # one response's output: more than the client may ask for here
             assert self.nc is not None
-            error = StageUnavailable(
-                f"a derender call of {size} bytes exceeds the bus payload limit of "
-                f"{self.nc.max_payload} bytes"
-            ).info()
+            error = too_big_for_the_bus(size, self.nc.max_payload).info()
             return [DerenderResult(error=error) for _ in entries]
         first = set(groups[: len(groups) // 2])
         ones = [i for i, k in enumerate(keys) if k in first]

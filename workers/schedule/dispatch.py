@@ -39,7 +39,14 @@ from tokenway.errors import (
 )
 from tokenway.obfuscation import ObfuscationError, Permutation
 from tokenway.registry import EngineRegistry
-from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
+from tokenway.wire import (
+    EngineAbort,
+    EngineInfo,
+    EngineReply,
+    EngineWork,
+    GenerateRequest,
+    SamplingParams,
+)
 from workers.schedule import affinity, routing
 from workers.schedule.breaker import Breakers
 from workers.schedule.owned import Owned
@@ -62,7 +69,23 @@ _reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
 def cost(r: Owned) -> int:
     """Tokens the live attempt may hold on the engine that decodes it."""
-    return len(r.prompt) + (r.params.max_tokens or 0) * max(r.params.n, 1)
+    return request_cost(r.prompt, r.params)
+
+
+def request_cost(prompt: list[int], params: SamplingParams) -> int:
+    return len(prompt) + (params.max_tokens or 0) * max(params.n, 1)
+
+
+class NeverFits(InvalidRequest):
+    """No engine could ever hold the request, however idle: the client's 400."""
+
+
+def _fanout_never_fits(engines: list[EngineInfo], request: GenerateRequest) -> str | None:
+    params, prompts = request.sampling_params, request.prompts or []
+    costs = [request_cost(p.token_ids, params if p.max_tokens is None else
+                          msgspec.structs.replace(params, max_tokens=p.max_tokens))
+             for p in prompts]  # fmt: skip
+    return routing.never_fit_together(engines, costs, max(params.n, 1))
 
 
 @dataclass(frozen=True)
@@ -113,6 +136,12 @@ class Dispatcher:
         # With only incompatible engines, their room still lets requests in, so that each
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
         return routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
+
+    def never_fit_together(self, request: GenerateRequest) -> str | None:
+        """Why the live engines could never hold every prompt of a multi-prompt request at
+        once (its merge waits for all of them to begin): refused up front, not after a
+        deadline's worth of the engines' time."""
+        return _fanout_never_fits(self._matching(self.registry.alive()), request)
 
     def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
         return [e for e in engines if e.obfuscation == self.fingerprint]
@@ -260,20 +289,15 @@ class Dispatcher:
             return None
         try:
             return self._plan(r, others, hashes, now)
-        except EngineFailed:  # too small without the failed ones: they decide
+        except NeverFits:  # too small without the failed ones: they decide
             return None
 
     def _plan(
         self, r: Owned, engines: list[EngineInfo], hashes: list[int], now: float
     ) -> Plan | None:
-        need = cost(r)
-        if engines and all(need > e.max_tokens for e in engines):
-            biggest = max(e.max_tokens for e in engines)
-            raise EngineFailed(
-                f"the request needs {need} tokens of engine budget; "
-                f"the largest engine has {biggest}"
-            )
-        n = len(r.choices)
+        need, n = cost(r), len(r.choices)
+        if why := routing.never_fits(engines, need, n):
+            raise NeverFits(f"{why}: ask for fewer max_tokens or a smaller n", param="max_tokens")
         prefill = routing.pick(engines, self.seqs, self.tokens, len(r.prompt), 1, "prefill")
         decode = routing.pick(engines, self.seqs, self.tokens, need, n, "decode")
         if prefill is not None and decode is not None:

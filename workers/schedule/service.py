@@ -22,6 +22,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -37,6 +38,7 @@ from tokenway.errors import (
     StageUnavailable,
     Unavailable,
     internal,
+    too_big_for_the_bus,
 )
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
@@ -208,6 +210,12 @@ class ScheduleService:
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
         if request.prompts and self.fanout is not None:  # one sub-request per prompt
+            assert self.dispatcher is not None
+            if why := self.dispatcher.never_fit_together(request):
+                refused = InvalidRequest(why, param="prompt").info()
+                await ledger.publish_error(self._nc, who.reply, rid, 1, refused, tenant=who.tenant)
+                await msg.ack()
+                return
             await self.fanout.take(msg, who, deadline, request)
             return
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
@@ -501,14 +509,18 @@ class ScheduleService:
         )  # fmt: skip
         return bus.out_subject(r.reply, r.rid), payload, hdrs
 
-    @staticmethod
-    def _committed(r: Owned, pub: Publication, outcome: ledger_writer.Outcome) -> Delivered | None:
+    def _committed(
+        self, r: Owned, pub: Publication, outcome: ledger_writer.Outcome
+    ) -> Delivered | None:
         """Advance the request past a stored publication (what to deliver of it), or end it
         with why it was not stored."""
         choice, res, kind, payload, tokens = pub
         if isinstance(outcome, APIError) and ledger.superseded(outcome):
             log.warning("request %s is owned elsewhere now; letting it go", r.rid)
             r.supersede()
+            return None
+        if isinstance(outcome, MaxPayloadError):
+            r.fail(too_big_for_the_bus(len(payload), self._nc.max_payload).info())
             return None
         if isinstance(outcome, BaseException):
             r.fail(StageUnavailable(f"could not commit output: {outcome!r}").info())

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tests.workers.derender.texts import END_THINK, THINK, encode
-from tokenway.protocol import ChatCompletionRequest
+from tokenway.protocol import ChatCompletionRequest, decode_body
 from tokenway.wire import ReasoningStart
 from workers.derender import reasoning
 from workers.derender.detok import Detokenizer, seed
 from workers.derender.reasoning import END, PARSERS, START, ReasoningState
 from workers.render.chat import apply_template
-from workers.render.core import Renderer, decode_body
+from workers.render.core import Renderer
 
 PROPERTY = settings(max_examples=150, deadline=None)
 VOCAB = {START: THINK, END: END_THINK}

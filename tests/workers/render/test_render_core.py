@@ -11,10 +11,10 @@ from transformers import AutoTokenizer
 
 from tokenway.errors import InvalidRequest, ModelNotFound
 from tokenway.model import DEFAULT_CONTEXT_LENGTH, load_model_info
-from tokenway.protocol import ChatCompletionRequest, CompletionRequest
+from tokenway.protocol import MAX_DEPTH, ChatCompletionRequest, CompletionRequest, decode_body
 from tokenway.wire import Api, GenerateRequest, RenderRequest
 from workers.derender.detok import SEED_TOKENS
-from workers.render.core import Renderer, decode_body
+from workers.render.core import Renderer
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 128803, 128804, 128821, 128822
 VOCAB = 129280
@@ -368,3 +368,43 @@ def test_stops_and_logprobs_reach_the_engine_and_the_output_context(renderer: Re
     assert plain.context.logprobs == 0  # the sampled token only
     completion = render(renderer, "completion", prompt="Hi", logprobs=2, stop=".")
     assert completion.context.logprobs == 2 and completion.context.stop == ["."]
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["chat_template_kwargs", "kv_transfer_params", "response_format", "tools"],
+)
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 5000])
+def test_json_nested_too_deep_is_invalid_request_naming_the_field(field: str, depth: int) -> None:
+    """Deep nesting was a RecursionError (a 500) in decoding, the template or re-encoding."""
+    with pytest.raises(InvalidRequest, match="nests deeper than"):
+        decode_body("chat", deep_json(field, depth))
+
+
+def deep_json(field: str, depth: int) -> bytes:
+    """A chat body with `field` nesting `depth` deep (deeper than Python's json writes)."""
+    inner = '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)
+    if field == "tools":
+        inner = f'[{{"type":"function","function":{{"name":"f","parameters":{inner}}}}}]'
+    return f'{{"messages":[{{"role":"user","content":"hi"}}],"{field}":{inner}}}'.encode()
+
+
+def test_json_nested_as_deep_as_allowed_decodes() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": _nested(MAX_DEPTH)}  # fmt: skip
+    assert decode_body("chat", json.dumps(body).encode()).chat_template_kwargs
+
+
+def test_integer_fields_take_what_vllm_takes() -> None:
+    """vLLM's pydantic models are lax: an integral float or a numeric string is an int."""
+    req = decode_body("completion", b'{"prompt": "hi", "min_tokens": 0.0, "max_tokens": "5"}')
+    assert (req.min_tokens, req.max_tokens) == (0, 5)
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        decode_body("completion", b'{"prompt": "hi", "min_tokens": 0.5}')

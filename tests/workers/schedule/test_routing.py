@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from tokenway.wire import EngineInfo, Role
-from workers.schedule.routing import free_slots, load, pick
+from workers.schedule.routing import free_slots, load, never_fit_together, never_fits, pick
 
 
 def engine(
-    id: str, max_seqs: int = 10, running: int = 0, waiting: int = 0, role: Role = "union"
+    id: str,
+    max_seqs: int = 10,
+    running: int = 0,
+    waiting: int = 0,
+    role: Role = "union",
+    max_tokens: int = 1 << 20,
 ) -> EngineInfo:
-    return EngineInfo(
-        id=id, model="m", role=role, max_seqs=max_seqs, running=running, waiting=waiting
-    )
+    return EngineInfo(id=id, model="m", role=role, max_seqs=max_seqs, running=running,
+                      waiting=waiting, max_tokens=max_tokens)  # fmt: skip
 
 
 def test_pick_prefers_the_least_loaded_engine_by_fraction_not_by_count() -> None:
@@ -90,3 +94,22 @@ def test_free_slots_sums_free_capacity_of_union_engines() -> None:
     assert free_slots(engines, {"a": 9}, {}) == 6  # 1 + 5
     assert free_slots([], {}, {}) == 0
     assert free_slots(engines, {}, {"a": 1 << 20}) == 5  # a's token budget is spent
+
+
+def test_a_request_no_engine_could_ever_hold_is_told_why() -> None:
+    small, big = engine("a", max_seqs=4, max_tokens=1000), engine("b", max_seqs=2, max_tokens=5000)
+    assert never_fits([small, big], cost=4000, n=2) is None  # b, once idle
+    assert never_fits([small, big], cost=900, n=4) is None  # a
+    why = never_fits([small, big], cost=6000, n=1)
+    assert why is not None and "6000 tokens" in why and "5000 tokens and 4 sequences" in why
+    assert never_fits([small, big], cost=10, n=5) is not None  # too many sequences anywhere
+    assert never_fits([engine("p", role="prefill", max_tokens=10**9)], cost=10, n=1) is None
+    assert never_fits([], cost=10**9, n=1) is None  # nothing to judge by yet
+
+
+def test_prompts_that_could_never_run_at_once_are_told_why() -> None:
+    engines = [engine("a", max_seqs=4, max_tokens=1000), engine("b", max_seqs=4, max_tokens=1000)]
+    assert never_fit_together(engines, [900, 900], n=4) is None
+    why = never_fit_together(engines, [900, 900, 900], n=1)
+    assert why is not None and "3 prompts need 2700 tokens" in why
+    assert never_fit_together(engines, [10, 10, 10], n=3) is not None  # 9 sequences > 8

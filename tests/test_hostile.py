@@ -1,0 +1,56 @@
+"""Hostile input is bounded and answered, and hurts nobody else: requests whose answers
+cannot travel, on a bus with a small message limit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import make_settings, nats_server, start_stack
+from tests.test_errors import assert_error
+
+LIMIT = 128 * 1024  # the bus's message limit here: a whole response above it cannot commit
+
+
+# The simulated engine here talks on to `max_tokens`, but nothing says it must: only the
+# answer shows the response to be too big.
+LOGPROBS = {"prompt": "hi", "n": 8, "max_tokens": 512, "logprobs": 5}
+# Small to send to derender (token IDs), too big to answer (their text and their IDs again).
+IDS = {"prompt": "hi", "n": 8, "max_tokens": 2048, "return_token_ids": True}
+# Certain to be too big before anything runs: no EOS, so every choice runs to max_tokens.
+CERTAIN = {**LOGPROBS, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    ("placement", "big"),
+    [("owner", LOGPROBS), ("pool", LOGPROBS), ("pool", IDS), ("owner", CERTAIN)],
+    ids=["owner-commit", "pool-call", "pool-reply", "up-front"],
+)
+async def test_a_response_too_big_for_the_bus_is_a_400_and_spares_the_others(
+    tmp_path: Path, placement: str, big: dict
+) -> None:
+    """n=128 × top_logprobs=20 once failed every request of its commit round with a 500
+    (owner) or was retried into a 504 two minutes later, derender busy all along (pool)."""
+    async with nats_server(tmp_path / "js", max_payload=LIMIT) as server:
+        settings = make_settings(
+            tmp_path, derender_placement=placement, request_timeout=30, sim_output_len=100_000,
+            served_model_name=f"small-bus-{placement}",
+        )  # fmt: skip
+        names = ["ingress", "render", "schedule", "sim", *(["derender"] * (placement == "pool"))]
+        stack = await start_stack(server.url, settings, names)
+        try:
+            small = {"prompt": "hi", "max_tokens": 4}
+            async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+                answers = await asyncio.gather(
+                    http.post("/v1/completions", json=big),
+                    *(http.post("/v1/completions", json=small) for _ in range(4)),
+                )
+            error = assert_error(answers[0], 400, "over the bus's message limit", "stream: true")
+            assert error["param"] == "stream"
+            assert ("is at least" in error["message"]) == (big is CERTAIN)  # before inference
+            assert [a.status_code for a in answers[1:]] == [200] * 4
+        finally:
+            await stack.close()
