@@ -189,13 +189,3 @@ async def test_a_request_no_engine_could_ever_hold_is_400_before_any_inference(
     error = assert_error(await post(stack, "/v1/completions", json=body), 400,
                          "tokens of engine budget", "largest engine holds")  # fmt: skip
     assert error["param"] == "max_tokens"
-
-
-async def test_prompts_that_could_never_run_at_once_are_400_up_front(stack: Stack) -> None:
-    """Many prompts × n: the merge would wait for all of them to begin, engines busy all along."""
-    engines = stack.ingress.registry.alive()
-    prompts = sum(e.max_seqs for e in engines) // 128 + 1
-    body = {"prompt": ["hi"] * prompts, "n": 128, "max_tokens": 2}
-    error = assert_error(await post(stack, "/v1/completions", json=body), 400,
-                         f"{prompts} prompts need", "send fewer prompts")  # fmt: skip
-    assert error["param"] == "prompt"

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from tokenway.config import Settings
 from tokenway.model import ModelInfo
-from tokenway.protocol import CompletionRequest
+from tokenway.protocol import CompletionRequest, OpenAIRequest
 from tokenway.wire import GenerateRequest, RenderRequest
 from workers.render.core import Renderer, RequestBuilder, completion_prompts
 from workers.render.parse import ParserFlags
@@ -43,12 +43,28 @@ class RenderBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
+# A body above this is tokenized in a thread: the fast tokenizer lets go of the GIL while
+# it works (seconds for a million-token prompt), so the event loop, and every stage
+# sharing it under `tokenway up` (engine heartbeats, streams), goes on meanwhile.
+THREAD_ABOVE_BYTES = 64 * 1024
+
+
+async def prompt_ids(renderer: Renderer, req: OpenAIRequest, size: int) -> list[list[int]]:
+    """The request's prompt IDs, off the event loop for a body of `size` bytes that is big."""
+    if size > THREAD_ABOVE_BYTES:
+        return await asyncio.to_thread(renderer.prompt_ids, req)
+    return renderer.prompt_ids(req)
+
+
 class LocalBackend:
     def __init__(self, renderer: Renderer) -> None:
         self.renderer = renderer
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
-        return self.renderer.render(request)
+        builder = self.renderer.builder
+        req = builder.parse(request)
+        ids = await prompt_ids(self.renderer, req, len(request.body))
+        return builder.build(request, req, ids, self.renderer.vocab)
 
     async def aclose(self) -> None:
         pass
@@ -94,7 +110,8 @@ class VllmBackend:
         if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
             # vLLM's render route answers one prompt; several are tokenized here.
             local = await self._local_renderer()
-            return self.builder.build(request, req, local.prompt_ids(req), local.vocab)
+            ids = await prompt_ids(local, req, len(request.body))
+            return self.builder.build(request, req, ids, local.vocab)
         try:
             prompt = await self.client.render(request.api, request.body)
         except RenderUnavailable as exc:
@@ -103,7 +120,8 @@ class VllmBackend:
                 "render server failed for %s (%s); rendering locally", request.request_id, exc
             )
             local = await self._local_renderer()
-            return self.builder.build(request, req, local.prompt_ids(req), local.vocab)
+            ids = await prompt_ids(local, req, len(request.body))
+            return self.builder.build(request, req, ids, local.vocab)
         return self.builder.build(
             request, req, [prompt.token_ids], self.vocab, prompt.sampling_params
         )

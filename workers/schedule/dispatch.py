@@ -44,8 +44,6 @@ from tokenway.wire import (
     EngineInfo,
     EngineReply,
     EngineWork,
-    GenerateRequest,
-    SamplingParams,
 )
 from workers.schedule import affinity, routing
 from workers.schedule.breaker import Breakers
@@ -69,23 +67,11 @@ _reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
 def cost(r: Owned) -> int:
     """Tokens the live attempt may hold on the engine that decodes it."""
-    return request_cost(r.prompt, r.params)
-
-
-def request_cost(prompt: list[int], params: SamplingParams) -> int:
-    return len(prompt) + (params.max_tokens or 0) * max(params.n, 1)
+    return len(r.prompt) + (r.params.max_tokens or 0) * max(r.params.n, 1)
 
 
 class NeverFits(InvalidRequest):
     """No engine could ever hold the request, however idle: the client's 400."""
-
-
-def _fanout_never_fits(engines: list[EngineInfo], request: GenerateRequest) -> str | None:
-    params, prompts = request.sampling_params, request.prompts or []
-    costs = [request_cost(p.token_ids, params if p.max_tokens is None else
-                          msgspec.structs.replace(params, max_tokens=p.max_tokens))
-             for p in prompts]  # fmt: skip
-    return routing.never_fit_together(engines, costs, max(params.n, 1))
 
 
 @dataclass(frozen=True)
@@ -136,12 +122,6 @@ class Dispatcher:
         # With only incompatible engines, their room still lets requests in, so that each
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
         return routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
-
-    def never_fit_together(self, request: GenerateRequest) -> str | None:
-        """Why the live engines could never hold every prompt of a multi-prompt request at
-        once (its merge waits for all of them to begin): refused up front, not after a
-        deadline's worth of the engines' time."""
-        return _fanout_never_fits(self._matching(self.registry.alive()), request)
 
     def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
         return [e for e in engines if e.obfuscation == self.fingerprint]

@@ -65,15 +65,3 @@ def never_fits(engines: Iterable[EngineInfo], cost: int, n: int) -> str | None:
     tokens, seqs = max(e.max_tokens for e in out), max(e.max_seqs for e in out)
     return (f"the request needs {cost} tokens of engine budget for {n} sequences; the "
             f"largest engine holds {tokens} tokens and {seqs} sequences")  # fmt: skip
-
-
-def never_fit_together(engines: Iterable[EngineInfo], costs: list[int], n: int) -> str | None:
-    """Why the output engines could never hold every one of `costs` (`n` sequences each)
-    at once, all of them idle; None when they could (or no engine is known yet)."""
-    out = [e for e in engines if e.role in OUTPUT_ROLES]
-    tokens, seqs = sum(e.max_tokens for e in out), sum(e.max_seqs for e in out)
-    if not out or (sum(costs) <= tokens and len(costs) * n <= seqs):
-        return None
-    return (f"the request's {len(costs)} prompts need {sum(costs)} tokens of engine budget "
-            f"for {len(costs) * n} sequences at once; the engines hold {tokens} tokens and "
-            f"{seqs} sequences in all: send fewer prompts per request")  # fmt: skip

@@ -210,12 +210,6 @@ class ScheduleService:
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
         if request.prompts and self.fanout is not None:  # one sub-request per prompt
-            assert self.dispatcher is not None
-            if why := self.dispatcher.never_fit_together(request):
-                refused = InvalidRequest(why, param="prompt").info()
-                await ledger.publish_error(self._nc, who.reply, rid, 1, refused, tenant=who.tenant)
-                await msg.ack()
-                return
             await self.fanout.take(msg, who, deadline, request)
             return
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,16 @@ from transformers import AutoTokenizer
 
 from tokenway.errors import InvalidRequest, ModelNotFound
 from tokenway.model import DEFAULT_CONTEXT_LENGTH, load_model_info
-from tokenway.protocol import MAX_DEPTH, ChatCompletionRequest, CompletionRequest, decode_body
+from tokenway.protocol import (
+    MAX_DEPTH,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    decode_body,
+)
 from tokenway.wire import Api, GenerateRequest, RenderRequest
 from workers.derender.detok import SEED_TOKENS
+from workers.render.backend import LocalBackend
 from workers.render.core import Renderer
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 128803, 128804, 128821, 128822
@@ -408,3 +416,23 @@ def test_integer_fields_take_what_vllm_takes() -> None:
     assert (req.min_tokens, req.max_tokens) == (0, 5)
     with pytest.raises(InvalidRequest, match="min_tokens"):
         decode_body("completion", b'{"prompt": "hi", "min_tokens": 0.5}')
+
+
+@pytest.mark.parametrize(("words", "off_loop"), [(10, False), (20_000, True)])
+async def test_a_big_body_is_tokenized_off_the_event_loop(
+    renderer: Renderer, words: int, off_loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A million-token prompt tokenized on the loop held `tokenway up`'s every stage for
+    seconds (engine heartbeats lapsed); the tokenizer lets go of the GIL in a thread."""
+    threads: list[int] = []
+    tokenize = renderer.prompt_ids
+
+    def recording(req: OpenAIRequest) -> list[list[int]]:
+        threads.append(threading.get_ident())
+        return tokenize(req)
+
+    body = request("completion", prompt="word " * words)
+    expected = renderer.render(body).token_ids
+    monkeypatch.setattr(renderer, "prompt_ids", recording)
+    assert (await LocalBackend(renderer).render(body)).token_ids == expected
+    assert (threads != [threading.get_ident()]) == off_loop

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenway.wire import EngineInfo, Role
-from workers.schedule.routing import free_slots, load, never_fit_together, never_fits, pick
+from workers.schedule.routing import free_slots, load, never_fits, pick
 
 
 def engine(
@@ -105,11 +105,3 @@ def test_a_request_no_engine_could_ever_hold_is_told_why() -> None:
     assert never_fits([small, big], cost=10, n=5) is not None  # too many sequences anywhere
     assert never_fits([engine("p", role="prefill", max_tokens=10**9)], cost=10, n=1) is None
     assert never_fits([], cost=10**9, n=1) is None  # nothing to judge by yet
-
-
-def test_prompts_that_could_never_run_at_once_are_told_why() -> None:
-    engines = [engine("a", max_seqs=4, max_tokens=1000), engine("b", max_seqs=4, max_tokens=1000)]
-    assert never_fit_together(engines, [900, 900], n=4) is None
-    why = never_fit_together(engines, [900, 900, 900], n=1)
-    assert why is not None and "3 prompts need 2700 tokens" in why
-    assert never_fit_together(engines, [10, 10, 10], n=3) is not None  # 9 sequences > 8
