@@ -47,10 +47,6 @@ class ApiKeys:
     tenants: dict[bytes, str]  # SHA-256 of a key → its tenant; empty: no key is required
     open_paths: frozenset[str] = ALWAYS_OPEN
 
-    @property
-    def required(self) -> bool:
-        return bool(self.tenants)
-
     def tenant(self, path: str, authorization: bytes) -> str:
         """The request's tenant ("" where no key is asked for); `Unauthorized` otherwise."""
         if not self.tenants or path in self.open_paths:

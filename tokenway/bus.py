@@ -267,8 +267,8 @@ async def connect(
     options = connect_options(settings) if settings is not None else {}
     last: list[BaseException] = []
     shown = redacted(url)
-    refused = asyncio.Event()
-    why: list[BaseException] = []  # the refusal itself (a reset may follow it)
+    # The server's refusal of our credentials, when it comes (a reset may follow it).
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def failed(exc: Exception) -> None:  # nats-py would log a traceback each time
         last[:] = [exc]
@@ -276,9 +276,8 @@ async def connect(
             log.warning("%s: NATS error (%s): %r", name, shown, exc)
             return
         log.warning("%s cannot reach NATS (%s): %r", name, shown, exc)
-        if _refusal(exc) and not refused.is_set():
-            why.append(exc)
-            refused.set()
+        if _refusal(exc) and not refused.done():
+            refused.set_result(exc)
 
     attempt = asyncio.ensure_future(
         nats.connect(
@@ -294,24 +293,24 @@ async def connect(
             **options,
         )
     )
-    rejection = asyncio.ensure_future(refused.wait())
-    waits: set[asyncio.Future[object]] = {attempt, rejection}
+    waits: set[asyncio.Future[object]] = {attempt, refused}
     stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
     if stopping is not None:
         waits.add(stopping)
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for waiter in (stopping, rejection):
-            if waiter is not None:
-                waiter.cancel()
+        if stopping is not None:
+            stopping.cancel()
     if attempt.done():
         return attempt.result()
     attempt.cancel()
     if stop is not None and stop.is_set():
         raise CannotStart(f"stopped while connecting to NATS at {shown}")
-    if refused.is_set():
-        raise CannotStart(f"NATS at {shown} refused this process's credentials: {why[0]!r}")
+    if refused.done():
+        raise CannotStart(
+            f"NATS at {shown} refused this process's credentials: {refused.result()!r}"
+        )
     cause = f" (last error: {last[0]!r})" if last else ""
     raise CannotStart(f"cannot reach NATS at {shown} within {timeout:g}s{cause}")
 

@@ -19,13 +19,13 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
 # Secrets: an empty variable is a deployment whose secret went missing, which must refuse
 # to start, never run as if obfuscation or API keys were off. An empty `open_routes` opens
 # nothing.
-_NATS_CREDENTIALS = (
+NATS_CREDENTIALS = (
     "nats_user", "nats_password", "nats_password_file", "nats_token", "nats_token_file",
     "nats_nkey_file", "nats_creds", "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
 )  # fmt: skip
 _EMPTY_IS_SET = frozenset(
     {"obfuscation_key", "obfuscation_key_file", "api_key", "api_key_file", "open_routes",
-     *_NATS_CREDENTIALS}
+     *NATS_CREDENTIALS}
 )  # fmt: skip
 
 PositiveFloat = Annotated[float, Meta(gt=0)]

@@ -12,12 +12,12 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from tokenway.config import Settings
+from tokenway.config import ENV_PREFIX, Settings
 from tokenway.errors import CannotStart
 
 
 def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')} (TOKENWAY_{name.upper()})"
+    return f"--{name.replace('_', '-')} ({ENV_PREFIX}{name.upper()})"
 
 
 def _secret(s: Settings, name: str) -> str | None:

@@ -242,8 +242,8 @@ class Identity:
     deadline: float | None = None
     tenant: str = ""  # "" where the ingress asks for no key
 
-    def headers(self, msg_id: str | None = None) -> dict[str, str]:
-        hdrs = {h.MSG_ID: msg_id or self.rid, h.RID: self.rid, h.REPLY: self.reply}
+    def headers(self) -> dict[str, str]:
+        hdrs = {h.MSG_ID: self.rid, h.RID: self.rid, h.REPLY: self.reply}
         if self.deadline is not None:
             hdrs[h.DEADLINE] = f"{self.deadline:.3f}"
         if self.tenant:

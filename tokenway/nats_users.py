@@ -18,7 +18,7 @@ import msgspec
 import nkeys
 
 from tokenway import bus
-from tokenway.config import Settings
+from tokenway.config import NATS_CREDENTIALS, Settings
 from tokenway.roles import roles, server_users
 
 AUTH_FILE = "auth.conf"
@@ -60,20 +60,21 @@ class NatsUsers:
             (directory / f"{role.name}.env").write_text(f"# {role.name}: {role.does}\n{env}")
         return users
 
-    def env(self, role: str) -> dict[str, str]:
+    def _role(self, role: str) -> dict[str, object]:
         """The settings that make a process connect as `role`."""
         return {
             "nats_nkey_file": str(_seed_path(self.directory, role).resolve()),
             "nats_inbox_prefix": bus.inbox_prefix(role),
-            "provision": "true" if role == "provision" else "false",
+            "provision": role == "provision",
         }
 
+    def env(self, role: str) -> dict[str, str]:
+        """The same as environment variables' values."""
+        return {k: str(v).lower() if isinstance(v, bool) else str(v)
+                for k, v in self._role(role).items()}  # fmt: skip
+
     def settings(self, s: Settings, role: str) -> Settings:
-        """`s` as a process of `role` has it (no other NATS credential left in it)."""
-        changes: dict[str, object] = {name: None for name in _OTHER_CREDENTIALS}
-        changes.update(self.env(role), provision=role == "provision")
-        return msgspec.structs.replace(s, **changes)
-
-
-_OTHER_CREDENTIALS = ("nats_user", "nats_password", "nats_password_file", "nats_token",
-                      "nats_token_file", "nats_creds")  # fmt: skip
+        """`s` as a process of `role` has it: no other way to authenticate left in it (TLS
+        stays, it goes with any of them)."""
+        others = {n: None for n in NATS_CREDENTIALS if not n.startswith("nats_tls_")}
+        return msgspec.structs.replace(s, **{**others, **self._role(role)})

@@ -39,12 +39,7 @@ from tokenway.errors import (
 )
 from tokenway.obfuscation import ObfuscationError, Permutation
 from tokenway.registry import EngineRegistry
-from tokenway.wire import (
-    EngineAbort,
-    EngineInfo,
-    EngineReply,
-    EngineWork,
-)
+from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
 from workers.schedule import affinity, routing
 from workers.schedule.breaker import Breakers
 from workers.schedule.owned import Owned
