@@ -7,8 +7,11 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
@@ -27,6 +30,7 @@ from ingress.completions import (
 )
 from ingress.ledger_read import LedgerRead, LedgerReader
 from ingress.metrics import Metrics
+from ingress.openapi import with_completions
 from ingress.router import OutputRouter, SseWriter
 from tokenway import bus
 from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
@@ -60,9 +64,17 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
     metrics = Metrics()
     completions = Completions(
         ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry, ctx.draining,
-        ctx.max_request_bytes, ctx.body_timeout,
+        ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits,
     )  # fmt: skip
-    app = FastAPI(title="tokenway", docs_url=None, redoc_url=None)
+    app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            routes = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = with_completions(routes, _RID.pattern)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     js = ctx.nc.jetstream()
 
     async def streams_present() -> bool:

@@ -1,11 +1,13 @@
 """API keys: which tenant a request is made for, or why it is refused.
 
 Keys come from `--api-key` / `TOKENWAY_API_KEY` (comma-separated, tenant `default`) and
-from `--api-key-file` (`TENANT KEY` per line). Only their SHA-256 digests are kept: a key
-is found by the digest of what the client sent, so how long a wrong guess takes to fail
-depends on its digest, which tells nothing about any key's bytes (no prefix can be learnt
-byte by byte, the attack a plain `==` allows). No key, nor any line of the file, is ever
-put in a message or a log.
+from `--api-key-file` (`TENANT KEY [concurrent=N] [tokens_per_minute=N]` per line; a
+tenant's limits, or else `--tenant-concurrency` / `--tenant-tokens-per-minute`, are shared by
+all its keys: a tenant does not get more by holding more keys). Only their SHA-256 digests
+are kept: a key is found by the digest of what the client sent, so how long a wrong guess
+takes to fail depends on its digest, which tells nothing about any key's bytes (no prefix
+can be learnt byte by byte, the attack a plain `==` allows). No key, nor any line of the
+file, is ever put in a message or a log.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import hashlib
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenway.errors import TokenwayError
+from tokenway.tenancy import Limits
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,9 @@ TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 WEAK_KEY_CHARS = 16
 ALWAYS_OPEN = frozenset({"/health"})  # liveness probes carry no key
 OPTIONAL_OPEN = {"ready": "/ready", "metrics": "/metrics"}
+
+
+_NO_LIMITS = Limits()
 
 
 class Unauthorized(TokenwayError):
@@ -46,6 +52,7 @@ def _digest(key: bytes) -> bytes:
 class ApiKeys:
     tenants: dict[bytes, str]  # SHA-256 of a key → its tenant; empty: no key is required
     open_paths: frozenset[str] = ALWAYS_OPEN
+    limits: dict[str, Limits] = field(default_factory=dict)  # tenant → its limits, if any
 
     def tenant(self, path: str, authorization: bytes) -> str:
         """The request's tenant ("" where no key is asked for); `Unauthorized` otherwise."""
@@ -61,16 +68,26 @@ class ApiKeys:
         return tenant
 
     @classmethod
-    def load(cls, keys: str | None, key_file: str | None, open_routes: str) -> ApiKeys:
+    def load(
+        cls,
+        keys: str | None,
+        key_file: str | None,
+        open_routes: str,
+        default_limits: Limits = _NO_LIMITS,
+    ) -> ApiKeys:
         """From the settings; ValueError (naming the flag, never a key) when they are unusable."""
-        pairs = [(DEFAULT_TENANT, k.strip(), "--api-key") for k in (keys or "").split(",")]
-        if keys is not None and not any(k for _, k, _ in pairs):
+        pairs = [(DEFAULT_TENANT, k.strip(), "--api-key", None) for k in (keys or "").split(",")]
+        if keys is not None and not any(p[1] for p in pairs):
             raise ValueError("--api-key (or TOKENWAY_API_KEY) is set but holds no key")
         pairs = [p for p in pairs if p[1]]
         if key_file is not None:
             pairs += _read_key_file(key_file)
         tenants: dict[bytes, str] = {}
-        for tenant, key, where in pairs:
+        own: dict[str, Limits] = {}
+        for tenant, key, where, limits in pairs:
+            if limits is not None and own.setdefault(tenant, limits) != limits:
+                raise ValueError(f"{where}: tenant {tenant} is given other limits on another "
+                                 "line; give them once, or the same on every line")  # fmt: skip
             digest = _digest(key.encode())
             if tenants.setdefault(digest, tenant) != tenant:
                 raise ValueError(f"{where}: a key is given to two tenants, {tenants[digest]} "
@@ -79,7 +96,10 @@ class ApiKeys:
                 log.warning("%s: a key of tenant %s has %d characters; use %d or more "
                             "(e.g. `openssl rand -hex 24`)", where, tenant, len(key),
                             WEAK_KEY_CHARS)  # fmt: skip
-        return cls(tenants, ALWAYS_OPEN | _open_paths(open_routes))
+        limits = {t: own.get(t, default_limits) for t in set(tenants.values())}
+        return cls(
+            tenants, ALWAYS_OPEN | _open_paths(open_routes), {t: x for t, x in limits.items() if x}
+        )
 
 
 def _open_paths(open_routes: str) -> frozenset[str]:
@@ -91,7 +111,7 @@ def _open_paths(open_routes: str) -> frozenset[str]:
     return frozenset(OPTIONAL_OPEN[n] for n in names)
 
 
-def _read_key_file(key_file: str) -> Iterable[tuple[str, str, str]]:
+def _read_key_file(key_file: str) -> Iterable[tuple[str, str, str, Limits | None]]:
     path = Path(key_file).expanduser()
     try:
         text = path.read_text()
@@ -103,11 +123,25 @@ def _read_key_file(key_file: str) -> Iterable[tuple[str, str, str]]:
         if not fields or fields[0].startswith("#"):
             continue
         where = f"--api-key-file {path} line {number}"
-        if len(fields) != 2 or not TENANT.fullmatch(fields[0]):
+        if len(fields) < 2 or not TENANT.fullmatch(fields[0]):
             # The line may hold a key: say what is wrong without showing it.
             raise ValueError(f"{where}: expected `TENANT KEY` (a tenant name of letters, "
                              "digits, '_' and '-', up to 64; one key without spaces)")  # fmt: skip
-        found.append((fields[0], fields[1], where))
+        limits = _limits(fields[2:], where) if fields[2:] else None
+        found.append((fields[0], fields[1], where, limits))
     if not found:
         raise ValueError(f"--api-key-file {path} holds no key")
     return found
+
+
+def _limits(fields: list[str], where: str) -> Limits:
+    """`concurrent=N tokens_per_minute=N` (either, both; 0 is no limit)."""
+    values: dict[str, int] = {}
+    for f in fields:
+        name, _, value = f.partition("=")
+        if name not in Limits.__struct_fields__ or not value.isdigit():
+            # Not echoed: a mistyped line may hold a second key.
+            raise ValueError(f"{where}: after the key, expected limits as concurrent=N "
+                             "and/or tokens_per_minute=N only")  # fmt: skip
+        values[name] = int(value)
+    return Limits(**values)

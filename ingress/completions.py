@@ -40,6 +40,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.protocol import decode_body
+from tokenway.tenancy import Limits
 from tokenway.wire import Api, ErrorInfo, RenderRequest
 from tokenway.worker import enqueue
 
@@ -53,7 +54,7 @@ ROUTES: dict[str, Api] = {"/v1/chat/completions": "chat", "/v1/completions": "co
 CLIENT_CLOSED = 499  # nginx's "client closed request"
 EVENT_IDS_HEADER = "x-tokenway-event-ids"
 _EVENT_IDS = EVENT_IDS_HEADER.encode()
-_YES, _NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+YES, NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}  # event ids or not
 _JSON = b"application/json"
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -65,11 +66,11 @@ _encoder = msgspec.msgpack.Encoder()
 def event_ids(value: str) -> bool:
     """Whether the client asked for `id:` lines in its stream (`X-Tokenway-Event-Ids: 1`)."""
     value = value.strip().lower()
-    if value not in _YES | _NO:
+    if value not in YES | NO:
         raise InvalidRequest(
             f"X-Tokenway-Event-Ids must be 1/true/yes/on or 0/false/no/off, got {value!r}"
         )
-    return value in _YES
+    return value in YES
 
 
 @dataclass
@@ -82,13 +83,16 @@ class Reply:
 
     @classmethod
     def error(cls, info: ErrorInfo, *headers: tuple[bytes, bytes]) -> Reply:
-        return cls.failed(info.status, error_body(info), *headers)
+        return cls.failed(info.status, error_body(info), info.retry_after, *headers)
 
     @classmethod
-    def failed(cls, status: int, body: bytes, *headers: tuple[bytes, bytes]) -> Reply:
-        """An error body; a refusal that may pass (429, 503) says when to ask again."""
+    def failed(
+        cls, status: int, body: bytes, retry_after: int = 0, *headers: tuple[bytes, bytes]
+    ) -> Reply:
+        """An error body; a refusal that may pass (429, 503) says when to ask again (in a
+        second, unless whoever refused knows better)."""
         if status in (429, 503):
-            headers += ((b"retry-after", b"1"),)
+            headers += ((b"retry-after", b"%d" % (retry_after or 1)),)
         return cls(status, body, headers)
 
     async def send(self, send: Send) -> None:
@@ -156,6 +160,7 @@ class Completions:
     draining: asyncio.Event
     max_request_bytes: int
     body_timeout: float
+    limits: dict[str, Limits]  # tenant → its limits, for render to enforce
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -229,7 +234,7 @@ class Completions:
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
             if first.kind == "error":
-                return Reply.failed(first.status, first.payload), first
+                return Reply.failed(first.status, first.payload, first.retry_after), first
             if not stream:
                 return Reply(200, first.payload), first
             return Stream(rid, slot, first, SseWriter(ids)), first
@@ -251,7 +256,7 @@ class Completions:
     async def _submit(self, api: Api, body: bytes, rid: str, tenant: str) -> None:
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
         who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
-                              tenant)  # fmt: skip
+                              tenant, self.limits.get(tenant))  # fmt: skip
         try:
             await enqueue(
                 self.js, "render", bus.render_subject(self.model), _encoder.encode(request),

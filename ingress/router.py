@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -33,31 +33,48 @@ log = logging.getLogger(__name__)
 # One committed ledger message of a request, as its readers get it.
 Event = Delivered
 _delivery = msgspec.msgpack.Decoder(Delivery)
+_REFILL_RETRY = 0.2  # seconds between reads of a spilled stream's ledger while NATS is away
 
 
 class Slot:
-    def __init__(self) -> None:
+    """`limit`: payload bytes it queues for a reader that fell behind. Past it, the slot
+    spills: it drops what is delivered live and, once its reader has taken what it holds,
+    reads the next events back from the ledger (`refill`), a limit's worth at a time, until
+    it has caught up. A slow client costs the ingress its limit, not its whole stream."""
+
+    def __init__(self, limit: int | None = None) -> None:
         self.events: deque[Event] = deque()
         self.arrived = asyncio.Event()
         self.last_seq = 0
         self.stream_seq = 0  # where reading the ledger back starts after
         self.abandoned = False  # its client left: waiting for more ends
+        self.limit = limit
+        self.queued = 0  # payload bytes in `events`
+        self.spilled = False  # over the limit: what follows is read back, not kept live
+        self.refill: Callable[[], Awaitable[None]] | None = None
 
     def put(self, event: Event) -> None:
-        if event.seq <= self.last_seq:
-            return  # a duplicate delivery of something already queued
+        if event.seq <= self.last_seq or self.spilled:
+            return  # a duplicate delivery of something already queued, or read back later
+        self.keep(event)
+
+    def keep(self, event: Event) -> None:
+        """Queue the event, spilled or not (a read-back, or the ingress's own last word)."""
         if event.seq != self.last_seq + 1:
             log.warning("gap in output: seq %d after %d", event.seq, self.last_seq)
         self.last_seq = event.seq
         self.stream_seq = max(self.stream_seq, event.stream_seq)
         self.events.append(event)
+        self.queued += len(event.payload)
+        if self.limit is not None and self.queued > self.limit:
+            self.spilled = True
         self.arrived.set()
 
     def cut(self, error: bytes) -> None:
         """Ends the stream here with `error` (an error body): its writer is going away."""
         event = Event(rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq,
                       payload=error, kind=h.KIND_ERROR, status=503)  # fmt: skip
-        self.put(event)
+        self.keep(event)
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -65,13 +82,20 @@ class Slot:
 
     async def _wait(self) -> None:
         while not self.events and not self.abandoned:
+            if self.spilled and self.refill is not None:
+                await self.refill()
+                continue
             self.arrived.clear()
             await self.arrived.wait()
 
     async def take_one(self) -> Event | None:
         """The next event; None once the slot is abandoned."""
         await self._wait()
-        return None if self.abandoned else self.events.popleft()
+        if self.abandoned:
+            return None
+        event = self.events.popleft()
+        self.queued -= len(event.payload)
+        return event
 
     async def take(self) -> list[Event]:
         """Everything queued, waiting for at least one; nothing once abandoned."""
@@ -80,13 +104,17 @@ class Slot:
             return []
         batch = list(self.events)
         self.events.clear()
+        self.queued = 0
         return batch
 
 
 class OutputRouter:
-    def __init__(self, nc: NATS, ingress_id: str) -> None:
+    """`slot_limit`: the byte limit of the slots it makes (`Slot`); None: unbounded."""
+
+    def __init__(self, nc: NATS, ingress_id: str, slot_limit: int | None = None) -> None:
         self.nc = nc
         self.ingress_id = ingress_id
+        self.slot_limit = slot_limit
         self.js = nc.jetstream()
         self.slots: dict[str, Slot] = {}
         self.idle = asyncio.Event()  # set while no request is open
@@ -110,7 +138,10 @@ class OutputRouter:
             await asyncio.gather(*self._background, return_exceptions=True)
 
     def open(self, rid: str, slot: Slot | None = None) -> Slot:
-        slot = self.slots[rid] = slot or Slot()
+        if slot is None:
+            slot = Slot(self.slot_limit)
+            slot.refill = lambda: self._refill(rid, slot)
+        self.slots[rid] = slot
         self.idle.clear()
         return slot
 
@@ -138,8 +169,8 @@ class OutputRouter:
             return
         for event in delivery.events:
             slot = self.slots.get(event.rid)
-            if slot is None:
-                continue  # the client already left
+            if slot is None or slot.spilled:
+                continue  # the client already left, or it is read back when taken
             if event.seq > slot.last_seq + 1:  # delivered while we were away, or lost
                 await self._read_back(event.rid, slot, before=event.stream_seq)
             slot.put(event)
@@ -158,8 +189,29 @@ class OutputRouter:
                 event = event_of(rid, raw)
                 if event is not None:
                     slot.put(event)
+                if slot.spilled:
+                    return  # the rest when its reader takes what it holds
         except nats.errors.Error as exc:  # NATS away again: the next reconnect retries
             log.warning("could not read %s back from the ledger: %r", rid, exc)
+
+    async def _refill(self, rid: str, slot: Slot) -> None:
+        """A spilled slot's reader took all it held: the next events from the ledger, up to
+        its limit. At the ledger's end the slot takes live events again, and reads once
+        more what was stored (and dropped) while it read."""
+        subject = bus.out_subject(self.ingress_id, rid)
+        try:
+            async for raw in ledger.stored(self.js, subject, slot.stream_seq):
+                event = event_of(rid, raw)
+                if event is not None and event.seq > slot.last_seq:
+                    slot.keep(event)
+                if slot.queued > (slot.limit or 0):
+                    return  # still spilled: the next part when this one is taken
+        except nats.errors.Error as exc:
+            log.warning("could not read %s back from the ledger: %r; trying again", rid, exc)
+            await asyncio.sleep(_REFILL_RETRY)
+            return
+        slot.spilled = False
+        await self._read_back(rid, slot)
 
 
 def event_of(rid: str, msg: Msg | RawStreamMsg) -> Event | None:

@@ -19,6 +19,7 @@ from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
 from tokenway.model import ModelInfo
 from tokenway.registry import EngineRegistry
+from tokenway.tenancy import Limits
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,11 @@ class IngressService:
     def __init__(self, settings: Settings, model: ModelInfo, served_model_name: str) -> None:
         self.settings = settings
         # ValueError when the keys given are unusable: refuse to start rather than run open
-        self.keys = ApiKeys.load(settings.api_key, settings.api_key_file, settings.open_routes)
+        self.keys = ApiKeys.load(
+            settings.api_key, settings.api_key_file, settings.open_routes,
+            Limits(concurrent=settings.tenant_concurrency,
+                   tokens_per_minute=settings.tenant_tokens_per_minute),
+        )  # fmt: skip
         self.model = model
         self.served = served_model_name
         self.ingress_id = settings.resolved_ingress_id()
@@ -78,7 +83,7 @@ class IngressService:
         )  # fmt: skip
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         self.registry = registry = EngineRegistry(kv, self.served, self.settings.engine_ttl)
-        self.router = router = OutputRouter(nc, self.ingress_id)
+        self.router = router = OutputRouter(nc, self.ingress_id, self.settings.stream_buffer_bytes)
         await router.start()
         ctx = IngressContext(
             nc=nc,

@@ -5,6 +5,7 @@ shutdown, then [DONE]; its schedule worker hands what it still owns to a peer at
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -35,7 +36,10 @@ async def stopped_mid_stream(
 ) -> Streamed:
     """A stack with `overrides`, told to stop once a stream of `tokens` has begun;
     `meanwhile(client, base URL)` runs once it drains. The stream as its client saw it."""
-    stack = await start_stack(nats_url, make_settings(tmp, **overrides), STAGES)
+    # A model of its own: on the session's bus, another stack's schedule worker would take
+    # over what this one hands over when it stops, and finish it within the drain.
+    settings = make_settings(tmp, served_model_name=f"drain-{uuid.uuid4().hex[:8]}", **overrides)
+    stack = await start_stack(nats_url, settings, STAGES)
     progress, out = Signal(), Streamed()
     async with httpx.AsyncClient(timeout=60) as http:
         streaming = asyncio.create_task(post(http, stack.url, body(tokens), out, progress))

@@ -4,12 +4,14 @@ cannot travel, on a bus with a small message limit."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
-from tests.conftest import make_settings, nats_server, start_stack
+from tests.conftest import Stack, make_settings, nats_server, start_stack
 from tests.test_errors import assert_error
 
 LIMIT = 128 * 1024  # the bus's message limit here: a whole response above it cannot commit
@@ -55,3 +57,40 @@ async def test_a_response_too_big_for_the_bus_is_a_400_and_spares_the_others(
             assert [a.status_code for a in answers[len(bigs) :]] == [200] * 4
         finally:
             await stack.close()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_slow_reader_costs_its_ingress_a_bounded_buffer_and_loses_nothing(
+    stack: Stack,
+) -> None:
+    """An ingress that holds one byte of output per stream: every event past the first is
+    read back from the ledger as the client takes what it holds, and the client gets the
+    same stream as from an ingress that keeps all of it."""
+    settings = msgspec.structs.replace(stack.settings, stream_buffer_bytes=1)
+    bounded = await start_stack(stack.settings.nats, settings, ["ingress"])
+    body = {"prompt": "hi", "n": 2, "max_tokens": 300, "ignore_eos": True, "seed": 7,
+            "stream": True, "logprobs": 2}  # fmt: skip
+
+    async def streamed(url: str) -> dict[int, tuple[str, list[str]]]:
+        """Each choice's text and finish reasons (how it is cut into chunks, and their order
+        among choices, are the engine's timing)."""
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as resp,
+        ):
+            lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        texts: dict[int, str] = {}
+        finishes: dict[int, list[str]] = {}
+        for line in lines[:-1]:
+            for c in json.loads(line[6:])["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                finishes.setdefault(c["index"], []).extend(filter(None, [c["finish_reason"]]))
+        return {i: (texts[i], finishes[i]) for i in sorted(texts)}
+
+    try:
+        whole, read_back = await asyncio.gather(streamed(stack.url), streamed(bounded.url))
+        assert read_back == whole
+        assert [finishes for _, finishes in whole.values()] == [["length"], ["length"]]
+    finally:
+        await bounded.close()

@@ -39,6 +39,7 @@ ATTACKS: dict[str, tuple[str, str, set[str]]] = {
     ),
     "forge a final response": ("pub", "tw.out.i0123.r0123", {"render", "schedule"}),
     "register a fake engine": ("pub", "$KV.tw-engines.fake", {"engine"}),
+    "free a tenant's slots": ("pub", "$KV.tw-tenants.acme", {"render", "schedule"}),
     "race a token delta": ("pub", "tw.tok.o0123", {"engine"}),
     "call an engine": ("pub", "tw.engine.e0123.generate", {"schedule"}),
     "run free inference": ("pub", "tw.sched.deepseek-v4", {"render", "schedule", "ops"}),
@@ -107,11 +108,16 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
     guarded: str, users: NatsUsers, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    settings = make_settings(tmp_path, derender_placement="pool")
+    # A limited tenant: render admits by the tenants' bucket, the owners release in it.
+    key = "sk-limited-0123456789abcdef"
+    settings = make_settings(
+        tmp_path, derender_placement="pool", api_key=key, tenant_concurrency=4,
+        tenant_tokens_per_minute=10**6,
+    )  # fmt: skip
     names = ["ingress", "render", "schedule", "derender", "dlq", "sim"]
     stack = await start_stack(guarded, settings, names, users)
     try:
-        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
         chat = [{"role": "user", "content": "hi"}]
         text = ""
         async for chunk in await client.chat.completions.create(
@@ -128,7 +134,8 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
         )
         rid = raw.headers["x-request-id"]
         [_ async for _ in raw.parse()]
-        async with httpx.AsyncClient(base_url=stack.url) as http:  # the ingress reads TW_OUT
+        auth = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=stack.url, headers=auth) as http:  # reads TW_OUT
             resumed = await http.get(f"/v1/streams/{rid}")
         assert resumed.status_code == 200 and resumed.text.endswith("data: [DONE]\n\n")
     finally:
@@ -138,6 +145,7 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
     out, err = await proc.communicate()
     assert proc.returncode == 0 and out.startswith(b"ID "), err.decode()
     assert not _violations([r.getMessage() for r in caplog.records]), caplog.text
+    assert "stays until its deadline" not in caplog.text  # every lease was given back
 
 
 async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Path) -> None:

@@ -43,6 +43,9 @@ ADVISORY_STREAM = "TW_ADVISORIES"
 ENGINES_BUCKET = "tw-engines"
 ENGINES_STREAM = f"KV_{ENGINES_BUCKET}"  # the stream JetStream keeps the bucket in
 ENGINES_KEYS = f"$KV.{ENGINES_BUCKET}.>"  # where a bucket write is published
+TENANTS_BUCKET = "tw-tenants"  # each limited tenant's usage (`tokenway.tenancy`)
+TENANTS_STREAM = f"KV_{TENANTS_BUCKET}"
+TENANTS_KEYS = f"$KV.{TENANTS_BUCKET}.>"
 JS_API = "$JS.API"
 ANY = None  # in a subject function: every model (a wildcard), as permissions name them
 
@@ -404,15 +407,16 @@ async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> No
 
 
 async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
-    """Create or update every stream and the engine registry; safe to call from every process."""
+    """Create or update every stream and both buckets; safe to call from every process."""
     for spec in streams(s):
         await _ensure_stream(js, spec.config)
+    await tenants_kv(js, s)
     return await engines_kv(js, s)
 
 
 async def check_streams(js: JetStreamContext, s: Settings) -> None:
     """For a process that does not provision: every stream and the registry exist."""
-    for name in [spec.config.name for spec in streams(s)] + [ENGINES_STREAM]:
+    for name in [spec.config.name for spec in streams(s)] + [ENGINES_STREAM, TENANTS_STREAM]:
         try:
             await js.stream_info(name)
         except NotFoundError:
@@ -422,25 +426,39 @@ async def check_streams(js: JetStreamContext, s: Settings) -> None:
             ) from None
 
 
-async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
-    """The engine registry: bound as it is when it exists (whoever provisioned it set its
-    TTL; a process with another `engine_ttl` must not fail on that), created otherwise."""
+async def _bucket(js: JetStreamContext, config: jsapi.KeyValueConfig) -> KeyValue:
+    """A bucket bound as it is when it exists (whoever provisioned it chose its limits; a
+    process configured otherwise must not fail on that), created otherwise."""
     try:
-        return await js.key_value(ENGINES_BUCKET)
+        return await js.key_value(config.bucket)
     except BucketNotFoundError:
-        pass
-    # Limit markers make an expired heartbeat visible to watchers as a delete: no polling.
-    return await js.create_key_value(
-        jsapi.KeyValueConfig(
-            bucket=ENGINES_BUCKET,
-            history=1,
-            ttl=s.engine_ttl,
-            limit_marker_ttl=s.engine_ttl,
-            max_bytes=16 << 20,
-            storage=jsapi.StorageType.FILE,  # a server restart keeps the registry
-            replicas=s.replicas,
-        )
-    )
+        return await js.create_key_value(config)
+
+
+async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    """The engine registry. Limit markers make an expired heartbeat visible to watchers as
+    a delete: no polling."""
+    return await _bucket(js, jsapi.KeyValueConfig(
+        bucket=ENGINES_BUCKET,
+        history=1,
+        ttl=s.engine_ttl,
+        limit_marker_ttl=s.engine_ttl,
+        max_bytes=16 << 20,
+        storage=jsapi.StorageType.FILE,  # a server restart keeps the registry
+        replicas=s.replicas,
+    ))  # fmt: skip
+
+
+async def tenants_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    """Tenants' usage: one small record per limited tenant, read directly by any replica."""
+    return await _bucket(js, jsapi.KeyValueConfig(
+        bucket=TENANTS_BUCKET,
+        history=1,
+        max_bytes=64 << 20,
+        storage=jsapi.StorageType.FILE,  # a restart forgets no lease or spent budget
+        replicas=s.replicas,
+        direct=True,
+    ))  # fmt: skip
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:

@@ -382,6 +382,11 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-inflight", type=int, help="requests one schedule worker owns (1024)")
     g.add_argument(
+        "--decode-reserve", type=int,
+        help="engine tokens a sequence holds ahead of its output, charged again as it outgrows "
+        "them up to its max_tokens (1024): what flow control charges instead of max_tokens",
+    )  # fmt: skip
+    g.add_argument(
         "--engine-wait", type=float,
         help="seconds a request waits for an engine of its model to register before a 503 (10)",
     )  # fmt: skip
@@ -480,6 +485,11 @@ def _http(p: argparse.ArgumentParser) -> None:
         "--body-timeout", type=float,
         help="seconds a client has to send its whole request body; later, a 408 (30)",
     )  # fmt: skip
+    p.add_argument(
+        "--stream-buffer-bytes", type=int,
+        help="output bytes held for a stream whose client reads slowly; the rest is read back "
+        "from TW_OUT as it catches up (1048576)",
+    )  # fmt: skip
     g = p.add_argument_group("API keys (none given: the API is open)")
     g.add_argument(
         "--api-key", action="append",
@@ -487,8 +497,20 @@ def _http(p: argparse.ArgumentParser) -> None:
         "`default`); prefer TOKENWAY_API_KEY (comma-separated) or --api-key-file",
     )  # fmt: skip
     g.add_argument(
-        "--api-key-file", help="keys of several tenants, `TENANT KEY` per line (# comments)"
+        "--api-key-file",
+        help="keys of several tenants, `TENANT KEY [concurrent=N] [tokens_per_minute=N]` per "
+        "line (# comments); a tenant's limits are shared by all its keys and every ingress",
     )
+    g.add_argument(
+        "--tenant-concurrency", type=int,
+        help="requests a tenant may run at once where its key file sets no limit (default 0: "
+        "no limit); past it, a 429 with Retry-After",
+    )  # fmt: skip
+    g.add_argument(
+        "--tenant-tokens-per-minute", type=int,
+        help="tokens (prompt + max_tokens × n; no max_tokens: the context left) a tenant may "
+        "start per minute where its key file sets no limit (default 0: no limit)",
+    )  # fmt: skip
     g.add_argument(
         "--open-routes",
         help="routes served without a key besides /health: ready, metrics, both (default) or none",

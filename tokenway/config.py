@@ -30,6 +30,7 @@ _EMPTY_IS_SET = frozenset(
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
 
 
 def _default_data_dir(env: Mapping[str, str]) -> str:
@@ -93,10 +94,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
     body_timeout: PositiveFloat = 30.0  # a request body not all there by then: a 408
+    # output bytes an ingress holds for one stream whose client reads slower than it is made;
+    # past them, the rest is read back from TW_OUT as the client catches up
+    stream_buffer_bytes: PositiveInt = 1 << 20
     # API keys (secret: prefer the file or the env var to the flag). None of either: open.
     api_key: str | None = None  # comma-separated keys of the tenant "default"
-    api_key_file: str | None = None  # `TENANT KEY` per line
+    api_key_file: str | None = None  # `TENANT KEY [concurrent=N] [tokens_per_minute=N]` per line
     open_routes: str = "ready,metrics"  # served without a key, besides /health ("none")
+    # each tenant's limits where its key-file lines set none (0: no limit)
+    tenant_concurrency: NonNegativeInt = 0
+    tenant_tokens_per_minute: NonNegativeInt = 0
 
     # bus sizing: every stream is bounded
     queue_max_msgs: PositiveInt = 10_000
@@ -140,6 +147,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 
     # routing: KV-cache affinity and circuit breakers
     kv_block_size: PositiveInt = 16  # must equal the engines' KV block size
+    # engine tokens a sequence holds ahead of its output (charged again each time it
+    # outgrows them, up to its max_tokens): what it needs soon, not all it may ever produce
+    decode_reserve: PositiveInt = 1024
     affinity_ttl: PositiveFloat = 300.0  # how long a routed prefix counts as cached there
     prefill_scale: PositiveFloat = 1.0  # weight of uncached prompt blocks against load
     breaker_threshold: PositiveInt = 3  # consecutive engine failures that open its breaker

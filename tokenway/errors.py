@@ -69,6 +69,17 @@ class Overloaded(TokenwayError):
     type = "RateLimitError"
 
 
+class RateLimited(Overloaded):
+    """The tenant's limits: it may try again in `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after = retry_after
+
+    def info(self) -> ErrorInfo:
+        return msgspec.structs.replace(super().info(), retry_after=self.retry_after)
+
+
 class StageUnavailable(TokenwayError):
     status = 502
     type = "ServiceUnavailableError"
@@ -107,15 +118,17 @@ class CannotStart(Exception):
     directory in use): the message says why in one line; the command exits with status 1."""
 
 
-class _Error(msgspec.Struct, omit_defaults=False):
+class ErrorDetail(msgspec.Struct, omit_defaults=False):
     message: str
     type: str
     param: str | None
     code: int | str | None
 
 
-class _ErrorBody(msgspec.Struct):
-    error: _Error
+class ErrorBody(msgspec.Struct):
+    """Every error answer's body, as OpenAI sends it."""
+
+    error: ErrorDetail
 
 
 _json = msgspec.json.Encoder()
@@ -124,8 +137,8 @@ _json = msgspec.json.Encoder()
 def error_body(info: ErrorInfo) -> bytes:
     """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it."""
     return _json.encode(
-        _ErrorBody(
-            _Error(
+        ErrorBody(
+            ErrorDetail(
                 message=info.message,
                 type=info.type,
                 param=info.param,

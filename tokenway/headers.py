@@ -16,6 +16,8 @@ REPLY = "Tw-Reply"
 KIND = "Tw-Kind"
 STATUS = "Tw-Status"
 TENANT = "Tw-Tenant"  # the API key's tenant, set by the ingress
+LIMITS = "Tw-Limits"  # that tenant's limits (`tokenway.tenancy.Limits`), set by the ingress
+RETRY_AFTER = "Tw-Retry-After"  # of a 429 error: seconds until the client may try again
 TRACEPARENT = "traceparent"
 
 # Optimistic concurrency: stored only if the subject's last message has this sequence.

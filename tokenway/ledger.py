@@ -24,6 +24,7 @@ from nats.js.errors import APIError, NotFoundError
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.errors import error_body
+from tokenway.tenancy import Limits
 from tokenway.wire import DeadLetter, Delivered, Delivery, ErrorInfo
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def out_headers(
     state: bytes | None = None,
     tokens: list[int] | None = None,
     status: int | None = None,
+    retry_after: int = 0,
     after: int | None = None,
     tenant: str = "",
 ) -> dict[str, str]:
@@ -63,6 +65,8 @@ def out_headers(
         hdrs[h.TOKENS] = h.encode_tokens(tokens)
     if status is not None:
         hdrs[h.STATUS] = str(status)
+    if retry_after:
+        hdrs[h.RETRY_AFTER] = str(retry_after)
     if tenant:
         hdrs[h.TENANT] = tenant
     return hdrs
@@ -78,8 +82,10 @@ async def publish_error(
     tenant: str = "",
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
-    hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, after=after, tenant=tenant)
-    await commit(nc, reply, rid, seq, h.KIND_ERROR, error_body(info), hdrs, status=info.status)
+    hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, retry_after=info.retry_after,
+                       after=after, tenant=tenant)  # fmt: skip
+    await commit(nc, reply, rid, seq, h.KIND_ERROR, error_body(info), hdrs, status=info.status,
+                 retry_after=info.retry_after)  # fmt: skip
 
 
 async def commit(
@@ -92,13 +98,14 @@ async def commit(
     headers: dict[str, str],
     *,
     status: int = 200,
+    retry_after: int = 0,
     tokens: int = 0,
 ) -> PubAck:
     """One ledger message stored (retried while NATS comes back), then delivered live."""
     ack = await publish(nc.jetstream(), bus.out_subject(reply, rid), payload, headers,
                         within=PUBLISH_WITHIN)  # fmt: skip
     event = Delivered(rid=rid, seq=seq, stream_seq=ack.seq, payload=payload, kind=kind,
-                      status=status, tokens=tokens)  # fmt: skip
+                      status=status, retry_after=retry_after, tokens=tokens)  # fmt: skip
     await deliver(nc, reply, [event])
     return ack
 
@@ -212,6 +219,7 @@ def delivered(rid: str, msg: Msg | RawStreamMsg) -> Delivered:
         payload=msg.data or b"",
         kind=hdrs.get(h.KIND, h.KIND_CHUNK),
         status=int(hdrs.get(h.STATUS, 200)),
+        retry_after=int(hdrs.get(h.RETRY_AFTER, 0)),
         tokens=h.count_tokens(hdrs.get(h.TOKENS, "")),
     )
 
@@ -241,6 +249,7 @@ class Identity:
     reply: str
     deadline: float | None = None
     tenant: str = ""  # "" where the ingress asks for no key
+    limits: Limits | None = None  # the tenant's, where it has any
 
     def headers(self) -> dict[str, str]:
         hdrs = {h.MSG_ID: self.rid, h.RID: self.rid, h.REPLY: self.reply}
@@ -248,12 +257,15 @@ class Identity:
             hdrs[h.DEADLINE] = f"{self.deadline:.3f}"
         if self.tenant:
             hdrs[h.TENANT] = self.tenant
+        if self.limits:
+            hdrs[h.LIMITS] = self.limits.header()
         return hdrs
 
     @classmethod
     def of(cls, msg: Msg) -> Identity:
-        """KeyError when a header is missing, ValueError when the deadline is no number."""
+        """KeyError when a header is missing, ValueError when the deadline or the limits
+        are malformed."""
         hdrs = msg.headers or {}
-        deadline = hdrs.get(h.DEADLINE)
+        deadline, limits = hdrs.get(h.DEADLINE), hdrs.get(h.LIMITS)
         return cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
-                   hdrs.get(h.TENANT, ""))  # fmt: skip
+                   hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None)  # fmt: skip

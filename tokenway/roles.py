@@ -17,7 +17,7 @@ from tokenway import bus
 
 # Every tokenway stream; their names and limits are no secret to any role.
 _STREAMS = (bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM,
-            bus.ADVISORY_STREAM, bus.ENGINES_STREAM)  # fmt: skip
+            bus.ADVISORY_STREAM, bus.ENGINES_STREAM, bus.TENANTS_STREAM)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ def _gets(stream: str) -> str:
 
 _INFO = tuple(_api("STREAM.INFO", name) for name in _STREAMS)
 _REGISTRY = _reads(bus.ENGINES_STREAM)  # watches the engine registry
+# Tenants' usage: read a record, write it back compare-and-set (`tokenway.tenant_book`).
+_TENANTS = (bus.TENANTS_KEYS, _api("DIRECT.GET", bus.TENANTS_STREAM, ">"))
 _LEDGER_WRITE = (bus.out_subject("*", "*"), bus.sse_subject("*"), _gets(bus.OUT_STREAM))
 
 
@@ -100,6 +102,7 @@ def roles() -> list[Role]:
                 bus.sched_subject(bus.ANY),
                 *_LEDGER_WRITE,
                 bus.dlq_subject("render"),
+                *_TENANTS,
                 *_INFO,
             ),
             subscribe=(),
@@ -117,6 +120,7 @@ def roles() -> list[Role]:
                 bus.cancel_subject(),
                 bus.derender_subject(bus.ANY),
                 bus.dlq_subject("schedule"),
+                *_TENANTS,
                 *_REGISTRY,
                 *_INFO,
             ),

@@ -282,6 +282,7 @@ class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
     status: int = 400
     param: str | None = None
     code: str | None = None
+    retry_after: int = 0  # of a refusal that passes (429): seconds until it may
 
 
 class DerenderResult(Struct, kw_only=True, omit_defaults=True):
@@ -312,6 +313,7 @@ class Delivered(Struct, kw_only=True, omit_defaults=True):
     payload: bytes
     kind: str = "chunk"
     status: int = 200  # `Tw-Status` of an error
+    retry_after: int = 0  # `Tw-Retry-After` of an error that passes
     tokens: int = 0  # how many output token IDs it commits
 
     @property

@@ -61,34 +61,45 @@ async def consume(
 
     `batch()` is asked before every fetch: a stage with no capacity returns 0 and the
     loop waits for `freed` instead of pulling work it cannot start (pull-based backpressure).
+    Messages are handled side by side, as tasks: one message's publish round trips overlap
+    the next one's work, and a slow one (a huge prompt to tokenize) holds up nothing fetched
+    after it. At most `batch()` are in hand at once; `stop` waits for them.
     """
     sub = await _subscribe(js, spec, stop, idle_timeout)
     if sub is None:
         return  # stopped before NATS let us subscribe
     failing = False  # logged once when fetching starts to fail, once when it works again
-    while not stop.is_set():
-        waiter = freed.waiter() if freed else None
-        want = batch()
-        if want <= 0:
-            await wait_any(stop, *([waiter] if waiter else []), timeout=idle_timeout)
-            continue
-        try:
-            msgs = await _fetch(sub, want, idle_timeout)
-        except nats.errors.Error as exc:  # NATS away, or the consumer has no leader or is gone
-            if not failing:
-                log.warning("%s cannot fetch (%r); subscribing anew until it can", spec.handler,
-                            exc)  # fmt: skip
-            failing = True
-            await wait_any(stop, timeout=idle_timeout)
-            sub = await _resubscribe(js, spec, sub)
-            continue
-        if failing:
-            log.warning("%s fetches again", spec.handler)
-            failing = False
-        # Handled side by side: one message's publish round trips overlap the next one's work.
-        async with asyncio.TaskGroup() as group:
+    handling: set[asyncio.Task[None]] = set()
+    settled = Signal()  # a message was handled: there may be room to fetch
+
+    def settle(task: asyncio.Task[None]) -> None:
+        handling.discard(task)
+        settled.fire()
+
+    async with asyncio.TaskGroup() as group:  # on the way out, waits for what is in hand
+        while not stop.is_set():
+            waits = [settled.waiter(), *([freed.waiter()] if freed else [])]
+            want = batch() - len(handling)
+            if want <= 0:
+                await wait_any(stop, *waits, timeout=idle_timeout)
+                continue
+            try:
+                msgs = await _fetch(sub, want, idle_timeout)
+            except nats.errors.Error as exc:  # NATS away, or the consumer has no leader or is gone
+                if not failing:
+                    log.warning("%s cannot fetch (%r); subscribing anew until it can",
+                                spec.handler, exc)  # fmt: skip
+                failing = True
+                await wait_any(stop, timeout=idle_timeout)
+                sub = await _resubscribe(js, spec, sub)
+                continue
+            if failing:
+                log.warning("%s fetches again", spec.handler)
+                failing = False
             for msg in msgs:
-                group.create_task(_guarded(handle, msg, spec.handler))
+                task = group.create_task(_guarded(handle, msg, spec.handler))
+                handling.add(task)
+                task.add_done_callback(settle)
     with contextlib.suppress(nats.errors.Error):
         await sub.unsubscribe()
 

@@ -9,6 +9,7 @@ import pytest
 
 from ingress.auth import ApiKeys, Unauthorized
 from tokenway.config import load_settings
+from tokenway.tenancy import Limits
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
 KEY_B = "sk-tenant-b-0123456789abcdef"
@@ -33,7 +34,9 @@ def test_no_key_configured_opens_every_route() -> None:
 @pytest.mark.parametrize(
     "text, why",
     [
-        (f"acme {KEY_A} extra\n", "expected `TENANT KEY`"),
+        (f"acme {KEY_A} extra\n", "expected limits as concurrent=N"),
+        (f"acme {KEY_A} concurrent=-1\n", "expected limits as concurrent=N"),
+        (f"acme {KEY_A} concurrent=2\nacme {KEY_B} concurrent=3\n", "other limits"),
         (f"{KEY_A}\n", "expected `TENANT KEY`"),
         (f"ac/me {KEY_A}\n", "expected `TENANT KEY`"),
         (f"acme {KEY_A}\nglobex {KEY_A}\n", "given to two tenants"),
@@ -63,3 +66,15 @@ def test_a_short_key_is_warned_about_without_showing_it(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING):
         ApiKeys.load("short-key", None, "")
     assert "9 characters" in caplog.text and "short-key" not in caplog.text
+
+
+def test_limits_are_a_tenants_shared_by_its_keys_or_else_the_default(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"acme {KEY_A} concurrent=2 tokens_per_minute=9000\nacme {KEY_B}\n"
+                    f"globex sk-globex-0123456789abcdef tokens_per_minute=0\n")  # fmt: skip
+    keys = ApiKeys.load(KEY_DEFAULT, str(path), "", Limits(concurrent=5))
+    assert keys.limits == {
+        "acme": Limits(concurrent=2, tokens_per_minute=9000),  # both its keys
+        "default": Limits(concurrent=5),  # --tenant-concurrency
+    }  # globex set its own: none
+    assert ApiKeys.load(KEY_DEFAULT, None, "").limits == {}

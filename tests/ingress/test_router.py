@@ -64,3 +64,45 @@ async def test_output_missed_while_unsubscribed_is_read_back_in_order(
         router.close(rid)
         await router.stop()
         await nc.close()
+
+
+async def test_a_slow_readers_slot_holds_its_limit_and_reads_the_rest_back(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """A reader that fell behind: its slot keeps a limit's worth of output, drops the rest
+    of what is delivered live, and hands all of it over in order from the ledger."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await bus.provision_streams(js, make_settings(tmp_path))
+    ingress, rid, marker = f"i{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, uuid.uuid4().hex
+    chunk, limit = 100, 300
+    router = OutputRouter(nc, ingress, slot_limit=limit)
+    await router.start()
+    slot, other = router.open(rid), router.open(marker)
+
+    async def commit(req: str, seq: int, kind: str = h.KIND_CHUNK) -> None:
+        payload = f"{seq:<{chunk}}".encode()
+        await ledger.commit(
+            nc, ingress, req, seq, kind, payload, ledger.out_headers(req, seq, kind)
+        )
+
+    try:
+        for seq in range(1, 50):
+            await commit(rid, seq)
+        await commit(rid, 50, h.KIND_END)
+        await commit(marker, 1)  # one subscription: once this is in, all of the above were
+        async with asyncio.timeout(10):
+            assert (await other.take_one()) is not None
+        seqs: list[int] = []
+        async with asyncio.timeout(10):
+            while not seqs or seqs[-1] != 50:
+                batch = await slot.take()
+                assert sum(len(e.payload) for e in batch) <= limit + chunk
+                seqs += [e.seq for e in batch]
+        assert seqs == list(range(1, 51))
+        assert not slot.spilled  # caught up: live again
+    finally:
+        router.close(rid)
+        router.close(marker)
+        await router.stop()
+        await nc.close()

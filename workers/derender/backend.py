@@ -33,6 +33,15 @@ class DerenderBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
+# A call with more output tokens than this runs in a thread: its CPU would hold the event
+# loop (heartbeats, in-progress acks, every other stream).
+THREAD_ABOVE = 4096
+
+
+def is_large(entries: Sequence[DerenderEntry]) -> bool:
+    return sum(len(e.token_ids) for e in entries) > THREAD_ABOVE
+
+
 class LocalBackend:
     awaits_io = False
 
@@ -40,10 +49,9 @@ class LocalBackend:
         self.detok = Detokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
 
     async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
-        return self.derender_now(entries)
-
-    def derender_now(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
-        """The same, synchronously (safe in another thread: the core shares no state)."""
+        """In the caller's loop, or in a thread for a large call (the core shares no state)."""
+        if is_large(entries):
+            return await asyncio.to_thread(derender_call, self.detok, entries)
         return derender_call(self.detok, entries)
 
     async def aclose(self) -> None:

@@ -13,7 +13,7 @@ from tokenway import bus
 from tokenway.config import Settings
 from tokenway.errors import too_big_for_the_bus
 from tokenway.wire import DerenderCall, DerenderReply, DerenderResult, ErrorInfo
-from workers.derender.backend import DerenderBackend, derender_backend
+from workers.derender.backend import DerenderBackend, derender_backend, is_large
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +21,17 @@ _decoder = msgspec.msgpack.Decoder(DerenderCall)
 _encoder = msgspec.msgpack.Encoder()
 
 
-async def handle(backend: DerenderBackend, payload: bytes, limit: int) -> bytes:
-    """One call: every entry derendered on its own, so one bad entry fails only itself; a
-    reply over the bus's `limit` drops its largest results for errors until it fits."""
+def decode(payload: bytes) -> DerenderCall | bytes:
+    """The call, or the error reply to a call that is not one."""
     try:
-        call = _decoder.decode(payload)
+        return _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         return _encoder.encode(DerenderReply(error=ErrorInfo(message=f"bad derender call: {exc}")))
+
+
+async def handle(backend: DerenderBackend, call: DerenderCall, limit: int) -> bytes:
+    """One call: every entry derendered on its own, so one bad entry fails only itself; a
+    reply over the bus's `limit` drops its largest results for errors until it fits."""
     results = await backend.derender(call.entries)
     for result in results:
         if result.error is not None and result.error.status >= 500:
@@ -68,17 +72,21 @@ class DerenderService:
             nats_url, f"tokenway-derender-{self.model}", self.settings, stop=stop
         )
 
-        async def answer(msg: Msg) -> None:
-            await msg.respond(await handle(self.backend, msg.data, nc.max_payload))
+        async def answer(msg: Msg, call: DerenderCall) -> None:
+            await msg.respond(await handle(self.backend, call, nc.max_payload))
 
         async with asyncio.TaskGroup() as calls:
-            # nats-py runs a subscription's callbacks one at a time: calls that wait on a
-            # server run as tasks of their own, so one slow answer does not hold the rest.
+            # nats-py runs a subscription's callbacks one at a time: a call that waits (on a
+            # server, or on a thread for a large call) runs as a task of its own, so it does
+            # not hold the calls behind it.
             async def on_call(msg: Msg) -> None:
-                if self.backend.awaits_io:
-                    calls.create_task(answer(msg))
+                call = decode(msg.data)
+                if isinstance(call, bytes):
+                    await msg.respond(call)
+                elif self.backend.awaits_io or is_large(call.entries):
+                    calls.create_task(answer(msg, call))
                 else:
-                    await answer(msg)
+                    await answer(msg, call)
 
             subject = bus.derender_subject(self.model)
             sub = await nc.subscribe(subject, queue=bus.DERENDER_QUEUE, cb=on_call)

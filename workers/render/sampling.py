@@ -6,7 +6,7 @@ import msgspec
 
 from tokenway.errors import InvalidRequest
 from tokenway.protocol import ChatCompletionRequest, CompletionRequest
-from tokenway.wire import GenerateRequest, SamplingParams
+from tokenway.wire import GenerateRequest, Prompt, SamplingParams
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -134,3 +134,11 @@ def least_response_bytes(request: GenerateRequest) -> int:
     if ctx.logprobs is not None:
         per_token += _LEAST_LOGPROB + _LEAST_CANDIDATE * ctx.logprobs
     return max(params.n, 1) * must * per_token
+
+
+def tokens_charged(request: GenerateRequest) -> int:
+    """What a tenant's tokens-per-minute limit is charged: every prompt plus its budget
+    (the context left where no max_tokens was asked for) for each of the n choices."""
+    params, n = request.sampling_params, max(request.sampling_params.n, 1)
+    prompts = request.prompts or [Prompt(token_ids=request.token_ids)]
+    return sum(len(p.token_ids) + (p.max_tokens or params.max_tokens or 0) * n for p in prompts)

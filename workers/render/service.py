@@ -17,16 +17,18 @@ from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    RateLimited,
     TokenwayError,
     internal,
     too_big_for_the_bus,
 )
 from tokenway.model import ModelInfo
+from tokenway.tenant_book import TenantBook
 from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
 from tokenway.worker import consume, enqueue
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
-from workers.render.sampling import least_response_bytes
+from workers.render.sampling import least_response_bytes, tokens_charged
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RenderService:
         self.backend = render_backend(settings, model, served_model_name, flags)
         self.max_payload = 0  # the server's, known once connected
         self.nc: NATS | None = None
+        self.book: TenantBook | None = None
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self.nc = await bus.connect(
@@ -52,6 +55,7 @@ class RenderService:
         )
         self.max_payload = nc.max_payload
         js = nc.jetstream()
+        self.book = TenantBook(await bus.tenants_kv(js, self.settings))
         spec = bus.render_consumer(self.settings, self.model)
         log.info("render serving %s (%s backend)", self.model, self.settings.render_backend)
         try:
@@ -79,13 +83,38 @@ class RenderService:
             generate = await self.backend.render(request)
             if self.settings.derender_backend == "vllm":
                 generate.context.request_body = request.body
-            await self._forward(js, who, generate)
+            if who.limits:
+                await self._admit(who, generate)
+            try:
+                await self._forward(js, who, generate)
+            except BaseException:
+                if who.limits:  # it never ran: its slot is free again
+                    await self._tenants().release(who.tenant, who.rid)
+                raise
         except TokenwayError as exc:
             await self._fail(who, exc.info())
         except Exception as exc:  # a bug: the client still hears about it
             log.exception("render failed for %s", who.rid)
             await self._fail(who, internal(exc))
         await msg.ack()
+
+    def _tenants(self) -> TenantBook:
+        assert self.book is not None
+        return self.book
+
+    async def _admit(self, who: ledger.Identity, generate: GenerateRequest) -> None:
+        """The tenant's limits, on what the request really costs: a 429 (or a 400 for a
+        request its limits never allow) before it is queued for an engine."""
+        assert who.limits
+        until = who.deadline or time.time() + self.settings.request_timeout
+        refused = await self._tenants().admit(
+            who.tenant, who.limits, who.rid, tokens_charged(generate), until
+        )
+        if refused is None:
+            return
+        if not refused.retry_after:
+            raise InvalidRequest(refused.why, param="max_tokens")
+        raise RateLimited(refused.why, refused.retry_after)
 
     async def _fail(self, who: ledger.Identity, info: ErrorInfo) -> None:
         await ledger.publish_error(self.nc, who.reply, who.rid, 1, info, tenant=who.tenant)

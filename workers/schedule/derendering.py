@@ -26,38 +26,23 @@ from tokenway import bus
 from tokenway.config import Settings
 from tokenway.errors import StageTimeout, StageUnavailable, too_big_for_the_bus
 from tokenway.wire import DerenderCall, DerenderEntry, DerenderReply, DerenderResult
-from workers.derender.backend import DerenderBackend, LocalBackend
 
 log = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
 _BACKOFF = 0.05  # seconds before a call to the pool is tried again, times the try
-# A local call with more output tokens than this runs in a thread (its CPU would hold the
-# owner's event loop: heartbeats, in-progress acks, every other stream).
-THREAD_ABOVE = 4096
 
 
 class Derenderer(Protocol):
+    """In the owner, a derender backend itself (`LocalBackend` runs a large call in a
+    thread); or the pool."""
+
     async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
         """One result per entry; StageUnavailable/StageTimeout when nothing could answer."""
         ...
 
     async def aclose(self) -> None: ...
-
-
-class InOwner:
-    def __init__(self, backend: DerenderBackend) -> None:
-        self.backend = backend
-
-    async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
-        local = self.backend if isinstance(self.backend, LocalBackend) else None
-        if local is not None and sum(len(e.token_ids) for e in entries) > THREAD_ABOVE:
-            return await asyncio.to_thread(local.derender_now, entries)
-        return await self.backend.derender(entries)
-
-    async def aclose(self) -> None:
-        await self.backend.aclose()
 
 
 class Pool:

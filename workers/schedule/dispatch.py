@@ -1,10 +1,15 @@
 """Where a request meets an engine: admission in priority order, the topology (one union
 engine, or a prefill engine then a decode engine), the hand-off, and the capacity it holds.
 
-A request costs its prompt tokens plus its `max_tokens` budget on the engine that decodes it
-(and its prompt on the prefill engine while that leg runs). An owner only pulls work while
-some engine has room, so the waiting line here is short; within it, lower `priority` goes
-first (vLLM's convention), then arrival.
+A request holds its prompt tokens plus, per sequence, `decode_reserve` tokens of output
+ahead of what it produced (never more than its `max_tokens`) on the engine that decodes it,
+and its prompt on the prefill engine while that leg runs. Like an engine's own scheduler
+it is charged for what it uses and will soon, not for all it may ever produce: a request
+without `max_tokens` (the context left, ~131k tokens) would otherwise hold an eighth of
+an engine for as long as it runs, and one with `n=8` all of it. Only a request whose
+whole budget no engine could ever hold is refused. An owner only pulls work while some
+engine has room, so the waiting line here is short; within it, lower `priority` goes first
+(vLLM's convention), then arrival.
 
 With token obfuscation, engines are only those advertising this scheduler's key fingerprint
 (or, without a key, none): work never reaches an engine of the other ID space, and a request
@@ -61,8 +66,19 @@ _reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
 
 def cost(r: Owned) -> int:
-    """Tokens the live attempt may hold on the engine that decodes it."""
+    """Tokens the live attempt holds on the engine that decodes it once it used its budget."""
     return len(r.prompt) + (r.params.max_tokens or 0) * max(r.params.n, 1)
+
+
+def holding(r: Owned, reserve: int) -> int:
+    """Tokens the live attempt holds now: its prompt, and per sequence what it produced
+    rounded up to a whole `reserve` ahead, within its budget."""
+    budget = r.params.max_tokens
+    held = len(r.prompt)
+    for c in r.choices:
+        ahead = (c.made // reserve + 1) * reserve
+        held += ahead if budget is None else min(ahead, budget)
+    return held
 
 
 class NeverFits(InvalidRequest):
@@ -163,9 +179,18 @@ class Dispatcher:
     def release(self, r: Owned) -> None:
         """Give back what the attempt held (on every exit path, exactly once)."""
         if r.engine is not None:
-            self._release(r.engine, len(r.choices), cost(r))
-            r.engine = None
+            self._release(r.engine, len(r.choices), r.held)
+            r.engine, r.held = None, 0
         self.release_prefill(r)
+
+    def grow(self, r: Owned) -> None:
+        """The live attempt produced output: hold its next reserve where it outgrew one."""
+        if r.engine is None:
+            return
+        more = holding(r, self.settings.decode_reserve) - r.held
+        if more > 0:
+            self.tokens[r.engine] += more
+            r.held += more
 
     def release_prefill(self, r: Owned) -> None:
         if r.prefill_engine is not None and r.prefill_held:
@@ -270,9 +295,10 @@ class Dispatcher:
     def _plan(
         self, r: Owned, engines: list[EngineInfo], hashes: list[int], now: float
     ) -> Plan | None:
-        need, n = cost(r), len(r.choices)
-        if why := routing.never_fits(engines, need, n):
+        n = len(r.choices)
+        if why := routing.never_fits(engines, cost(r), n):
             raise NeverFits(f"{why}: ask for fewer max_tokens or a smaller n", param="max_tokens")
+        need = holding(r, self.settings.decode_reserve)
         prefill = routing.pick(engines, self.seqs, self.tokens, len(r.prompt), 1, "prefill")
         decode = routing.pick(engines, self.seqs, self.tokens, need, n, "decode")
         if prefill is not None and decode is not None:
@@ -314,7 +340,8 @@ class Dispatcher:
         r.attempt += 1
         r.next_delta = 0
         kv = r.prefill_kv if r.prefill_kv is not None else r.client_kv
-        self._hold(engine.id, len(r.choices), cost(r))
+        r.held = holding(r, self.settings.decode_reserve)
+        self._hold(engine.id, len(r.choices), r.held)
         r.engine = engine.id
         if await self._send(engine, r, r.params, kv, tried):
             return True

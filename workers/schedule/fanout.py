@@ -40,6 +40,7 @@ from tokenway.errors import (
     TokenwayError,
     internal,
 )
+from tokenway.tenant_book import TenantBook
 from tokenway.wire import TERMINAL_KINDS, ErrorInfo, GenerateRequest
 from tokenway.worker import overloaded
 from workers.derender.detok import SEED_TOKENS
@@ -84,6 +85,7 @@ class Parent:
         self.rid = who.rid
         self.reply = who.reply
         self.tenant = who.tenant
+        self.leased = bool(who.limits)  # holds one of its tenant's slots until it ends
         self.request = request
         self.deadline = deadline
         self.msg = msg  # held un-acked while we own the request
@@ -113,7 +115,10 @@ class Parent:
 
 
 class FanOut:
-    def __init__(self, nc: NATS, settings: Settings, model: str, owner_id: str) -> None:
+    def __init__(
+        self, nc: NATS, settings: Settings, model: str, owner_id: str, book: TenantBook
+    ) -> None:
+        self.book = book
         self.nc = nc
         self.js = nc.jetstream()
         self.settings = settings
@@ -172,6 +177,8 @@ class FanOut:
                 code="queue_full",
             )
             await ledger.publish_error(self.nc, who.reply, rid, 1, busy.info(), tenant=who.tenant)
+            if who.limits:
+                await self.book.release(who.tenant, rid)
             await msg.ack()
             return
         p = Parent(who, request, deadline, msg)
@@ -325,6 +332,8 @@ class FanOut:
                 )
             except Exception:
                 log.exception("could not deliver the error of %s", p.rid)
+        if p.leased:
+            await self.book.release(p.tenant, p.rid)
         await bus.ack_surely(p.msg, self.settings.bus_retry)  # held (in progress) until then
         self.parents.pop(p.rid, None)
         if not self.parents:

@@ -43,6 +43,7 @@ class Choice:
     engine_done: bool = False  # the engine reported this choice's end
     done: bool = False  # its last chunk is committed
     busy: bool = False  # a derender + commit is in flight
+    made: int = 0  # output tokens the live attempt produced for it
     # Committed output token IDs, 4 bytes each: what a relay appends to the prompt.
     committed: array = field(default_factory=lambda: array("i"))
 
@@ -73,6 +74,7 @@ class Choice:
         self.pending, self.pending_logprobs = [], None
         self.finish = self.stop_reason = None
         self.engine_done = False
+        self.made = 0
 
 
 @dataclass(eq=False)
@@ -83,6 +85,7 @@ class Owned:
     deadline: float
     msg: Any  # the TW_SCHED message held un-acked while we own the request
     tenant: str = ""  # whose API key it came with: its ledger messages say so
+    leased: bool = False  # it holds one of its tenant's slots (`tokenway.tenancy`) until it ends
     engine: str | None = None
     attempt: int = 0
     next_delta: int = 0  # the per-attempt seq expected next from the engine
@@ -98,6 +101,7 @@ class Owned:
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # no derender in flight
     usage_busy: bool = False  # the closing usage chunk (n > 1) is being made
     # P/D handoff: the prefill leg runs as its own attempt; its tokens are never shown.
+    held: int = 0  # engine tokens the live attempt holds in its owner's accounting
     prefill_engine: str | None = None
     prefill_attempt: int | None = None
     prefill_held: bool = False  # its capacity is still counted
@@ -229,6 +233,7 @@ class Owned:
             self.attempt_failed(EngineFailed(delta.error).info())
             return False
         choice.pending.extend(delta.token_ids)
+        choice.made += len(delta.token_ids)
         if delta.logprobs is not None:
             choice.pending_logprobs = (choice.pending_logprobs or []) + delta.logprobs
         if delta.finish_reason is not None:

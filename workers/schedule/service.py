@@ -43,6 +43,7 @@ from tokenway.errors import (
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
+from tokenway.tenant_book import TenantBook
 from tokenway.wire import (
     Delivered,
     DerenderEntry,
@@ -53,8 +54,8 @@ from tokenway.wire import (
     TokenStep,
 )
 from tokenway.worker import consume
-from workers.derender.backend import derender_backend
-from workers.schedule.derendering import THREAD_ABOVE, Derenderer, InOwner, Pool
+from workers.derender.backend import derender_backend, is_large
+from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
 from workers.schedule.owned import Choice, Owned, RelayRefused
@@ -101,6 +102,7 @@ class ScheduleService:
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._writer: ledger_writer.LedgerWriter | None = None
+        self._book: TenantBook | None = None
         self._group: asyncio.TaskGroup | None = None
         self.registry: EngineRegistry | None = None
         self.dispatcher: Dispatcher | None = None
@@ -123,16 +125,15 @@ class ScheduleService:
         js = self._js = nc.jetstream()
         self._writer = ledger_writer.LedgerWriter(nc, js)
         await self._writer.start()
-        self.derenderer = (
-            InOwner(self._backend) if self._backend else Pool(nc, self.settings, self.model)
-        )
+        self.derenderer = self._backend if self._backend else Pool(nc, self.settings, self.model)
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
         self.dispatcher = Dispatcher(
             nc, self.owner_id, self.registry, self.settings, self.obfuscation
         )
-        self.fanout = FanOut(nc, self.settings, self.model, self.owner_id)
+        self._book = TenantBook(await bus.tenants_kv(js, self.settings))
+        self.fanout = FanOut(nc, self.settings, self.model, self.owner_id, self._book)
         # What it owns stays its own (progress acks, the engines' registry) until drained.
         drained = asyncio.Event()
         async with asyncio.TaskGroup() as group:
@@ -204,6 +205,8 @@ class ScheduleService:
             self.requests[rid].msg = msg
             return
         if rid in self._cancelled:
+            if who.limits and self._book is not None:
+                await self._book.release(who.tenant, rid)
             await msg.ack()
             return
         deadline = who.deadline
@@ -213,7 +216,7 @@ class ScheduleService:
             await self.fanout.take(msg, who, deadline, request)
             return
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant)  # fmt: skip
+                  tenant=who.tenant, leased=bool(who.limits))  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
         self._group.create_task(self._own(r, msg.metadata.timestamp.timestamp()))
@@ -305,7 +308,7 @@ class ScheduleService:
     async def _finish(self, r: Owned) -> None:
         """The one exit of every request: abort leftovers, let what is in flight land, tell the
         client, free, ack."""
-        assert self._js is not None and self.dispatcher is not None
+        assert self._js is not None and self.dispatcher is not None and self._book is not None
         if r.engine is not None and not r.engine_done:
             await self.dispatcher.abort(r.engine, r.rid, r.attempt)
         if r.prefill_engine is not None and r.prefill_attempt is not None:
@@ -328,6 +331,8 @@ class ScheduleService:
             except Exception:
                 log.exception("could not deliver the error of %s", r.rid)
         self.dispatcher.release(r)
+        if r.leased and not (r.handed_over or r.superseded):  # else it goes on elsewhere
+            await self._book.release(r.tenant, r.rid)
         # Still ours (kept in progress) until the server confirms the ack: gone from
         # `requests` only then, so a drained worker has nothing left in flight.
         if r.handed_over:
@@ -386,6 +391,7 @@ class ScheduleService:
                     self.dispatcher.engine_served(step.engine)
             elif r.accept(delta):
                 touched.append(r)
+                self.dispatcher.grow(r)
                 if delta.seq == 0:
                     self.dispatcher.engine_served(step.engine)
             if healthy and r.broken is not None:
@@ -434,7 +440,7 @@ class ScheduleService:
                 if not items:
                     continue
                 r.settled.clear()
-                if sum(len(entry.token_ids) for _, _, entry in items) > THREAD_ABOVE:
+                if is_large([entry for _, _, entry in items]):
                     self._group.create_task(self._derender_and_commit(items, beside=True))
                 else:
                     light += items

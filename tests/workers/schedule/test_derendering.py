@@ -1,4 +1,5 @@
-"""Derendering in the owner: the pure core in process, a large call off the event loop."""
+"""Local derendering (in the owner, or a pool worker): the pure core in process, a large
+call off the event loop."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from tokenway.wire import DerenderEntry, OutputContext
-from workers.derender.backend import LocalBackend
+from workers.derender.backend import THREAD_ABOVE, LocalBackend
 from workers.derender.core import derender_call
-from workers.schedule.derendering import THREAD_ABOVE, InOwner
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -38,8 +38,7 @@ async def loop_ran_during(call: asyncio.Future[object]) -> bool:
 async def test_the_owner_derenders_as_the_core_does_a_large_call_in_a_thread(
     model_dir: Path,
 ) -> None:
-    backend = LocalBackend(model_dir)
-    owner = InOwner(backend)
+    owner = backend = LocalBackend(model_dir)
     small, large = [entry(8)], [entry(THREAD_ABOVE + 1)]
     assert await owner.derender(small) == derender_call(backend.detok, small)
     assert not await loop_ran_during(asyncio.ensure_future(owner.derender(small)))

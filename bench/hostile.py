@@ -1,0 +1,253 @@
+"""Hostile input against `tokenway up`: a calm tenant's latency while others misbehave.
+
+One `tokenway up` (every stage and its embedded NATS in one process, as an attacker with
+network access meets it). A calm tenant keeps `--calm` streams going, each a default chat
+request (no `max_tokens`). Each scenario adds one kind of hostility beside it, for
+`--seconds`:
+
+- `flood`: another tenant runs `--flood` request loops at once, retrying each 429 at once
+  (its key may run `--flood-limit` requests at once; 0: no limit);
+- `slow-readers`: `--slow` streams whose clients read nothing (a 4 KiB receive buffer);
+- `huge-prompts`: two loops of `--huge-mb` MB prompts (far past the context: a 400 once
+  tokenized);
+- `default-n8`: one stream with `n=8`, `ignore_eos` and no `max_tokens`.
+
+Reported per scenario: the calm tenant's time to first token and end-to-end latency
+(p50/p99) and their ratio to the calm-only baseline of the same run, the calm requests
+that failed, what the hostile requests got, and how much the `up` process grew.
+
+    python -m bench.hostile [--code DIR] [--flood-limit 0] [--json out.json]
+
+`--code DIR` runs `tokenway up` from another checkout (for a before/after table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.e2e import percentile, rss_kb
+
+CALM_KEY, FLOOD_KEY = "sk-calm-0123456789abcdef", "sk-flood-0123456789abcdef"
+CHAT = [{"role": "user", "content": "Tell me about the pipeline."}]
+SCENARIOS = ["flood", "slow-readers", "huge-prompts", "default-n8"]  # each after a baseline
+
+
+async def calm_stream(http: httpx.AsyncClient) -> tuple[float, float] | None:
+    """One default request, streamed: (time to first token, end to end); None on failure."""
+    body = {"model": "deepseek-v4", "messages": CHAT, "stream": True}
+    start = time.perf_counter()
+    first = None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return None
+        async for line in resp.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    return (first or 0.0), time.perf_counter() - start
+
+
+async def loop(until: float, once: Callable[[], Awaitable[None]]) -> None:
+    while time.perf_counter() < until:
+        await once()
+
+
+async def flood(http: httpx.AsyncClient, until: float, width: int, seen: Counter[int]) -> None:
+    body = {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 64}
+
+    async def once() -> None:
+        seen[(await http.post("/v1/chat/completions", json=body)).status_code] += 1
+
+    await asyncio.gather(*(loop(until, once) for _ in range(width)))
+
+
+async def slow_readers(url: str, until: float, count: int, seen: Counter[int]) -> None:
+    body = {"model": "deepseek-v4", "messages": CHAT, "stream": True, "max_tokens": 50_000,
+            "ignore_eos": True}  # fmt: skip
+    tiny = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
+    transport = httpx.AsyncHTTPTransport(socket_options=tiny)
+    auth = {"Authorization": f"Bearer {FLOOD_KEY}"}
+    async with httpx.AsyncClient(
+        base_url=url, transport=transport, timeout=None, headers=auth
+    ) as http:
+
+        async def one() -> None:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                seen[resp.status_code] += 1
+                await asyncio.sleep(max(until - time.perf_counter(), 0))  # reads nothing
+
+        await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def huge_prompts(http: httpx.AsyncClient, until: float, mb: int, seen: Counter[int]) -> None:
+    body = json.dumps({"model": "deepseek-v4", "prompt": "word " * (mb * 200_000)}).encode()
+
+    async def once() -> None:
+        resp = await http.post("/v1/completions", content=body,
+                               headers={"content-type": "application/json"})  # fmt: skip
+        seen[resp.status_code] += 1
+
+    await asyncio.gather(*(loop(until, once) for _ in range(2)))
+
+
+async def default_n8(http: httpx.AsyncClient, until: float, seen: Counter[int]) -> None:
+    body = {"model": "deepseek-v4", "messages": CHAT, "stream": True, "n": 8, "ignore_eos": True}
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(until - time.perf_counter(), 0)):
+            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                seen[resp.status_code] += 1
+                async for _ in resp.aiter_bytes():
+                    pass
+
+
+@contextlib.asynccontextmanager
+async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, int]]:
+    limit = f" concurrent={args.flood_limit}" if args.flood_limit else ""
+    keys = data / "keys"
+    keys.write_text(f"calm {CALM_KEY}\nflood {FLOOD_KEY}{limit}\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_TTFT": "0.02",
+           "TOKENWAY_SIM_ITL": str(args.itl), "TOKENWAY_SIM_OUTPUT_LEN": "32",
+           "PYTHONPATH": args.code}  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0",
+        "--api-key-file", str(keys), "--sim-max-seqs", str(args.max_seqs),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=(data / "up.log").open("wb"),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        while line := (await asyncio.wait_for(proc.stdout.readline(), 120)).decode():
+            if match := re.search(r"at (http://\S+)/v1", line):
+                break
+        else:
+            raise SystemExit((data / "up.log").read_text()[-2000:])
+        yield match.group(1), proc.pid
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    until = time.perf_counter() + args.seconds
+    seen: Counter[int] = Counter()
+    auth = {"Authorization": f"Bearer {FLOOD_KEY}"}
+    calm_results: list[tuple[float, float] | None] = []
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120,
+                          headers={"Authorization": f"Bearer {CALM_KEY}"}) as calm,
+        httpx.AsyncClient(base_url=url, timeout=120, headers=auth,
+                          limits=httpx.Limits(max_connections=None)) as hostile,
+    ):  # fmt: skip
+        rss_before = rss_kb(pid)
+        hostility = {
+            "baseline": lambda: asyncio.sleep(0),
+            "flood": lambda: flood(hostile, until, args.flood, seen),
+            "slow-readers": lambda: slow_readers(url, until, args.slow, seen),
+            "huge-prompts": lambda: huge_prompts(hostile, until, args.huge_mb, seen),
+            "default-n8": lambda: default_n8(hostile, until, seen),
+        }[name]
+
+        async def calm_once() -> None:
+            calm_results.append(await calm_stream(calm))
+
+        peak = rss_before
+
+        async def watch() -> None:
+            nonlocal peak
+            while time.perf_counter() < until:
+                peak = max(peak, rss_kb(pid))
+                await asyncio.sleep(0.1)
+
+        await asyncio.gather(
+            hostility(), watch(), *(loop(until, calm_once) for _ in range(args.calm))
+        )
+    ok = [r for r in calm_results if r is not None]
+    ttft, e2e = [r[0] for r in ok], [r[1] for r in ok]
+    return {
+        "scenario": name,
+        "calm_requests": len(calm_results),
+        "calm_failed": len(calm_results) - len(ok),
+        "ttft_p50": percentile(ttft, 50) if ttft else None,
+        "ttft_p99": percentile(ttft, 99) if ttft else None,
+        "e2e_p50": percentile(e2e, 50) if e2e else None,
+        "hostile_statuses": dict(sorted(seen.items())),
+        "rss_growth_mb": round((peak - rss_before) / 1024, 1),
+    }
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        async with up(args, Path(tmp)) as (url, pid):
+            async with httpx.AsyncClient(
+                base_url=url, timeout=60, headers={"Authorization": f"Bearer {CALM_KEY}"}
+            ) as w:
+                for _ in range(4):  # warm up
+                    await calm_stream(w)
+            rows = [await scenario(url, pid, args, name) for name in ["baseline", *args.scenarios]]
+    base = rows[0]
+    for row in rows:
+        for key in ("ttft_p50", "e2e_p50"):
+            if row[key] is not None and base[key]:
+                row[f"{key}_ratio"] = round(row[key] / base[key], 2)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def ms(v: float | None) -> str:
+        return "–" if v is None else f"{v * 1000:.0f}"
+
+    out = ["| scenario | calm TTFT p50 / p99 ms | ×base | calm e2e p50 ms | ×base | calm failed | "
+           "hostile got | up RSS +MB |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(
+            f"| {r['scenario']} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} | "
+            f"{r.get('ttft_p50_ratio', '–')} | {ms(r['e2e_p50'])} | "
+            f"{r.get('e2e_p50_ratio', '–')} | "
+            f"{r['calm_failed']}/{r['calm_requests']} | {r['hostile_statuses'] or '–'} | "
+            f"{r['rss_growth_mb']} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--code", default=os.getcwd(), help="checkout whose `tokenway up` runs (.)")
+    p.add_argument("--seconds", type=float, default=10.0, help="per scenario (10)")
+    p.add_argument("--calm", type=int, default=4, help="calm streams at once (4)")
+    p.add_argument("--flood", type=int, default=64, help="flooding request loops (64)")
+    p.add_argument("--flood-limit", type=int, default=8,
+                   help="requests the flooding key may run at once (8; 0: no limit)")  # fmt: skip
+    p.add_argument("--slow", type=int, default=16, help="streams that read nothing (16)")
+    p.add_argument("--huge-mb", type=int, default=5, help="size of a huge prompt (5)")
+    p.add_argument("--itl", type=float, default=0.01, help="engine seconds per token (0.01)")
+    p.add_argument("--max-seqs", type=int, default=64, help="engine sequences at once (64)")
+    p.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=SCENARIOS,
+        help="which, in order, after the baseline (all)",
+    )
+    p.add_argument("--json", help="also write the rows as JSON")
+    args = p.parse_args()
+    rows = asyncio.run(run(args))
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The ingress's OpenAPI document: FastAPI's for its own routes, and the two completion
+routes (plain ASGI, so FastAPI cannot see them) described from the msgspec structs that
+decode their bodies: what a client or a fuzzer needs to know to call them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ingress.completions import NO, YES
+from tokenway.errors import ErrorBody
+from tokenway.protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{name}"
+# What a completion route answers besides 200; every one an OpenAI error body.
+_ERRORS = {
+    "400": "the body does not decode, or asks for what the model or the engines cannot do",
+    "401": "no key, or a wrong one",
+    "404": "no such model",
+    "405": "not a POST",
+    "408": "the body did not arrive within --body-timeout",
+    "413": "the body is over --max-request-bytes",
+    "429": "a full queue, or the key's tenant past its limits (see Retry-After)",
+    "502": "an engine or a stage failed the request",
+    "503": "no engine, or the bus cannot take the request now (see Retry-After)",
+    "504": "no answer before the request's deadline",
+}
+_ROUTES = {
+    "/v1/chat/completions": ("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
+    "/v1/completions": ("createCompletion", "CompletionRequest", "Completion"),
+}
+
+
+def _operation(operation_id: str, body: str, summary: str) -> dict[str, Any]:
+    error = {"application/json": {"schema": {"$ref": _REF.format(name="ErrorBody")}}}
+    return {
+        "operationId": operation_id,
+        "summary": summary,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(name=body)}}},
+        },
+        "responses": {
+            "200": {
+                "description": "the whole response, or with `stream: true` its SSE events",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            },
+            **{status: {"description": why, "content": error} for status, why in _ERRORS.items()},
+        },
+    }
+
+
+def _resume_parameters(rid_pattern: str) -> list[dict[str, Any]]:
+    """What `GET /v1/streams/{rid}` reads besides its path (its handler reads the headers
+    itself, so FastAPI cannot describe them)."""
+    return [
+        {"name": "rid", "in": "path", "required": True,
+         "schema": {"type": "string", "pattern": f"^{rid_pattern}$"}},
+        {"name": "Last-Event-ID", "in": "header", "required": False,
+         "description": "the number of `data:` events the client already has",
+         "schema": {"type": "string", "pattern": "^[0-9]+$"}},
+        {"name": "X-Tokenway-Event-Ids", "in": "header", "required": False,
+         "description": "1/true/yes/on: number each event in an `id:` line",
+         "schema": {"type": "string", "enum": sorted((YES | NO) - {""})}},
+    ]  # fmt: skip
+
+
+def with_completions(document: dict[str, Any], rid_pattern: str) -> dict[str, Any]:
+    """FastAPI's document with the completion routes and their schemas added, and the
+    resume route's parameters as its handler checks them."""
+    _, schemas = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ErrorBody], ref_template=_REF
+    )
+    document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+    paths = document.setdefault("paths", {})
+    for path, (operation_id, body, summary) in _ROUTES.items():
+        paths[path] = {"post": _operation(operation_id, body, summary)}
+    paths["/v1/streams/{rid}"]["get"]["parameters"] = _resume_parameters(rid_pattern)
+    return document
