@@ -7,7 +7,8 @@ request (no `max_tokens`). Each scenario adds one kind of hostility beside it, f
 
 - `flood`: another tenant runs `--flood` request loops at once, retrying each 429 at once
   (its key may run `--flood-limit` requests at once; 0: no limit);
-- `slow-readers`: `--slow` streams whose clients read nothing (a 4 KiB receive buffer);
+- `slow-readers`: `--slow` streams with logprobs whose clients read nothing (a 4 KiB
+  receive buffer);
 - `huge-prompts`: two loops of `--huge-mb` MB prompts (far past the context: a 400 once
   tokenized);
 - `default-n8`: one stream with `n=8`, `ignore_eos` and no `max_tokens`.
@@ -77,8 +78,10 @@ async def flood(http: httpx.AsyncClient, until: float, width: int, seen: Counter
 
 
 async def slow_readers(url: str, until: float, count: int, seen: Counter[int]) -> None:
-    body = {"model": "deepseek-v4", "messages": CHAT, "stream": True, "max_tokens": 50_000,
-            "ignore_eos": True}  # fmt: skip
+    # Logprobs make each token ~1 KB of output: more than the kernel's socket buffers
+    # (a few MB per connection) hold within the scenario.
+    body = {"model": "deepseek-v4", "messages": CHAT, "stream": True, "max_tokens": 100_000,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 5}  # fmt: skip
     tiny = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
     transport = httpx.AsyncHTTPTransport(socket_options=tiny)
     auth = {"Authorization": f"Bearer {FLOOD_KEY}"}

@@ -24,7 +24,13 @@ from tokenway import bus
 from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
-from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
+from tokenway.model import (
+    DEFAULT_MODEL_NAME,
+    ModelInfo,
+    default_model_dir,
+    load_model_info,
+    tokenizer_of,
+)
 from tokenway.nats_users import AUTH_FILE, NatsUsers
 from tokenway.natsd import EmbeddedNats
 from tokenway.obfuscation import ObfuscationError, Permutation, load_key
@@ -152,12 +158,10 @@ def vllm_bridges(s: Settings, served: str, obf: Permutation | None) -> list[Stag
 def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | None) -> list[Stage]:
     import secrets
 
-    from tokenizers import Tokenizer
-
     from engines.bridge import Bridge
     from engines.sim import SimConfig, SimEngine
 
-    tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
+    tokenizer = tokenizer_of(model.path)
     prefix = f"sim-{secrets.token_hex(3)}"
     bridges: list[Stage] = []
     roles = [r.strip() for r in s.sim_roles.split(",") if r.strip()]

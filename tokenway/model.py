@@ -7,6 +7,7 @@ context length, EOS/BOS and vocabulary size from any local HF model directory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import importlib.util
@@ -46,6 +47,13 @@ class ModelInfo:
     vocab_size: int
 
 
+@functools.lru_cache(maxsize=4)  # a process serves one model, tests a few model dirs
+def tokenizer_of(model_dir: Path) -> Tokenizer:
+    """The model's fast tokenizer, read once per process (0.6 s for a 128k vocabulary): the
+    stages of one process share it (its encode and decode are safe from several threads)."""
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
 def default_model_dir(data_dir: Path) -> Path:
     """The bundled DeepSeek-V4 model directory under `data_dir/models`, written once.
 
@@ -83,12 +91,8 @@ def load_model_info(model_dir: Path, max_model_len: int | None = None) -> ModelI
     text_config = config.get("text_config") or {}  # multimodal configs nest the language model
     generation_config = _read_json(model_dir / "generation_config.json", missing_ok=True)
 
-    loaded: list[Any] = []
-
     def tokenizer() -> Any:  # tokenizer.json is read only when a fallback needs it
-        if not loaded:
-            loaded.append(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
-        return loaded[0]
+        return tokenizer_of(model_dir)
 
     def declared(key: str) -> Any:
         for source in (generation_config, config, text_config):

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from tokenizers import Tokenizer
-
 from tokenway.config import Settings
 from tokenway.errors import StageUnavailable, TokenwayError, internal
+from tokenway.model import tokenizer_of
 from tokenway.wire import DerenderEntry, DerenderResult
 from workers.derender import vllm_http as v
 from workers.derender.core import derender_call, merge_choices
@@ -46,7 +45,7 @@ class LocalBackend:
     awaits_io = False
 
     def __init__(self, model_dir: Path) -> None:
-        self.detok = Detokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        self.detok = Detokenizer(tokenizer_of(model_dir))
 
     async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
         """In the caller's loop, or in a thread for a large call (the core shares no state)."""

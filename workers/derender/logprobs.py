@@ -203,7 +203,8 @@ def _leading_space_marker(tokenizer: Tokenizer) -> str | None:
 
     Byte-level and other pre-tokenizers lose nothing: None.
     """
-    pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+    pre = tokenizer.pre_tokenizer
+    pre = json.loads(pre.__getstate__()) if pre is not None else {}  # not the whole tokenizer
     for item in [pre, *(pre.get("pretokenizers") or [])]:
         if item.get("type") == "Metaspace":
             return item.get("replacement", "▁")
