@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeys, Unauthorized
 from ingress.completions import (
@@ -33,8 +34,15 @@ from ingress.metrics import Metrics
 from ingress.openapi import with_completions
 from ingress.router import OutputRouter, SseWriter
 from tokenway import bus
-from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
+from tokenway.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    TokenwayError,
+    error_body,
+)
 from tokenway.registry import EngineRegistry
+from tokenway.wire import ErrorInfo
 
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -124,11 +132,23 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             metrics.active.dec()
             await source.close()
 
+    card = {"id": ctx.model, "object": "model", "created": 0, "owned_by": "tokenway",
+            "root": ctx.model_root, "max_model_len": ctx.context_length}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": ctx.model, "object": "model", "created": 0, "owned_by": "tokenway",
-                "root": ctx.model_root, "max_model_len": ctx.context_length}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != ctx.model:
+            return _error(ModelNotFound(f"The model `{model_id}` does not exist.",
+                                        param="model", code="model_not_found"))  # fmt: skip
+        return JSONResponse(card)
+
+    @app.get("/version")
+    async def served_version() -> JSONResponse:
+        return JSONResponse({"version": app.version})
 
     @app.get("/health")
     async def health() -> Response:
@@ -152,6 +172,20 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         # schedule worker's queue-wait histogram under `tokenway up`).
         page = generate_latest(metrics.registry) + generate_latest(REGISTRY)
         return Response(page, media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's own 404 and 405 (no such route, a wrong method) as OpenAI error bodies."""
+        what = f"{request.method} {request.url.path}"
+        if exc.status_code == 405:
+            wrong = MethodNotAllowed(f"{what} is not allowed")
+            return Response(error_body(wrong.info()), status_code=405,
+                            media_type="application/json", headers=exc.headers)  # fmt: skip
+        if exc.status_code == 404:
+            return _error(ModelNotFound(f"{what}: no such route", code="not_found"))
+        info = ErrorInfo(message=str(exc.detail), type="BadRequestError", status=exc.status_code)
+        return Response(error_body(info), status_code=exc.status_code,
+                        media_type="application/json", headers=exc.headers)  # fmt: skip
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:

@@ -189,3 +189,30 @@ async def test_a_request_no_engine_could_ever_hold_is_400_before_any_inference(
     error = assert_error(await post(stack, "/v1/completions", json=body), 400,
                          "tokens of engine budget", "largest engine holds")  # fmt: skip
     assert error["param"] == "max_tokens"
+
+
+async def test_other_routes_answer_unknown_paths_and_methods_with_openai_bodies(
+    stack: Stack,
+) -> None:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        error = assert_error(await http.get("/v1/nowhere"), 404, "/v1/nowhere")
+        assert error["type"] == "NotFoundError"
+        resp = await http.post("/v1/models")
+        error = assert_error(resp, 405, "POST /v1/models")
+        assert error["type"] == "MethodNotAllowed" and resp.headers["allow"] == "GET"
+
+
+async def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404(stack: Stack) -> None:
+    """`client.models.retrieve`, as vLLM serves it."""
+    client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    model = await client.models.retrieve("deepseek-v4")
+    assert model.id == "deepseek-v4" and model.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"
+
+
+async def test_the_version_is_served(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        resp = await http.get("/version")
+    assert resp.status_code == 200 and resp.json()["version"]

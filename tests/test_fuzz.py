@@ -27,6 +27,8 @@ ROUTES = {
     ("POST", "/v1/completions"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/streams/{rid}"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/models"): [POSITIVE],
+    ("GET", "/v1/models/{model_id}"): [POSITIVE],  # any string is an id: nothing to break
+    ("GET", "/version"): [POSITIVE],
     ("GET", "/health"): [POSITIVE],
     ("GET", "/ready"): [POSITIVE],
     ("GET", "/metrics"): [POSITIVE],
