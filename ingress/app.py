@@ -178,14 +178,15 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         """FastAPI's own 404 and 405 (no such route, a wrong method) as OpenAI error bodies."""
         what = f"{request.method} {request.url.path}"
         if exc.status_code == 405:
-            wrong = MethodNotAllowed(f"{what} is not allowed")
-            return Response(error_body(wrong.info()), status_code=405,
-                            media_type="application/json", headers=exc.headers)  # fmt: skip
-        if exc.status_code == 404:
-            return _error(ModelNotFound(f"{what}: no such route", code="not_found"))
-        info = ErrorInfo(message=str(exc.detail), type="BadRequestError", status=exc.status_code)
-        return Response(error_body(info), status_code=exc.status_code,
-                        media_type="application/json", headers=exc.headers)  # fmt: skip
+            info = MethodNotAllowed(f"{what} is not allowed").info()
+        elif exc.status_code == 404:
+            info = ModelNotFound(f"{what}: no such route", code="not_found").info()
+        else:
+            info = ErrorInfo(
+                message=str(exc.detail), type="BadRequestError", status=exc.status_code
+            )
+        return Response(error_body(info), status_code=info.status, media_type="application/json",
+                        headers=exc.headers)  # fmt: skip
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -183,26 +183,31 @@ class OutputRouter:
     async def _read_back(self, rid: str, slot: Slot, before: int | None = None) -> None:
         """The request's ledger messages after the slot's last, up to `before` (a stream
         sequence) or the end."""
-        subject = bus.out_subject(self.ingress_id, rid)
         try:
-            async for raw in ledger.stored(self.js, subject, slot.stream_seq, before):
-                event = event_of(rid, raw)
-                if event is not None:
-                    slot.put(event)
+            async for event in self._stored(rid, slot.stream_seq, before):
+                slot.put(event)
                 if slot.spilled:
                     return  # the rest when its reader takes what it holds
         except nats.errors.Error as exc:  # NATS away again: the next reconnect retries
             log.warning("could not read %s back from the ledger: %r", rid, exc)
 
+    async def _stored(
+        self, rid: str, after: int, before: int | None = None
+    ) -> AsyncIterator[Event]:
+        """The request's ledger messages after stream sequence `after`, as events."""
+        async for raw in ledger.stored(
+            self.js, bus.out_subject(self.ingress_id, rid), after, before
+        ):
+            if (event := event_of(rid, raw)) is not None:
+                yield event
+
     async def _refill(self, rid: str, slot: Slot) -> None:
         """A spilled slot's reader took all it held: the next events from the ledger, up to
         its limit. At the ledger's end the slot takes live events again, and reads once
         more what was stored (and dropped) while it read."""
-        subject = bus.out_subject(self.ingress_id, rid)
         try:
-            async for raw in ledger.stored(self.js, subject, slot.stream_seq):
-                event = event_of(rid, raw)
-                if event is not None and event.seq > slot.last_seq:
+            async for event in self._stored(rid, slot.stream_seq):
+                if event.seq > slot.last_seq:
                     slot.keep(event)
                 if slot.queued > (slot.limit or 0):
                     return  # still spilled: the next part when this one is taken

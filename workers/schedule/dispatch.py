@@ -47,7 +47,7 @@ from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
 from workers.schedule import affinity, routing
 from workers.schedule.breaker import Breakers
-from workers.schedule.owned import Owned
+from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +70,16 @@ def cost(r: Owned) -> int:
     return len(r.prompt) + (r.params.max_tokens or 0) * max(r.params.n, 1)
 
 
+def _ahead(made: int, reserve: int, budget: int | None) -> int:
+    """What one sequence holds: its output rounded up to a whole `reserve` ahead, within
+    its budget."""
+    ahead = (made // reserve + 1) * reserve
+    return ahead if budget is None else min(ahead, budget)
+
+
 def holding(r: Owned, reserve: int) -> int:
-    """Tokens the live attempt holds now: its prompt, and per sequence what it produced
-    rounded up to a whole `reserve` ahead, within its budget."""
-    budget = r.params.max_tokens
-    held = len(r.prompt)
-    for c in r.choices:
-        ahead = (c.made // reserve + 1) * reserve
-        held += ahead if budget is None else min(ahead, budget)
-    return held
+    """Tokens the live attempt holds as it starts: its prompt and each sequence's reserve."""
+    return len(r.prompt) + sum(_ahead(c.made, reserve, r.params.max_tokens) for c in r.choices)
 
 
 class NeverFits(InvalidRequest):
@@ -183,11 +184,13 @@ class Dispatcher:
             r.engine, r.held = None, 0
         self.release_prefill(r)
 
-    def grow(self, r: Owned) -> None:
-        """The live attempt produced output: hold its next reserve where it outgrew one."""
+    def grow(self, r: Owned, c: Choice, added: int) -> None:
+        """Choice `c` of the live attempt produced `added` tokens: hold its next reserve
+        where it outgrew one (per delta, so only that choice is looked at)."""
         if r.engine is None:
             return
-        more = holding(r, self.settings.decode_reserve) - r.held
+        reserve, budget = self.settings.decode_reserve, r.params.max_tokens
+        more = _ahead(c.made, reserve, budget) - _ahead(c.made - added, reserve, budget)
         if more > 0:
             self.tokens[r.engine] += more
             r.held += more

@@ -391,7 +391,7 @@ class ScheduleService:
                     self.dispatcher.engine_served(step.engine)
             elif r.accept(delta):
                 touched.append(r)
-                self.dispatcher.grow(r)
+                self.dispatcher.grow(r, r.choices[delta.index], len(delta.token_ids))
                 if delta.seq == 0:
                     self.dispatcher.engine_served(step.engine)
             if healthy and r.broken is not None:
