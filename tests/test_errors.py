@@ -123,16 +123,30 @@ async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("seed", 2**70), ("seed", -(2**64)), ("priority", 2**63), ("top_k", 2**64), ("top_k", -5)],
+    [
+        ("seed", 2**70),
+        ("seed", -(2**64)),
+        ("priority", 2**63),
+        ("top_k", 2**64),
+        ("top_k", -5),
+        ("min_tokens", 2**70),
+        ("kv_transfer_params", {"remote_block_ids": [2**64]}),
+    ],
 )
 async def test_a_number_the_wire_cannot_carry_is_400_naming_it(
-    stack: Stack, field: str, value: int
+    stack: Stack, field: str, value: object
 ) -> None:
     """vLLM's bounds (64-bit seeds, top_k of -1, 0 or more): a 400, never a 500 later."""
     body = {"prompt": "hi", "max_tokens": 2, field: value}
     resp = await post(stack, "/v1/completions", json=body)
     error = assert_error(resp, 400, field)
     assert error["type"] == "BadRequestError"
+
+
+async def test_min_tokens_past_the_budget_is_400_as_vllm_says_it(stack: Stack) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}
+    resp = await post(stack, "/v1/completions", json=body)
+    assert_error(resp, 400, "min_tokens must be less than or equal to max_tokens=2, got 3")
 
 
 @pytest.mark.parametrize("field", ["chat_template_kwargs", "kv_transfer_params", "tools"])

@@ -94,3 +94,24 @@ async def test_a_slow_reader_costs_its_ingress_a_bounded_buffer_and_loses_nothin
         assert [finishes for _, finishes in whole.values()] == [["length"], ["length"]]
     finally:
         await bounded.close()
+
+
+async def test_a_whole_response_of_more_ids_than_headers_hold_is_answered(
+    tmp_path: Path, stack: Stack
+) -> None:
+    """20,000 output tokens, not streamed: their IDs listed in one ledger message's headers
+    were past JetStream's 64 KiB header limit, and the request got a 502 "could not commit"."""
+    settings = make_settings(tmp_path, sim_chunk_size=1000, sim_itl=1e-5, sim_output_len=100_000,
+                             served_model_name="long-answer")  # fmt: skip
+    names = ["ingress", "render", "schedule", "sim"]
+    long = await start_stack(stack.settings.nats, settings, names)
+    try:
+        body = {"prompt": "hi", "max_tokens": 20_000, "ignore_eos": True, "return_token_ids": True}
+        async with httpx.AsyncClient(base_url=long.url, timeout=60) as http:
+            answer = await http.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        [choice] = answer.json()["choices"]
+        assert len(choice["token_ids"]) == 20_000
+        assert answer.json()["usage"]["completion_tokens"] == 20_000
+    finally:
+        await long.close()

@@ -11,6 +11,7 @@ SEQ = "Tw-Seq"
 ATTEMPT = "Tw-Attempt"
 STREAM_STATE = "Tw-Stream-State"
 TOKENS = "Tw-Tokens"
+TOKEN_COUNT = "Tw-Token-Count"  # a whole response's: how many output tokens it holds
 DEADLINE = "Tw-Deadline"
 REPLY = "Tw-Reply"
 KIND = "Tw-Kind"

@@ -61,7 +61,11 @@ def out_headers(
         hdrs[h.ATTEMPT] = str(attempt)
     if state is not None:
         hdrs[h.STREAM_STATE] = h.encode_state(state)
-    if tokens:
+    if tokens and kind == h.KIND_RESPONSE:
+        # Terminal: nothing resumes from its IDs, and JetStream holds no more than 64 KiB
+        # of headers (~10k IDs); the count is what readers use.
+        hdrs[h.TOKEN_COUNT] = str(len(tokens))
+    elif tokens:
         hdrs[h.TOKENS] = h.encode_tokens(tokens)
     if status is not None:
         hdrs[h.STATUS] = str(status)
@@ -220,7 +224,7 @@ def delivered(rid: str, msg: Msg | RawStreamMsg) -> Delivered:
         kind=hdrs.get(h.KIND, h.KIND_CHUNK),
         status=int(hdrs.get(h.STATUS, 200)),
         retry_after=int(hdrs.get(h.RETRY_AFTER, 0)),
-        tokens=h.count_tokens(hdrs.get(h.TOKENS, "")),
+        tokens=h.count_tokens(hdrs.get(h.TOKENS, "")) or int(hdrs.get(h.TOKEN_COUNT, 0)),
     )
 
 

@@ -15,7 +15,6 @@ from msgspec import Meta, Struct
 from tokenway.errors import InvalidRequest
 from tokenway.wire import TokenId
 
-NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -23,6 +22,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 # What the wire (msgpack) and the engines carry: vLLM bounds seeds to a signed 64-bit int.
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1)]  # -1 or 0: off, as vLLM takes it
+NonNegInt = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class ContentPart(Struct, kw_only=True):
@@ -166,6 +166,10 @@ def decode_body(api: str, body: bytes) -> OpenAIRequest:
     for param, value in _free_form(req):
         if _depth(value, MAX_DEPTH) > MAX_DEPTH:
             raise InvalidRequest(f"{param} nests deeper than {MAX_DEPTH} levels", param=param)
+    if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
+        raise InvalidRequest(
+            "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
+        )
     return req
 
 
@@ -194,3 +198,13 @@ def _depth(value: object, limit: int) -> int:
     else:
         return 0
     return 1 + max((_depth(v, limit - 1) for v in items), default=0)
+
+
+def _has_wide_int(value: object) -> bool:
+    """Whether an integer msgpack cannot carry (outside -2**63 .. 2**64 - 1) is in `value`
+    (already bounded in depth)."""
+    if isinstance(value, dict):
+        return any(_has_wide_int(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_wide_int(v) for v in value)
+    return isinstance(value, int) and not -(2**63) <= value < 2**64

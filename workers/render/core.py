@@ -158,9 +158,16 @@ class RequestBuilder:
         )
 
     def _budget(self, ids: list[int], req: ChatCompletionRequest | CompletionRequest) -> int:
-        return budget(
+        left = budget(
             len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget
         )
+        if req.min_tokens > left:  # vLLM's own check, on the budget its default gives too
+            raise InvalidRequest(
+                f"min_tokens must be less than or equal to max_tokens={left}, "
+                f"got {req.min_tokens}.",
+                param="min_tokens",
+            )
+        return left
 
 
 class Renderer:
