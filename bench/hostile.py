@@ -129,7 +129,7 @@ async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, i
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0",
         "--api-key-file", str(keys), "--sim-max-seqs", str(args.max_seqs),
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=(data / "up.log").open("wb"),
+        cwd=args.code, env=env, stdout=asyncio.subprocess.PIPE, stderr=(data / "up.log").open("wb"),
     )  # fmt: skip
     try:
         assert proc.stdout is not None

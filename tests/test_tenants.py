@@ -1,19 +1,22 @@
 """Tenants cannot starve each other: limits on concurrent requests and tokens per minute,
-shared by two ingresses in front of the session's pipeline, and a request without
-`max_tokens` that no longer holds an engine's budget for as long as it runs."""
+shared by two ingresses in front of the session's pipeline, a request without `max_tokens`
+that no longer holds an engine's budget for as long as it runs, and tenants taking turns
+for an engine in the owner's waiting line."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import msgspec
+import nats
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Stack, start_stack
+from tests.conftest import Stack, make_settings, start_stack
 from tokenway import bus
 from tokenway.tenancy import Usage
 
@@ -154,3 +157,40 @@ async def test_a_request_without_max_tokens_leaves_room_for_others(stack: Stack)
         async with asyncio.timeout(60):  # held back, it would wait out its deadline
             resp = await http.post("/v1/chat/completions", json=_body())
         assert resp.status_code == 200, resp.text
+
+
+async def test_a_calm_tenant_takes_the_next_free_slot_before_a_floods_queue(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """An engine of 2 sequences and 10 of one tenant's requests waiting for it: another
+    tenant's request, sent after them all, starts as the next slot frees. It once waited
+    behind every one of them, in arrival order."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"flood {FLOOD}\ncalm {CALM}\n")
+    settings = make_settings(tmp_path, api_key_file=str(keys), sim_max_seqs=2, sim_itl=0.005,
+                             served_model_name="turns")  # fmt: skip
+    turns = await start_stack(
+        stack.settings.nats, settings, ["ingress", "render", "schedule", "sim"]
+    )
+    nc = await nats.connect(stack.settings.nats)
+    queued = await nc.subscribe(bus.sched_subject("turns"))  # sees each rendered request
+    body = {"model": "turns", "messages": CHAT, "max_tokens": 100, "ignore_eos": True}
+    ended: list[str] = []
+
+    async def ask(key: str, tenant: str) -> None:
+        async with _http(turns, key) as http:
+            resp = await http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        ended.append(tenant)
+
+    try:
+        floods = [asyncio.create_task(ask(FLOOD, "flood")) for _ in range(12)]
+        for _ in floods:  # every one rendered and queued for the owner
+            await queued.next_msg(timeout=30)
+        await ask(CALM, "calm")
+        await asyncio.gather(*floods)
+        # The two running before it, and at most the one that took the other freed slot.
+        assert ended.index("calm") <= 3, ended
+    finally:
+        await nc.close()
+        await turns.close()

@@ -386,6 +386,11 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-inflight", type=int, help="requests one schedule worker owns (1024)")
     g.add_argument(
+        "--owner-lookahead", type=int,
+        help="sequences a schedule worker pulls beyond its engines' room, so that tenants "
+        "take turns in its waiting line (64; 0: pull only what fits)",
+    )  # fmt: skip
+    g.add_argument(
         "--decode-reserve", type=int,
         help="engine tokens a sequence holds ahead of its output, charged again as it outgrows "
         "them up to its max_tokens (1024): what flow control charges instead of max_tokens",

@@ -136,6 +136,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     drain_timeout: Annotated[float, Meta(ge=0)] = 20.0
     max_deliver: PositiveInt = 5
     max_inflight: PositiveInt = 1024  # requests one schedule worker owns at once
+    # requests (sequences) a schedule worker pulls beyond its engines' room, so that its
+    # waiting line holds other tenants' requests to give turns to (0: only what fits)
+    owner_lookahead: Annotated[int, Meta(ge=0)] = 64
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
     engine_wait: PositiveFloat = 10.0  # with no live engine for the model, a 503 after this
     # multi-prompt requests (fan-out): how many one schedule worker owns at once (more: 429),

@@ -8,8 +8,8 @@ it is charged for what it uses and will soon, not for all it may ever produce: a
 without `max_tokens` (the context left, ~131k tokens) would otherwise hold an eighth of
 an engine for as long as it runs, and one with `n=8` all of it. Only a request whose
 whole budget no engine could ever hold is refused. An owner only pulls work while some
-engine has room, so the waiting line here is short; within it, lower `priority` goes first
-(vLLM's convention), then arrival.
+engine has room (and `owner_lookahead` requests more), so the waiting line here is short;
+within it tenants take turns, then lower `priority` goes first (`workers.schedule.line`).
 
 With token obfuscation, engines are only those advertising this scheduler's key fingerprint
 (or, without a key, none): work never reaches an engine of the other ID space, and a request
@@ -19,8 +19,6 @@ the engines' KV caches hold it.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import time
 from collections import Counter
@@ -47,6 +45,7 @@ from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
 from workers.schedule import affinity, routing
 from workers.schedule.breaker import Breakers
+from workers.schedule.line import Line
 from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
@@ -119,21 +118,24 @@ class Dispatcher:
         self.seqs: Counter[str] = Counter()  # sequences we run per engine
         self.tokens: Counter[str] = Counter()  # tokens those may hold
         self.freed = Signal()
-        self._waiting: list[tuple[int, int, Owned]] = []
-        self._arrivals = itertools.count()
-        self._turn = Signal()
+        self.line = Line()
+        self.turn = Signal()  # the line changed: whose turn it is may have too
 
     # -- capacity ---------------------------------------------------------------------------
 
-    def free_slots(self) -> int:
+    def may_pull(self) -> int:
+        """Sequences the owner may pull: what the engines have room for, and
+        `owner_lookahead` more, so that its line has other tenants' turns to give, less
+        what already waits in it."""
         alive = self.registry.alive()
         if not alive:
             # Requests still come in, to wait a while for an engine and then meet the 503
             # in `_wait_turn` instead of lying in the queue until their deadline.
-            return _WITHOUT_ENGINES
+            return max(_WITHOUT_ENGINES - self.line.waiting(), 0)
         # With only incompatible engines, their room still lets requests in, so that each
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
-        return routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
+        room = routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
+        return max(room + self.settings.owner_lookahead - self.line.waiting(), 0)
 
     def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
         return [e for e in engines if e.obfuscation == self.fingerprint]
@@ -181,6 +183,7 @@ class Dispatcher:
         """Give back what the attempt held (on every exit path, exactly once)."""
         if r.engine is not None:
             self._release(r.engine, len(r.choices), r.held)
+            self.line.stopped(r.tenant, len(r.choices))
             r.engine, r.held = None, 0
         self.release_prefill(r)
 
@@ -224,13 +227,13 @@ class Dispatcher:
                 return
 
     async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
-        """The request's plan once it is first in line and an engine has room."""
-        entry = (r.request.priority, next(self._arrivals), r)
-        heapq.heappush(self._waiting, entry)
+        """The request's plan once it is its turn and an engine has room."""
+        place = self.line.join(r.tenant, r.request.priority, max(r.params.n, 1))
+        self.turn.fire()
         alone_since: float | None = None  # since when no engine of the model is alive
         try:
             while True:
-                waits = (self._turn.waiter(), self.registry.changed.waiter(), self.freed.waiter())
+                waits = (self.turn.waiter(), self.registry.changed.waiter(), self.freed.waiter())
                 now = time.monotonic()
                 patience = self._patience(now, alone_since)
                 alone_since = None if patience is None else alone_since or now
@@ -239,7 +242,7 @@ class Dispatcher:
                     for e in self._compatible()
                     if e.id not in tried and self.breakers.admits(e.id, now)
                 ]
-                if self._waiting[0] is entry:
+                if self.line.first() is place:
                     plan = self._relay_plan(r, engines, hashes, now) or self._plan(
                         r, engines, hashes, now
                     )
@@ -255,9 +258,9 @@ class Dispatcher:
                 if r.ended.is_set():
                     return None
         finally:
-            self._waiting.remove(entry)
-            heapq.heapify(self._waiting)
-            self._turn.fire()
+            self.line.leave(place)
+            self.turn.fire()
+            self.freed.fire()  # room to pull one more
 
     def _patience(self, now: float, alone_since: float | None) -> float | None:
         """With no engine of the model alive: how much longer to wait for one (a 503 once
@@ -345,6 +348,7 @@ class Dispatcher:
         kv = r.prefill_kv if r.prefill_kv is not None else r.client_kv
         r.held = holding(r, self.settings.decode_reserve)
         self._hold(engine.id, len(r.choices), r.held)
+        self.line.started(r.tenant, len(r.choices))
         r.engine = engine.id
         if await self._send(engine, r, r.params, kv, tried):
             return True

@@ -173,7 +173,7 @@ class ScheduleService:
         if self.dispatcher is None:
             return 0
         room = self.settings.max_inflight - len(self.requests)
-        return min(room, self.dispatcher.free_slots(), 64)
+        return min(room, self.dispatcher.may_pull(), 64)
 
     async def _keepalive(self, stop: asyncio.Event) -> None:
         """In-progress acks keep our messages ours while requests run longer than the
