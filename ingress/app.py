@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
@@ -20,8 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeys, Unauthorized
 from ingress.completions import (
+    CLIENT_REQUEST_ID,
     EVENT_IDS_HEADER,
+    REQUEST_ID_HEADER,
     ROUTES,
+    STREAM_ID_HEADER,
     Completions,
     Receive,
     Scope,
@@ -29,8 +32,9 @@ from ingress.completions import (
     event_ids,
     header,
 )
+from ingress.cors import Cors
 from ingress.ledger_read import LedgerRead, LedgerReader
-from ingress.metrics import Metrics
+from ingress.metrics import OTHER, Metrics
 from ingress.openapi import with_completions
 from ingress.router import OutputRouter, SseWriter
 from tokenway import bus
@@ -62,10 +66,26 @@ class IngressContext:
     max_request_bytes: int
     body_timeout: float
     keys: ApiKeys
+    cors: Cors | None = None
 
 
 def _error(exc: TokenwayError) -> Response:
     return Response(error_body(exc.info()), status_code=exc.status, media_type="application/json")
+
+
+def _answering(send: Send, metrics: Metrics, echo: tuple[bytes, bytes] | None) -> Send:
+    """`send` of a route the FastAPI app serves: its answer counted (as `other`), and the
+    client's X-Request-Id on it in place of any other."""
+
+    async def answering(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            metrics.requests.labels(OTHER, message["status"]).inc()
+            if echo is not None:
+                kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() != echo[0]]
+                message["headers"] = [*kept, echo]
+        await send(message)
+
+    return answering
 
 
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -116,7 +136,8 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
                                         code="stream_not_found"))  # fmt: skip
         return StreamingResponse(
             resumed(ledger_read, SseWriter(ids, after)), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            headers={"Cache-Control": "no-cache", "X-Request-Id": rid,
+                     STREAM_ID_HEADER.decode(): rid},
         )  # fmt: skip
 
     async def resumed(source: LedgerRead, writer: SseWriter) -> AsyncIterator[bytes]:
@@ -197,15 +218,25 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             await app(scope, receive, send)
             return
         api = ROUTES.get(scope["path"])
+        client_id = header(scope, REQUEST_ID_HEADER).decode("latin-1")
+        if client_id and not CLIENT_REQUEST_ID.fullmatch(client_id):
+            bad = InvalidRequest(
+                f"X-Request-Id must be 1 to 128 of A-Z a-z 0-9 . _ : -, got {client_id[:160]!r}",
+                param="X-Request-Id",
+            )
+            await completions.refuse(api, bad, send)
+            return
+        echo = (REQUEST_ID_HEADER, client_id.encode()) if client_id else None
         try:
             tenant = ctx.keys.tenant(scope["path"], header(scope, b"authorization"))
         except Unauthorized as exc:
-            await completions.refuse(api, exc, send, (b"www-authenticate", b"Bearer"))
+            auth = (b"www-authenticate", b"Bearer")
+            await completions.refuse(api, exc, send, *filter(None, (auth, echo)))
             return
         if api is not None:
-            await completions(api, scope, receive, send, tenant)
-        else:
-            scope.setdefault("state", {})["tenant"] = tenant
-            await app(scope, receive, send)
+            await completions(api, scope, receive, send, tenant, client_id)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        await app(scope, receive, _answering(send, metrics, echo))
 
-    return serve
+    return serve if ctx.cors is None else ctx.cors.wrap(serve)

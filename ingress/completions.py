@@ -1,4 +1,5 @@
-"""`POST /v1/chat/completions` and `POST /v1/completions`, served as plain ASGI.
+"""`POST /v1/chat/completions` and `POST /v1/completions` (and `POST /tokenize` and
+`/detokenize`, which a render worker answers), served as plain ASGI.
 
 These two routes carry every request and every streamed chunk, so they skip FastAPI:
 its routing, dependency solving and the middleware wrappers around every `send` were
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -21,9 +23,9 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
-from nats.errors import MaxPayloadError
+from nats.errors import MaxPayloadError, NoRespondersError
 
-from ingress.metrics import Metrics
+from ingress.metrics import OTHER, Metrics
 from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import bus, ledger
 from tokenway.errors import (
@@ -41,7 +43,7 @@ from tokenway.errors import (
 )
 from tokenway.protocol import decode_body
 from tokenway.tenancy import Limits
-from tokenway.wire import Api, ErrorInfo, RenderRequest
+from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
 from tokenway.worker import enqueue
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,13 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-ROUTES: dict[str, Api] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+Route = Api | TokenizeRoute
+ROUTES: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                            "/tokenize": "tokenize", "/detokenize": "detokenize"}  # fmt: skip
+# A client's X-Request-Id (vLLM's habit): its response's id, echoed on every response.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+REQUEST_ID_HEADER = b"x-request-id"
+STREAM_ID_HEADER = b"x-tokenway-stream-id"  # what `GET /v1/streams/{id}` resumes
 CLIENT_CLOSED = 499  # nginx's "client closed request"
 EVENT_IDS_HEADER = "x-tokenway-event-ids"
 _EVENT_IDS = EVENT_IDS_HEADER.encode()
@@ -61,6 +69,7 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
 ]
 _encoder = msgspec.msgpack.Encoder()
+_answers = msgspec.msgpack.Decoder(TokenizeAnswer)
 
 
 def event_ids(value: str) -> bool:
@@ -166,12 +175,15 @@ class Completions:
         self.js = self.nc.jetstream()
 
     async def __call__(
-        self, api: Api, scope: Scope, receive: Receive, send: Send, tenant: str
+        self, api: Route, scope: Scope, receive: Receive, send: Send, tenant: str, client_id: str
     ) -> None:
-        """`tenant`: whose API key the request came with ("" where no key is asked for)."""
+        """`tenant`: whose API key the request came with ("" where no key is asked for);
+        `client_id`: the client's valid X-Request-Id, or ""."""
+        rid = secrets.token_hex(12)
+        echo = (REQUEST_ID_HEADER, (client_id or rid).encode())
         if scope["method"] != "POST":
             wrong = MethodNotAllowed(f"{scope['method']} {scope['path']} is not allowed; use POST")
-            await self.refuse(api, wrong, send, (b"allow", b"POST"))
+            await self.refuse(api, wrong, send, (b"allow", b"POST"), echo)
             return
         try:
             if int(header(scope, b"content-length") or 0) > self.max_request_bytes:
@@ -179,31 +191,37 @@ class Completions:
             async with asyncio.timeout(self.body_timeout):  # a half-sent body holds nothing
                 body = await _body(receive, self.max_request_bytes)
         except TooLarge as exc:
-            await self.refuse(api, exc, send)
+            await self.refuse(api, exc, send, echo)
             return
         except TimeoutError:
             late = BodyTimeout(f"the request body did not arrive within {self.body_timeout:g}s")
-            await self.refuse(api, late, send, (b"connection", b"close"))
+            await self.refuse(api, late, send, (b"connection", b"close"), echo)
             return
         if body is None:
             return  # nobody to answer
         if self.draining.is_set():
             stopping = Unavailable("the server is shutting down; send the request again")
-            await self.refuse(api, stopping, send)
+            await self.refuse(api, stopping, send, echo)
             return
-        rid = secrets.token_hex(12)
+        if api == "tokenize" or api == "detokenize":
+            reply = await self._tokenize(api, body)
+            self.metrics.requests.labels(api, reply.status).inc()
+            reply.headers += (echo,)
+            await reply.send(send)
+            return
         slot = self.router.open(rid)
         watcher = asyncio.ensure_future(_watch(receive, slot))
         first: Event | None = None
         streaming = False
         try:
-            outcome, first = await self._answer(api, scope, body, rid, tenant, slot)
+            outcome, first = await self._answer(api, scope, body, rid, tenant, client_id, slot)
             if isinstance(outcome, Stream):
                 streaming = True  # the stream closes its slot itself
                 self.metrics.requests.labels(api, 200).inc()
-                await self._stream(outcome, send)
+                await self._stream(outcome, send, echo)
             else:
                 self.metrics.requests.labels(api, outcome.status).inc()
+                outcome.headers += (echo,)
                 await outcome.send(send)
         finally:
             watcher.cancel()
@@ -213,23 +231,29 @@ class Completions:
                     self.router.cancel(rid)
 
     async def refuse(
-        self, api: Api | None, exc: TokenwayError, send: Send, *headers: tuple[bytes, bytes]
+        self, api: Route | None, exc: TokenwayError, send: Send, *headers: tuple[bytes, bytes]
     ) -> None:
-        """Answered before the request goes anywhere, and counted like every reply of a
-        completion route (`api`)."""
-        if api is not None:
-            self.metrics.requests.labels(api, exc.status).inc()
+        """Answered before the request goes anywhere, and counted like every answer (`api`:
+        the route's, None for any other)."""
+        self.metrics.requests.labels(api or OTHER, exc.status).inc()
         await Reply.error(exc.info(), *headers).send(send)
 
     async def _answer(
-        self, api: Api, scope: Scope, body: bytes, rid: str, tenant: str, slot: Slot
+        self,
+        api: Api,
+        scope: Scope,
+        body: bytes,
+        rid: str,
+        tenant: str,
+        client_id: str,
+        slot: Slot,
     ) -> tuple[Reply | Stream, Event | None]:
         """The whole reply, or a stream once its first event is committed; and that event."""
         first: Event | None = None
         try:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
             stream = self._decode(api, body)
-            await self._submit(api, body, rid, tenant)
+            await self._submit(api, body, rid, tenant, client_id)
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
@@ -253,8 +277,9 @@ class Completions:
             )
         return bool(req.stream)
 
-    async def _submit(self, api: Api, body: bytes, rid: str, tenant: str) -> None:
-        request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()))
+    async def _submit(self, api: Api, body: bytes, rid: str, tenant: str, client_id: str) -> None:
+        request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()),
+                                client_request_id=client_id or None)  # fmt: skip
         who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
                               tenant, self.limits.get(tenant))  # fmt: skip
         try:
@@ -263,12 +288,36 @@ class Completions:
                 who.headers(), self.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:
-            raise InvalidRequest(
-                f"request body of {len(body)} bytes exceeds the bus limit "
-                f"of {self.nc.max_payload} bytes"
-            ) from exc
+            raise self._over_the_bus(body) from exc
         except NatsError as exc:
             raise StageUnavailable(f"could not queue the request: {exc!r}") from exc
+
+    async def _tokenize(self, route: TokenizeRoute, body: bytes) -> Reply:
+        """A render worker's answer: core request/reply, nothing queued or kept."""
+        call = _encoder.encode(TokenizeCall(route=route, body=body))
+        subject = bus.tokenize_subject(self.model)
+        try:
+            msg = await self.nc.request(subject, call, timeout=self.request_timeout)
+        except NoRespondersError:
+            failed: TokenwayError = Unavailable(f"no render worker serves {self.model} now")
+        except TimeoutError:
+            failed = DeadlineExceeded(f"no answer within {self.request_timeout:.0f}s")
+        except MaxPayloadError:
+            failed = self._over_the_bus(body)
+        except NatsError as exc:
+            failed = StageUnavailable(f"could not ask render: {exc!r}")
+        else:
+            answer = _answers.decode(msg.data)
+            if answer.status != 200:
+                return Reply.failed(answer.status, answer.body)
+            return Reply(200, answer.body)
+        return Reply.error(failed.info())
+
+    def _over_the_bus(self, body: bytes) -> InvalidRequest:
+        return InvalidRequest(
+            f"request body of {len(body)} bytes exceeds the bus limit "
+            f"of {self.nc.max_payload} bytes"
+        )
 
     async def _first(self, slot: Slot) -> Event | None:
         """The request's first output event, or None when the client left before it."""
@@ -278,8 +327,8 @@ class Completions:
         except TimeoutError:
             raise DeadlineExceeded(f"no answer within {self.request_timeout:.0f}s") from None
 
-    async def _stream(self, stream: Stream, send: Send) -> None:
-        start = [*_SSE_HEADERS, (b"x-request-id", stream.rid.encode())]
+    async def _stream(self, stream: Stream, send: Send, echo: tuple[bytes, bytes]) -> None:
+        start = [*_SSE_HEADERS, echo, (STREAM_ID_HEADER, stream.rid.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": start})
         self.metrics.active.inc()
         events, done = [stream.first], False

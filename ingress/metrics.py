@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+OTHER = "other"  # the `api` of every answer but the completion and tokenize routes
+
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "tokenway_requests", "Requests by API and HTTP status", ["api", "status"],
+            "tokenway_requests", "Every answer, by route (api) and HTTP status", ["api", "status"],
             registry=self.registry,
         )  # fmt: skip
         self.active = Gauge("tokenway_active_streams", "Open SSE streams", registry=self.registry)

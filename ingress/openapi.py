@@ -1,6 +1,6 @@
-"""The ingress's OpenAPI document: FastAPI's for its own routes, and the two completion
-routes (plain ASGI, so FastAPI cannot see them) described from the msgspec structs that
-decode their bodies: what a client or a fuzzer needs to know to call them."""
+"""The ingress's OpenAPI document: FastAPI's for its own routes, and the routes served as
+plain ASGI (completions, tokenize; FastAPI cannot see them) described from the msgspec
+structs that decode their bodies: what a client or a fuzzer needs to know to call them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import msgspec
 
 from ingress.completions import NO, YES
 from tokenway.errors import ErrorBody
-from tokenway.protocol import ChatCompletionRequest, CompletionRequest
+from tokenway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 _REF = "#/components/schemas/{name}"
 # What a completion route answers besides 200; every one an OpenAI error body.
@@ -29,7 +35,11 @@ _ERRORS = {
 _ROUTES = {
     "/v1/chat/completions": ("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
     "/v1/completions": ("createCompletion", "CompletionRequest", "Completion"),
+    "/tokenize": ("tokenize", "TokenizeRequest", "Token IDs of a prompt or of chat messages"),
+    "/detokenize": ("detokenize", "DetokenizeRequest", "The text of token IDs"),
 }
+_BODIES = [ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
+           TokenizeCompletionRequest, DetokenizeRequest, ErrorBody]  # fmt: skip
 
 
 def _operation(operation_id: str, body: str, summary: str) -> dict[str, Any]:
@@ -67,11 +77,13 @@ def _resume_parameters(rid_pattern: str) -> list[dict[str, Any]]:
 
 
 def with_completions(document: dict[str, Any], rid_pattern: str) -> dict[str, Any]:
-    """FastAPI's document with the completion routes and their schemas added, and the
+    """FastAPI's document with the plain ASGI routes and their schemas added, and the
     resume route's parameters as its handler checks them."""
-    _, schemas = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ErrorBody], ref_template=_REF
-    )
+    _, schemas = msgspec.json.schema_components(_BODIES, ref_template=_REF)
+    schemas["TokenizeRequest"] = {"anyOf": [
+        {"$ref": _REF.format(name=s.__name__)}
+        for s in (TokenizeChatRequest, TokenizeCompletionRequest)
+    ]}  # fmt: skip
     document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
     paths = document.setdefault("paths", {})
     for path, (operation_id, body, summary) in _ROUTES.items():

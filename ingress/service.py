@@ -12,6 +12,7 @@ import uvicorn
 
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
+from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
 from ingress.router import OutputRouter
 from tokenway import bus
@@ -55,6 +56,7 @@ class IngressService:
             Limits(concurrent=settings.tenant_concurrency,
                    tokens_per_minute=settings.tenant_tokens_per_minute),
         )  # fmt: skip
+        self.cors = Cors.load(settings)
         self.model = model
         self.served = served_model_name
         self.ingress_id = settings.resolved_ingress_id()
@@ -99,6 +101,7 @@ class IngressService:
             max_request_bytes=self.settings.max_request_bytes,
             body_timeout=self.settings.body_timeout,
             keys=self.keys,
+            cors=self.cors,
         )
         config = uvicorn.Config(
             create_app(ctx),
@@ -107,7 +110,10 @@ class IngressService:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=5,
+            access_log=self.settings.access_log,
         )
+        if self.settings.access_log:  # one line per response, on stdout
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self.server = server = _Server(config)
         async with asyncio.TaskGroup() as group:
             group.create_task(registry.run(stop))

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
 import pytest_asyncio
 
+from tokenway import bus
 from tokenway.cli import build_stages, serve
 from tokenway.config import Settings
 from tokenway.nats_users import NatsUsers
@@ -137,6 +139,18 @@ async def start_stack(
         if "sim" in names:
             await wait_engines(stack.ingress.registry, len(stack.by_name["engine"]))
     return stack
+
+
+async def dead_letter_one(nats_url: str, model: str = "deepseek-v4") -> None:
+    """A render request with no request headers, which render can answer nobody for, so it
+    dead-letters it: returns once the letter is in TW_DLQ."""
+    nc = await nats.connect(nats_url)
+    try:
+        dead = await nc.subscribe(bus.dlq_subject("render"), max_msgs=1)
+        await nc.jetstream().publish(bus.render_subject(model), b"no headers")
+        await dead.next_msg(timeout=30)
+    finally:
+        await nc.close()
 
 
 async def wait_engines(registry: EngineRegistry, count: int, timeout: float = 20.0) -> None:

@@ -88,7 +88,7 @@ async def post(
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body, headers=IDS) as resp:
             assert resp.status_code == 200, (await resp.aread()).decode()
-            out.rid = resp.headers["x-request-id"]
+            out.rid = resp.headers["x-tokenway-stream-id"]
             await read(resp, out, progress)
     except httpx.TransportError:
         out.cut = True

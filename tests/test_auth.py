@@ -97,7 +97,7 @@ async def test_a_stream_resumes_only_for_its_own_tenant(keyed: Stack, stack: Sta
     async with httpx.AsyncClient(base_url=keyed.url, timeout=30) as http:
         a = {"Authorization": f"Bearer {KEY_A}"}
         async with http.stream("POST", "/v1/chat/completions", json=body, headers=a) as resp:
-            rid = resp.headers["x-request-id"]
+            rid = resp.headers["x-tokenway-stream-id"]
             sent = [line async for line in resp.aiter_lines() if line.startswith("data:")]
         path = f"/v1/streams/{rid}"
         mine = await http.get(path, headers={**a, "Last-Event-ID": "1"})

@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import nats
 import openai
 import pytest
@@ -80,17 +81,20 @@ async def test_up_serves_a_stream_and_stops_cleanly_on_ctrl_c(up) -> None:
 async def test_each_stage_runs_as_its_own_process(tmp_path: Path) -> None:
     async with nats_server(tmp_path / "nats") as server:
         common = ["--nats", server.url, "--data-dir", str(tmp_path / "data")]
-        port = str(free_port())
+        port, metrics = str(free_port()), free_port()
         procs = [
             await spawn("ingress", *common, "--port", port),
             await spawn("render", *common),
-            await spawn("schedule", *common),
+            await spawn("schedule", *common, "--metrics-port", str(metrics)),
             await spawn("derender", *common),
             await spawn("engine", "sim", *common),
         ]
         try:
             await _wait_ready(server.url, procs[0])
             assert await stream_text(f"http://127.0.0.1:{port}/v1")
+            async with httpx.AsyncClient() as http:  # the schedule process's own page
+                page = (await http.get(f"http://127.0.0.1:{metrics}/metrics")).text
+            assert 'tokenway:request_success_total{finished_reason="length",model_name=' in page
         finally:
             codes = [await stop(p, signal.SIGTERM) for p in procs]
         assert codes == [0] * len(procs)
@@ -174,6 +178,93 @@ async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Pa
         assert code == 0
 
 
+async def announcement(proc: asyncio.subprocess.Process) -> dict[str, str]:
+    """`tokenway up`'s block once the API listens: the API URL, then a line per part."""
+    url = await announced_url(proc)
+    assert proc.stdout is not None
+    lines = [(await asyncio.wait_for(proc.stdout.readline(), 10)).decode() for _ in range(4)]
+    return {"api": url} | dict(line.strip().split(None, 1) for line in lines)
+
+
+async def test_up_with_a_vllm_url_serves_that_engine_alone_on_a_fixed_nats_port(
+    tmp_path: Path,
+) -> None:
+    from tokenizers import Tokenizer
+
+    from tests.conftest import make_settings
+    from tests.fakes.vllm_engine import FakeVllm, Knobs
+    from tokenway.cli import resolve_model
+
+    model, _ = resolve_model(make_settings(tmp_path / "data"))
+    tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
+    fake = FakeVllm.for_tokenizer(tokenizer, model.eos_token_ids[0], Knobs(itl=0.001))
+    port = free_port()
+    async with fake:
+        proc = await spawn(
+            "up", "--data-dir", str(tmp_path / "data"), "--port", "0", "--nats-port", str(port),
+            "--vllm-url", fake.url, "--engine-id", "real-0",
+        )  # fmt: skip
+        try:
+            block = await announcement(proc)
+            assert block["engines"] == "real-0 (union)"
+            assert block["NATS"].startswith(f"nats://127.0.0.1:{port}")
+            assert block["model"] == "deepseek-v4" and block["metrics"].endswith("/metrics")
+            client = openai.AsyncOpenAI(base_url=block["api"], api_key="-", max_retries=0)
+            done = await client.completions.create(model="deepseek-v4", prompt="hi", max_tokens=4)
+            assert done.choices[0].text and len(fake.requests) == 1  # no simulated engine
+        finally:
+            assert await stop(proc) == 0
+
+
+async def test_up_with_no_simulated_engine_serves_and_waits_for_engines(tmp_path: Path) -> None:
+    proc = await spawn(
+        "up", "--data-dir", str(tmp_path), "--port", "0", "--sim-engines", "0", "--access-log"
+    )
+    try:
+        block = await announcement(proc)
+        assert block["engines"] == "none in this process"
+        async with httpx.AsyncClient() as http:
+            ready = await http.get(block["metrics"].replace("/metrics", "/ready"))
+        assert ready.status_code == 503 and ready.json()["engines"] == 0
+        assert proc.stdout is not None
+        logged = await asyncio.wait_for(proc.stdout.readline(), 10)
+        assert b'"GET /ready HTTP/1.1" 503' in logged
+    finally:
+        assert await stop(proc) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--vllm-url", "http://127.0.0.1:1", "--sim-engines", "1"], "would mix simulated"),
+        (["--nats-port", "{taken}"], "nats-server did not start"),
+    ],
+    ids=["real-and-simulated", "nats-port-taken"],
+)
+async def test_up_refuses_what_it_cannot_serve_and_says_why(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        given = [a.replace("{taken}", port) for a in args]
+        proc = await spawn("up", "--data-dir", str(tmp_path), "--port", "0", *given)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1, err.decode()
+    last = err.decode().strip().splitlines()[-1]
+    assert last.startswith("tokenway: ") and says in last, err.decode()
+    assert "Traceback" not in err.decode()
+
+
+async def test_the_version_is_printed() -> None:
+    from importlib.metadata import version
+
+    proc = await spawn("--version")
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0 and out.decode().strip() == f"tokenway {version('tokenway')}"
+
+
 async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     """A flag that names no setting would be silently ignored: none may."""
     import argparse
@@ -182,7 +273,8 @@ async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     from tokenway.config import Settings, load_settings
 
     root = parser()
-    internal = {"help", "command", "kind", "dir"}  # `dir`: where `nats-auth` writes
+    # `dir`: where `nats-auth` writes; `json`: how `status` prints
+    internal = {"help", "version", "command", "kind", "dir", "json"}
     stack = [root]
     while stack:
         p = stack.pop()

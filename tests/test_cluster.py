@@ -38,8 +38,10 @@ async def faulted(
     act: Callable[[], Awaitable[float]], itl: float = ITL,
 ) -> None:  # fmt: skip
     """The load fault-free, then again while `act` (returning when it began) runs."""
+    # A restarted node of a loaded 2-core machine was seen answering TW_OUT publishes with
+    # no responders for over 10 s (the default --bus-retry) while it recovered its store.
     settings = make_settings(tmp, replicas=3, served_model_name=f"cluster-{fault}",
-                             request_timeout=60.0, sim_itl=itl)  # fmt: skip
+                             request_timeout=60.0, sim_itl=itl, bus_retry=30.0)  # fmt: skip
     stack = await start_stack(seeds, settings, ["ingress", "render", "schedule", "sim"])
     try:
         c = StageProcesses(stack, tmp, url=stack.url)

@@ -134,7 +134,7 @@ async def test_a_client_whose_ingress_dies_resumes_on_another_with_last_event_id
         async with httpx.AsyncClient(timeout=60) as http:
             url = f"http://127.0.0.1:{port}/v1/completions"
             async with http.stream("POST", url, json=body) as resp:
-                rid = resp.headers["x-request-id"]
+                rid = resp.headers["x-tokenway-stream-id"]
                 async for part in resp.aiter_bytes():
                     seen += part
                     if seen.count(b"\n\n") >= 5:

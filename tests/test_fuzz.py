@@ -26,6 +26,8 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 ROUTES = {
     ("POST", "/v1/chat/completions"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/completions"): [POSITIVE, NEGATIVE],
+    ("POST", "/tokenize"): [POSITIVE, NEGATIVE],
+    ("POST", "/detokenize"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/streams/{rid}"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/models"): [POSITIVE],
     ("GET", "/v1/models/{model_id}"): [POSITIVE],  # any string is an id: nothing to break

@@ -116,6 +116,7 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
     )  # fmt: skip
     names = ["ingress", "render", "schedule", "derender", "dlq", "sim"]
     stack = await start_stack(guarded, settings, names, users)
+    ops = {f"TOKENWAY_{k.upper()}": v for k, v in users.env("ops").items()}
     try:
         client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
         chat = [{"role": "user", "content": "hi"}]
@@ -132,15 +133,23 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
         raw = await client.chat.completions.with_raw_response.create(
             model="deepseek-v4", messages=chat, max_tokens=4, stream=True
         )
-        rid = raw.headers["x-request-id"]
+        rid = raw.headers["x-tokenway-stream-id"]
         [_ async for _ in raw.parse()]
         auth = {"Authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(base_url=stack.url, headers=auth) as http:  # reads TW_OUT
             resumed = await http.get(f"/v1/streams/{rid}")
+            tokenized = await http.post("/tokenize", json={"prompt": "hi"})  # render answers
         assert resumed.status_code == 200 and resumed.text.endswith("data: [DONE]\n\n")
+        assert tokenized.status_code == 200 and tokenized.json()["count"] > 0
+        proc = await spawn("status", "--json", "--nats", guarded, env=ops)
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        seen = msgspec.json.decode(out)
+        assert seen["engines"] and not seen["missing"]
+        queues = {c["name"] for s in seen["streams"] for c in s["consumers"]}
+        assert queues >= {"render-deepseek-v4", "schedule-deepseek-v4"}
     finally:
         await stack.close()
-    ops = {f"TOKENWAY_{k.upper()}": v for k, v in users.env("ops").items()}
     proc = await spawn("dlq", "ls", "--nats", guarded, env=ops)
     out, err = await proc.communicate()
     assert proc.returncode == 0 and out.startswith(b"ID "), err.decode()

@@ -49,7 +49,7 @@ async def post_stream(url: str, body: dict) -> tuple[str, str]:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200, await resp.aread()
             raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
-            return raw, resp.headers["x-request-id"]
+            return raw, resp.headers["x-tokenway-stream-id"]
 
 
 def by_index(docs: list[dict]) -> dict[int, dict[str, Any]]:

@@ -210,13 +210,3 @@ async def test_n_choices_stream_and_assemble_like_the_non_stream_response(
     assert len(set(texts.values())) == 3
     assert usage.completion_tokens == full.usage.completion_tokens
     assert full.usage.completion_tokens > 15  # counted across all three choices
-
-
-async def test_metrics_show_requests_and_queue_wait(
-    stack: Stack, client: openai.AsyncOpenAI
-) -> None:
-    await client.completions.create(model="deepseek-v4", prompt="count me", max_tokens=2)
-    async with httpx.AsyncClient() as http:
-        page = (await http.get(f"{stack.url}/metrics")).text
-    assert 'tokenway_requests_total{api="completion",status="200"}' in page
-    assert "tokenway_queue_wait_seconds_count" in page

@@ -83,18 +83,21 @@ async def test_an_engine_closing_its_socket_mid_stream_is_relayed(
         ]
         await wait_engines(stack.by_name["schedule"][0].registry, 2)
         got = await stream(stack.url, body(served, 60))
-        # The engine that got the request first saw the shortest prompt: the client's own.
+        # Each attempt's prompt is longer than the last: the client's own, then each relay's
+        # (which engine takes relay 2 is the router's choice: both have failed once).
+        original, relay1, relay2 = sorted(
+            (r.body for f in fakes for r in f.requests), key=lambda b: len(b["token_ids"])
+        )
         first, second = sorted(fakes, key=lambda f: len(f.requests[0].body["token_ids"]))
-        prompt = first.requests[0].body["token_ids"]
+        prompt = original["token_ids"]
         # The fault-free output, as the first engine would have made it alone.
-        whole, _, _ = first.expected(prompt, first.requests[0].body["sampling_params"])
+        whole, _, _ = first.expected(prompt, original["sampling_params"])
         assert got.text == tokenizer.decode(whole)
         assert got.ids == list(range(1, len(got.ids) + 1)) and got.done == 1
         assert got.usage == {"prompt_tokens": len(prompt), "completion_tokens": 60,
                              "total_tokens": len(prompt) + 60}  # fmt: skip
-        # Relay 1 on the second engine, relay 2 back on the first: prompt + committed.
-        relay1 = second.requests[0].body
-        relay2 = first.requests[1].body
+        # Relay 1 on the other engine (the first one failed it); each is prompt + committed.
+        assert relay1 == second.requests[0].body
         for relay in (relay1, relay2):
             done = len(relay["token_ids"]) - len(prompt)
             assert done > 0 and relay["token_ids"] == prompt + whole[:done]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -156,8 +158,9 @@ async def test_a_hundred_cancelled_streams_leave_nothing_behind(stack: Stack) ->
 
 
 async def test_shared_prefix_requests_stick_to_one_engine_while_load_allows(
-    nats_url: str, tmp_path: Path
+    nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="workers.schedule")
     engines = [sim("aff-a"), sim("aff-b"), sim("aff-c")]
     system = "You are a meticulous travel planner. " * 40  # a long shared system prompt
     async with pipeline(nats_url, tmp_path, engines) as (stack, sims):
@@ -167,6 +170,14 @@ async def test_shared_prefix_requests_stick_to_one_engine_while_load_allows(
                 model=model(stack), messages=messages, max_tokens=3
             )
         assert sorted(s.started for s in sims) == [0, 0, 6]
+    routed = [r.getMessage() for r in caplog.records if " → " in r.getMessage()]
+    assert len(routed) == 6 and "overlap 0/" in routed[0], routed
+    # every later request found the system prompt's blocks where the first one ran
+    assert all(re.search(r"→ engine aff-\w \(overlap [1-9]\d*/", m) for m in routed[1:]), routed
+    ended = [r.getMessage() for r in caplog.records if " ended: " in r.getMessage()]
+    line = re.compile(r"request \w+ ended: model \S+, engine aff-\w, \d+ prompt \+ 3 output "
+                      r"tokens, ttft \d+\.\d{3}s, \d+\.\d{3}s, length$")  # fmt: skip
+    assert len(ended) == 6 and all(line.match(m) for m in ended), ended
 
 
 async def test_an_engine_that_keeps_failing_is_taken_out_of_rotation(

@@ -50,6 +50,7 @@ JS_API = "$JS.API"
 ANY = None  # in a subject function: every model (a wildcard), as permissions name them
 
 DERENDER_QUEUE = "derender"
+RENDER_QUEUE = "render"  # render workers answering `tokenize_subject` calls
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -87,6 +88,11 @@ def engine_subject(engine_id: str, verb: str) -> str:
 
 def derender_subject(model: str | None) -> str:
     return f"tw.derender.{'*' if model is ANY else token(model)}"
+
+
+def tokenize_subject(model: str | None) -> str:
+    """Core request/reply (`TokenizeCall` → `TokenizeAnswer`): nothing to keep or replay."""
+    return f"tw.tokenize.{'*' if model is ANY else token(model)}"
 
 
 def inbox_prefix(role: str) -> str:

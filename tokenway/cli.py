@@ -15,10 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
+from nats.aio.client import Client
 
 from tokenway import bus
 from tokenway.config import Settings, load_settings
@@ -167,7 +169,7 @@ def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | N
     roles = [r.strip() for r in s.sim_roles.split(",") if r.strip()]
     if bad := [r for r in roles if r not in ("union", "prefill", "decode")]:
         raise SystemExit(f"tokenway: unknown --sim-roles {bad}; roles are union, prefill, decode")
-    for i in range(max(s.sim_engines, len(roles), 1)):
+    for i in range(max(1 if s.sim_engines is None else s.sim_engines, len(roles))):
         config = SimConfig(
             role=roles[i] if i < len(roles) else "union",  # type: ignore[arg-type]
             id=f"{prefix}-{i}",
@@ -184,6 +186,20 @@ def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | N
     return bridges
 
 
+def up_stages(s: Settings) -> list[str]:
+    """What `up` runs: every stage, and simulated engines unless real ones are named."""
+    if s.vllm_url and s.sim_engines:
+        raise SystemExit(
+            "tokenway: --vllm-url serves real engines; --sim-engines would mix simulated "
+            "answers into theirs (leave it out, or run `tokenway engine sim` on its own)"
+        )
+    pool = ["derender"] if s.derender_placement == "pool" else []
+    engines = ["vllm"] if s.vllm_url else []
+    if not s.vllm_url and s.sim_engines != 0:
+        engines.append("sim")
+    return ["ingress", "render", "schedule", *pool, "dlq", *engines]
+
+
 async def serve(
     s: Settings,
     stages: list[Stage],
@@ -198,10 +214,13 @@ async def serve(
         if url is None:
             held.enter_context(data_dir_lock(s.data_path))
             auth = {"authorization": users.authorization} if users is not None else None
-            natsd = EmbeddedNats(s.data_path / "jetstream", max_payload=s.max_payload,
+            natsd = EmbeddedNats(s.data_path / "jetstream", s.nats_port or -1, s.max_payload,
                                  config=auth)  # fmt: skip
             held.callback(natsd.stop)
-            url = await natsd.start()
+            try:
+                url = await natsd.start()
+            except (RuntimeError, TimeoutError) as exc:
+                raise CannotStart(f"the embedded nats-server did not start: {exc}") from None
         provisioner = s if users is None else users.settings(s, "provision")
         nc = await bus.connect(url, "tokenway-provision", provisioner, stop=stop)
         if provisioner.provision:
@@ -253,14 +272,25 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
 
 
 async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None) -> None:
+    """Once the API listens: where everything is, in one block."""
+    from engines.bridge import Bridge
+    from ingress.service import IngressService
+
     nats = bus.redacted(nats_url)
     if users is not None:
-        nats += f", its users in {users.directory}"
-    for stage in stages:
-        started = getattr(stage, "started", None)
-        if started is not None:
-            await started.wait()
-            print(f"tokenway serving the OpenAI API at {stage.url}/v1  (NATS {nats})", flush=True)
+        nats += f"  (its users in {users.directory})"
+    ingress = next(stage for stage in stages if isinstance(stage, IngressService))
+    await ingress.started.wait()
+    infos = [stage.engine.info() for stage in stages if isinstance(stage, Bridge)]
+    engines = ", ".join(f"{i.id} ({i.role})" for i in infos) or "none in this process"
+    print(
+        f"tokenway serving the OpenAI API at {ingress.url}/v1\n"
+        f"  model    {ingress.served}\n"
+        f"  engines  {engines}\n"
+        f"  NATS     {nats}\n"
+        f"  metrics  {ingress.url}/metrics",
+        flush=True,
+    )
 
 
 def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> None:
@@ -284,6 +314,8 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        if s.metrics_port is not None:
+            serve_metrics(s.metrics_host, s.metrics_port)
         # An embedded server lets in its own users only, one per role.
         users = NatsUsers.prepare(s.data_path / "nats-auth") if s.nats is None else None
         stages = build_stages(s, stage_names, users)
@@ -301,6 +333,17 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
             raise SystemExit(f"tokenway: {group.exceptions[0]}") from None
     except* asyncio.CancelledError:
         raise SystemExit("tokenway: stopped without draining (a second signal)") from None
+
+
+def serve_metrics(host: str, port: int) -> None:
+    """The process's registry (every stage's metrics) on a thread of its own."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise CannotStart(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+    log.info("metrics at http://%s:%d/metrics", host, port)
 
 
 def _run_loop(main: Coroutine[None, None, None]) -> None:
@@ -350,6 +393,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="on: clip a max_tokens that does not fit the context (default off: a 400)",
     )
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--metrics-port", type=int,
+        help="serve this process's metrics at http://HOST:PORT/metrics (default: none; under "
+        "`up`, the API's /metrics has them all)",
+    )  # fmt: skip
+    g.add_argument("--metrics-host", help="where --metrics-port listens (default 127.0.0.1)")
     g.add_argument(
         "--engine-ttl", type=float, help="seconds an engine stays registered without a beat (5)"
     )
@@ -487,6 +536,10 @@ def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--ingress-id", help="this ingress's id on the bus (default: random)")
     p.add_argument(
+        "--access-log", action="store_true", default=None,
+        help="log a line per HTTP response on stdout (client, method, path, status)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-request-bytes", type=int,
         help="a request body above this is refused with a 413 before it is read (8000000)",
     )  # fmt: skip
@@ -524,11 +577,26 @@ def _http(p: argparse.ArgumentParser) -> None:
         "--open-routes",
         help="routes served without a key besides /health: ready, metrics, both (default) or none",
     )
+    g = p.add_argument_group("CORS (no origin given: browsers get no cross-origin access)")
+    g.add_argument(
+        "--allowed-origins", action="append",
+        help="an origin browsers may call from, `https://app.example` or `*` (repeatable; a "
+        "JSON list or comma-separated also works)",
+    )  # fmt: skip
+    g.add_argument("--allowed-methods", help="methods they may use (default `*`)")
+    g.add_argument("--allowed-headers", help="request headers they may send (default `*`)")
+    g.add_argument(
+        "--allow-credentials", action="store_true", default=None,
+        help="let them send cookies and HTTP auth too (not with origin `*`)",
+    )  # fmt: skip
 
 
 def _sim(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated engine")
-    g.add_argument("--sim-engines", type=int, help="how many simulated engines (default 1)")
+    g.add_argument(
+        "--sim-engines", type=int,
+        help="how many simulated engines (default 1; `up` with --vllm-url: 0, none)",
+    )  # fmt: skip
     g.add_argument("--sim-max-seqs", type=int, help="concurrent sequences per engine (default 256)")
     g.add_argument("--sim-chunk-size", type=int, help="tokens per sequence per step (default 1)")
     g.add_argument("--sim-ttft", type=float, help="seconds to first token (default 0.02)")
@@ -600,12 +668,9 @@ def dlq_parser() -> argparse.ArgumentParser:
     return dlq
 
 
-async def _dlq(args: argparse.Namespace, settings: Settings) -> int:
-    """`tokenway dlq <verb>`: the operations live in `tokenway.dlq`; this parses and prints."""
+async def _command_connection(settings: Settings, name: str) -> Client:
+    """A command's one connection to `--nats`; a failure is one line, not a traceback."""
     import nats
-    from nats.js.errors import NotFoundError
-
-    from tokenway import dlq
 
     errors: list[Exception] = []  # reported once below, not as a client traceback
 
@@ -618,15 +683,38 @@ async def _dlq(args: argparse.Namespace, settings: Settings) -> int:
     except CannotStart as exc:
         raise SystemExit(f"tokenway: {exc}") from None
     try:
-        nc = await nats.connect(
-            servers=bus.seeds(url), name="tokenway-dlq", allow_reconnect=False,
-            connect_timeout=3, error_cb=noted, **options,
-        )  # fmt: skip
+        # Each server tried once (nats-py's 0 here is "for ever", even without reconnects).
+        async with asyncio.timeout(settings.connect_timeout):
+            return await nats.connect(
+                servers=bus.seeds(url), name=name, allow_reconnect=False, connect_timeout=3,
+                max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=noted, **options,
+            )  # fmt: skip
     except Exception as exc:
         cause = errors[-1] if errors else exc
         raise SystemExit(
             f"tokenway: cannot connect to NATS at {bus.redacted(url)}: {cause!r}"
         ) from exc
+
+
+async def _status(args: argparse.Namespace, settings: Settings) -> None:
+    from tokenway.status import format_status, read_status
+
+    nc = await _command_connection(settings, "tokenway-status")
+    try:
+        status = await read_status(nc.jetstream(), settings)
+    finally:
+        await nc.close()
+    print(msgspec.json.encode(status).decode() if args.json else format_status(status))
+
+
+async def _dlq(args: argparse.Namespace, settings: Settings) -> int:
+    """`tokenway dlq <verb>`: the operations live in `tokenway.dlq`; this parses and prints."""
+    from nats.js.errors import NotFoundError
+
+    from tokenway import dlq
+
+    url = settings.nats or ""
+    nc = await _command_connection(settings, "tokenway-dlq")
     try:
         js = nc.jetstream()
         try:
@@ -686,10 +774,18 @@ def parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible serving front for token-in/token-out engines, "
         "over NATS JetStream.",
     )
+    root.add_argument("--version", action="version", version=f"tokenway {version('tokenway')}")
     sub = root.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run every stage and a simulated engine in one process")
+    up = sub.add_parser(
+        "up", help="run every stage, an embedded NATS and the engines (simulated, or "
+        "--vllm-url) in one process",
+    )  # fmt: skip
+    up.add_argument(
+        "--nats-port", type=int,
+        help="port of the embedded nats-server, on 127.0.0.1 (default 0: a free one)",
+    )  # fmt: skip
     _common(up), _http(up), _parsers(up), _render(up), _derender(up), _scheduling(up)
-    _sim(up), _obfuscation(up)
+    _sim(up), _vllm(up), _obfuscation(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -722,6 +818,12 @@ def parser() -> argparse.ArgumentParser:
         "provision", help="create or update the streams and the engine registry, then exit"
     )
     _common(prov), _scheduling(prov)
+    status = sub.add_parser(
+        "status", help="engines, queues, owned requests, dead letters and streams, from NATS"
+    )
+    status.add_argument("--nats", help="NATS server URL (required)")
+    _nats_credentials(status)
+    status.add_argument("--json", action="store_true", help="one JSON object")
     auth = sub.add_parser(
         "nats-auth",
         help="write one NATS user per role (nkey seeds, env files) and the nats-server "
@@ -739,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = dlq_parser().parse_args(argv[1:]) if argv[:1] == ["dlq"] else parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
-    for name in ("vllm_url", "api_key"):  # repeatable flags, one comma-separated setting
+    for name in ("vllm_url", "api_key", "allowed_origins"):  # repeatable: one setting
         if isinstance(flags.get(name), list):
             flags[name] = ",".join(flags[name])
     settings = load_settings(flags)
@@ -760,6 +862,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             raise SystemExit(asyncio.run(_dlq(args, settings)))
         return
+    if args.command == "status":
+        if not settings.nats:
+            raise SystemExit("tokenway status needs --nats URL (or TOKENWAY_NATS)")
+        asyncio.run(_status(args, settings))
+        return
     if args.command != "up" and not settings.nats:
         raise SystemExit(
             f"tokenway {args.command}: no NATS server to join; pass --nats nats://host:4222 "
@@ -768,8 +875,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "provision":
         _run(msgspec.structs.replace(settings, provision=True), [])
     elif args.command == "up":
-        pool = ["derender"] if settings.derender_placement == "pool" else []
-        _run(settings, ["ingress", "render", "schedule", *pool, "dlq", "sim"], announce=True)
+        _run(settings, up_stages(settings), announce=True)
     elif args.command == "engine":
         _run(settings, [args.kind])
     else:

@@ -43,6 +43,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # nats://host:port, or a comma-separated seed list; None: `up` embeds a server
     nats: str | None = None
     connect_timeout: PositiveFloat = 30.0  # give up reaching NATS at start after this long
+    nats_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # `up`'s embedded server; 0: a free one
     # NATS credentials (`tokenway.credentials`): one of user + password, a token, an nkey
     # seed file or a .creds file (JWT), with or without TLS. Secrets: files or env vars.
     nats_user: str | None = None
@@ -90,6 +91,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     ingress_id: str | None = None
+    access_log: bool = False  # a line per HTTP response (uvicorn's), on stdout
     # a request body above this is a 413, refused before it is read (the bus carries
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
@@ -101,6 +103,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     api_key: str | None = None  # comma-separated keys of the tenant "default"
     api_key_file: str | None = None  # `TENANT KEY [concurrent=N] [tokens_per_minute=N]` per line
     open_routes: str = "ready,metrics"  # served without a key, besides /health ("none")
+    # CORS for browsers (`ingress.cors`): comma-separated or a JSON list; no origin: off
+    allowed_origins: str = ""
+    allowed_methods: str = "*"
+    allowed_headers: str = "*"
+    allow_credentials: bool = False
     # each tenant's limits where its key-file lines set none (0: no limit)
     tenant_concurrency: NonNegativeInt = 0
     tenant_tokens_per_minute: NonNegativeInt = 0
@@ -160,7 +167,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     breaker_max_backoff: PositiveFloat = 60.0
 
     # simulated engine
-    sim_engines: Annotated[int, Meta(ge=0)] = 1
+    sim_engines: Annotated[int, Meta(ge=0)] | None = None  # None: `up` runs 1 (0 with vllm_url)
     sim_max_seqs: PositiveInt = 256
     sim_chunk_size: PositiveInt = 1
     sim_ttft: Annotated[float, Meta(ge=0)] = 0.02
@@ -183,6 +190,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     obfuscation_key_file: str | None = None
 
     log_level: str = "info"
+    # this process's Prometheus page (the stages' metrics); None: none but `up`'s /metrics
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    metrics_host: str = "127.0.0.1"
 
     @property
     def data_path(self) -> Path:

@@ -26,6 +26,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.config import Settings
+from tokenway.metrics import DEAD_LETTERS
 from tokenway.wire import DeadLetter
 from tokenway.worker import consume
 
@@ -271,6 +272,8 @@ async def move(js: JetStreamContext, adv: MaxDeliveries) -> int | None:
             await js.delete_msg(adv.stream, adv.stream_seq)
         except NotFoundError:
             pass  # deleted by a concurrent mover since we read it
+    if not ack.duplicate:  # a repeated move is one letter
+        DEAD_LETTERS.labels(dead.stage).inc()
     log.warning("dead-lettered %s from %s: %s", dead.subject, dead.stage, dead.reason)
     return ack.seq
 

@@ -24,6 +24,7 @@ from nats.js.errors import APIError, NotFoundError
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.errors import error_body
+from tokenway.metrics import DEAD_LETTERS
 from tokenway.tenancy import Limits
 from tokenway.wire import DeadLetter, Delivered, Delivery, ErrorInfo
 
@@ -239,6 +240,7 @@ async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -
         payload=msg.data,
         time=time.time(),
     )
+    DEAD_LETTERS.labels(stage).inc()  # before its publish: a reader of TW_DLQ sees it counted
     await js.publish(bus.dlq_subject(stage), _json.encode(letter))
     log.warning("dead-lettered %s from %s: %s", msg.subject, stage, reason)
     await msg.term()

@@ -96,9 +96,13 @@ class _Round:
 
 
 class LedgerWriter:
-    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+    def __init__(
+        self, nc: NATS, js: JetStreamContext, within: float = ledger.PUBLISH_WITHIN
+    ) -> None:
+        """`within`: how long an unanswered publish is made again (`TOKENWAY_BUS_RETRY`)."""
         self.nc = nc
         self.js = js
+        self.within = within
         self._prefix = ""
         self._next = 0
         self._waiting: dict[int, tuple[_Round, int]] = {}  # ack id → its round and index
@@ -166,7 +170,7 @@ class LedgerWriter:
         subject, payload, headers = entry
         log.warning("ledger publish on %s not answered (%r); retrying", subject, why)
         try:
-            ack = await ledger.publish(self.js, subject, payload, headers, ledger.PUBLISH_WITHIN)
+            ack = await ledger.publish(self.js, subject, payload, headers, self.within)
         except (APIError, nats.errors.Error) as exc:
             return exc
         return ack.seq

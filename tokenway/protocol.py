@@ -7,7 +7,7 @@ fields are ignored, as vLLM and OpenAI do.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -23,6 +23,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1)]  # -1 or 0: off, as vLLM takes it
 NonNegInt = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+_T = TypeVar("_T")
 
 
 class ContentPart(Struct, kw_only=True):
@@ -154,8 +155,81 @@ MAX_DEPTH = 64
 
 def decode_body(api: str, body: bytes) -> OpenAIRequest:
     """Validate an OpenAI body; a malformed one is the client's 400 (`InvalidRequest`)."""
+    req = _decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
+    if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
+        raise InvalidRequest(
+            "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
+        )
+    return req
+
+
+class TokenizeCompletionRequest(Struct, kw_only=True):
+    """`POST /tokenize` with a prompt, as vLLM takes it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(Struct, kw_only=True):
+    """`POST /tokenize` with messages: the prompt the chat template makes of them."""
+
+    model: str | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the template adds
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
+
+
+class _Shape(Struct):
+    """Which `/tokenize` body this is, read without decoding the rest."""
+
+    messages: msgspec.Raw = msgspec.Raw()  # empty: no messages
+
+
+TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
+_TOKENIZE_CHAT = msgspec.json.Decoder(TokenizeChatRequest, strict=False)
+_TOKENIZE_PROMPT = msgspec.json.Decoder(TokenizeCompletionRequest, strict=False)
+_DETOKENIZE = msgspec.json.Decoder(DetokenizeRequest, strict=False)
+
+
+def decode_tokenize(body: bytes) -> TokenizeRequest:
+    """A `/tokenize` body: messages (chat) or a prompt, as vLLM tells them apart."""
     try:
-        req = (ChatDecoder if api == "chat" else CompletionDecoder).decode(body)
+        chat = bool(msgspec.json.decode(body, type=_Shape).messages)
+    except (msgspec.DecodeError, RecursionError):
+        chat = False  # its own decoder says what is wrong with it
+    return _decoded(_TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, body)
+
+
+def decode_detokenize(body: bytes) -> DetokenizeRequest:
+    return _decoded(_DETOKENIZE, body)
+
+
+def _decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+    """`body` decoded and checked for depth; a malformed one is an `InvalidRequest`."""
+    try:
+        req = decoder.decode(body)
     except msgspec.ValidationError as exc:
         param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
         raise InvalidRequest(f"invalid request: {exc}", param=param) from exc
@@ -166,18 +240,18 @@ def decode_body(api: str, body: bytes) -> OpenAIRequest:
     for param, value in _free_form(req):
         if _depth(value, MAX_DEPTH) > MAX_DEPTH:
             raise InvalidRequest(f"{param} nests deeper than {MAX_DEPTH} levels", param=param)
-    if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
-        raise InvalidRequest(
-            "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
-        )
     return req
 
 
-def _free_form(req: OpenAIRequest) -> list[tuple[str, object]]:
-    fields: list[tuple[str, object]] = [("kv_transfer_params", req.kv_transfer_params)]
+def _free_form(req: object) -> list[tuple[str, object]]:
+    """The free-form JSON of a request body, by parameter."""
+    fields: list[tuple[str, object]] = []
+    if isinstance(req, _Common):
+        fields.append(("kv_transfer_params", req.kv_transfer_params))
     if isinstance(req, ChatCompletionRequest):
-        fields += [("chat_template_kwargs", req.chat_template_kwargs),
-                   ("response_format", req.response_format)]  # fmt: skip
+        fields.append(("response_format", req.response_format))
+    if isinstance(req, ChatCompletionRequest | TokenizeChatRequest):
+        fields.append(("chat_template_kwargs", req.chat_template_kwargs))
         fields += [(f"tools[{i}].function.parameters", t.function.parameters)
                    for i, t in enumerate(req.tools or [])]  # fmt: skip
         fields += [(f"messages[{i}].tool_calls", m.tool_calls)

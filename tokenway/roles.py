@@ -86,6 +86,7 @@ def roles() -> list[Role]:
             "takes HTTP requests: queues them for render, streams their output, cancels",
             publish=(
                 bus.render_subject(bus.ANY),
+                bus.tokenize_subject(bus.ANY),
                 bus.cancel_subject(),
                 *_reads(bus.OUT_STREAM),
                 _gets(bus.OUT_STREAM),
@@ -96,7 +97,7 @@ def roles() -> list[Role]:
         ),
         Role(
             "render",
-            "tokenizes queued requests and queues them for the schedulers",
+            "tokenizes queued requests and queues them for the schedulers; answers /tokenize",
             publish=(
                 *_consumes(bus.RENDER_STREAM),
                 bus.sched_subject(bus.ANY),
@@ -105,7 +106,8 @@ def roles() -> list[Role]:
                 *_TENANTS,
                 *_INFO,
             ),
-            subscribe=(),
+            subscribe=(bus.tokenize_subject(bus.ANY),),
+            responds=True,
         ),
         Role(
             "schedule",
@@ -154,9 +156,13 @@ def roles() -> list[Role]:
         ),
         Role(
             "ops",
-            "`tokenway dlq`: lists, shows, replays and purges dead letters",
+            "`tokenway dlq`: lists, shows, replays and purges dead letters; `tokenway status`",
             publish=(
                 *_reads(bus.DLQ_STREAM),
+                *(_api("CONSUMER.LIST", q) for q in (bus.RENDER_STREAM, bus.SCHED_STREAM)),
+                *_REGISTRY,
+                _gets(bus.ENGINES_STREAM),
+                _api("DIRECT.GET", bus.ENGINES_STREAM, ">"),
                 _gets(bus.DLQ_STREAM),
                 _api("STREAM.PURGE", bus.DLQ_STREAM),
                 bus.dlq_subject(">"),  # replay markers

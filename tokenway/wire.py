@@ -155,6 +155,25 @@ class RenderRequest(Struct, kw_only=True):
     request_id: str
     body: bytes
     created: int
+    client_request_id: str | None = None  # the client's X-Request-Id: its response's id
+
+
+TokenizeRoute = Literal["tokenize", "detokenize"]
+
+
+class TokenizeCall(Struct, kw_only=True):
+    """`POST /tokenize` or `/detokenize` (the JSON body as the client sent it), asked of a
+    render worker on `tw.tokenize.<model>`."""
+
+    route: TokenizeRoute
+    body: bytes
+
+
+class TokenizeAnswer(Struct, kw_only=True):
+    """The HTTP answer: its status and JSON body (an OpenAI error body unless 200)."""
+
+    status: int
+    body: bytes
 
 
 class EngineWork(Struct, kw_only=True, omit_defaults=True):

@@ -4,8 +4,9 @@
 `--render-backend vllm` asks the render server at `--render-url`; when the server cannot be
 used (no connection, timeout, 5xx, an answer that is not a usable prompt) the request is
 rendered locally instead, with a warning and a count in `tokenway_render_fallbacks_total`.
-The local tokenizer is loaded on the first fallback, not before. A 400/422 is the request's
-own error: it goes to the client with the server's message and status, and is not retried.
+The local tokenizer is loaded on the first fallback (or `/tokenize` call), not before. A
+400/422 is the request's own error: it goes to the client with the server's message and
+status, and is not retried.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ FALLBACKS = Counter(
 class RenderBackend(Protocol):
     async def render(self, request: RenderRequest) -> GenerateRequest: ...
 
+    async def local(self) -> Renderer:
+        """The local tokenizer and template (`/tokenize`, fallbacks)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -65,6 +70,9 @@ class LocalBackend:
         req = builder.parse(request)
         ids = await prompt_ids(self.renderer, req, len(request.body))
         return builder.build(request, req, ids, self.renderer.vocab)
+
+    async def local(self) -> Renderer:
+        return self.renderer
 
     async def aclose(self) -> None:
         pass
@@ -109,7 +117,7 @@ class VllmBackend:
         req = self.builder.parse(request)
         if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
             # vLLM's render route answers one prompt; several are tokenized here.
-            local = await self._local_renderer()
+            local = await self.local()
             ids = await prompt_ids(local, req, len(request.body))
             return self.builder.build(request, req, ids, local.vocab)
         try:
@@ -119,14 +127,14 @@ class VllmBackend:
             log.warning(
                 "render server failed for %s (%s); rendering locally", request.request_id, exc
             )
-            local = await self._local_renderer()
+            local = await self.local()
             ids = await prompt_ids(local, req, len(request.body))
             return self.builder.build(request, req, ids, local.vocab)
         return self.builder.build(
             request, req, [prompt.token_ids], self.vocab, prompt.sampling_params
         )
 
-    async def _local_renderer(self) -> Renderer:
+    async def local(self) -> Renderer:
         """Loaded once, off the event loop (transformers takes a second or two)."""
         async with self._loading:
             if self._local is None:

@@ -8,7 +8,10 @@ import jinja2
 import msgspec
 
 from tokenway.errors import InvalidRequest
-from tokenway.protocol import ChatCompletionRequest, Message
+from tokenway.protocol import ChatCompletionRequest, Message, TokenizeChatRequest
+
+# What a chat template is applied to: a chat request, or the messages `/tokenize` is given.
+Chat = ChatCompletionRequest | TokenizeChatRequest
 
 # apply_chat_template's own arguments: a client may not smuggle them in as template kwargs.
 _RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
@@ -30,7 +33,7 @@ def _content(msg: Message, index: int) -> str | None:
     return "\n".join(texts)
 
 
-def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def conversation(req: Chat) -> list[dict[str, Any]]:
     out = []
     for i, msg in enumerate(req.messages):
         item: dict[str, Any] = {
@@ -47,7 +50,7 @@ def conversation(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+def template_kwargs(req: Chat) -> dict[str, Any]:
     kwargs = dict(req.chat_template_kwargs or {})
     clash = _RESERVED.intersection(kwargs)
     if clash:
@@ -57,7 +60,7 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def apply_template(tokenizer: Any, req: ChatCompletionRequest) -> str:
+def apply_template(tokenizer: Any, req: Chat) -> str:
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequest(
             "continue_final_message and add_generation_prompt cannot both be true",

@@ -118,7 +118,7 @@ class RequestBuilder:
         opts = req.stream_options
         context = OutputContext(
             api=request.api,
-            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or request.request_id}",
+            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{self._id(request, req)}",
             model=self.model,
             created=request.created,
             prompt_tokens=len(ids),
@@ -156,6 +156,12 @@ class RequestBuilder:
             context=context,
             prompts=several,
         )
+
+    @staticmethod
+    def _id(request: RenderRequest, req: OpenAIRequest) -> str:
+        """What the response's id is made of, as vLLM makes it: the client's X-Request-Id,
+        else the body's `request_id`, else the stream's own id."""
+        return request.client_request_id or req.request_id or request.request_id
 
     def _budget(self, ids: list[int], req: ChatCompletionRequest | CompletionRequest) -> int:
         left = budget(

@@ -1,4 +1,5 @@
-"""Render shell: drains `tw.render.<model>`, publishes tokenized requests to `tw.sched.<model>`."""
+"""Render shell: drains `tw.render.<model>`, publishes tokenized requests to `tw.sched.<model>`;
+answers `/tokenize` calls on `tw.tokenize.<model>`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import time
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 
-from tokenway import bus, ledger
+from tokenway import bus, ledger, metrics
 from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
@@ -26,6 +28,7 @@ from tokenway.model import ModelInfo
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
 from tokenway.worker import consume, enqueue
+from workers.render import tokenize
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
 from workers.render.sampling import least_response_bytes, tokens_charged
@@ -59,10 +62,29 @@ class RenderService:
         spec = bus.render_consumer(self.settings, self.model)
         log.info("render serving %s (%s backend)", self.model, self.settings.render_backend)
         try:
-            await consume(js, spec, lambda msg: self.handle(js, msg), stop)
+            async with asyncio.TaskGroup() as calls:
+
+                async def on_call(msg: Msg) -> None:
+                    # a task each: nats-py runs a subscription's callbacks one at a time
+                    calls.create_task(self._tokenize(msg))
+
+                subject = bus.tokenize_subject(self.model)
+                sub = await nc.subscribe(subject, queue=bus.RENDER_QUEUE, cb=on_call)
+                try:
+                    await consume(js, spec, lambda msg: self.handle(js, msg), stop)
+                finally:
+                    await sub.drain()  # takes what was received; the group awaits its answers
         finally:
             await self.backend.aclose()
         await bus.drain(nc)
+
+    async def _tokenize(self, msg: Msg) -> None:
+        renderer = await self.backend.local()
+        answered = await tokenize.answer(renderer, msg.data, self.max_payload)
+        try:
+            await msg.respond(_encoder.encode(answered))
+        except NatsError as exc:  # no reply subject, or the connection went: nobody to tell
+            log.warning("a tokenize answer could not be sent: %r", exc)
 
     async def handle(self, js: JetStreamContext, msg: Msg) -> None:
         try:
@@ -77,6 +99,7 @@ class RenderService:
             await self._fail(who, InvalidRequest(reason).info())
             await ledger.dead_letter(js, "render", msg, reason)
             return
+        began = time.perf_counter()
         try:
             if who.deadline is not None and time.time() > who.deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
@@ -91,6 +114,7 @@ class RenderService:
                 if who.limits:  # it never ran: its slot is free again
                     await self._tenants().release(who.tenant, who.rid)
                 raise
+            metrics.RENDER.observe(time.perf_counter() - began)
         except TokenwayError as exc:
             await self._fail(who, exc.info())
         except Exception as exc:  # a bug: the client still hears about it

@@ -28,7 +28,6 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from prometheus_client import Histogram
 
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
@@ -42,19 +41,13 @@ from tokenway.errors import (
 )
 from tokenway.obfuscation import ObfuscationError, Permutation
 from tokenway.registry import EngineRegistry
-from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork
-from workers.schedule import affinity, routing
+from tokenway.wire import EngineAbort, EngineInfo, EngineReply, EngineWork, Role
+from workers.schedule import affinity, metrics, routing
 from workers.schedule.breaker import Breakers
 from workers.schedule.line import Line
 from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
-
-QUEUE_WAIT = Histogram(
-    "tokenway_queue_wait_seconds",
-    "From the request's arrival in TW_SCHED to its hand-off to an engine",
-    buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-)
 
 _DISPATCH_TRIES = 3
 # What an owner pulls while no engine of its model is alive: each request waits
@@ -102,6 +95,7 @@ class Dispatcher:
         registry: EngineRegistry,
         settings: Settings,
         obfuscation: Permutation | None = None,
+        model: str = "",
     ) -> None:
         self.nc = nc
         self.owner_id = owner_id
@@ -120,6 +114,9 @@ class Dispatcher:
         self.freed = Signal()
         self.line = Line()
         self.turn = Signal()  # the line changed: whose turn it is may have too
+        self.queue_time = metrics.QUEUE.labels(model)
+        self.running = metrics.RUNNING.labels(model)
+        self.waiting = metrics.WAITING.labels(model)
 
     # -- capacity ---------------------------------------------------------------------------
 
@@ -184,6 +181,7 @@ class Dispatcher:
         if r.engine is not None:
             self._release(r.engine, len(r.choices), r.held)
             self.line.stopped(r.tenant, len(r.choices))
+            self.running.dec()
             r.engine, r.held = None, 0
         self.release_prefill(r)
 
@@ -213,22 +211,21 @@ class Dispatcher:
             plan = await self._wait_turn(r, tried, hashes)
             if plan is None:
                 return
-            QUEUE_WAIT.observe(max(time.time() - arrived, 0.0))
+            self.queue_time.observe(max(time.time() - arrived, 0.0))
             if plan.prefill is not None:
                 await self._run_prefill(r, plan, tried)
                 if r.ended.is_set() or r.prefill_kv is None:
                     continue  # failed or declined: choose again
             if await self._start(r, plan.engine, tried):
-                self.index.record(plan.engine.id, hashes, time.monotonic())
-                log.info(
-                    "request %s → %s%s", r.rid, plan.why,
-                    f" after prefill on {plan.prefill.id}" if plan.prefill else "",
-                )  # fmt: skip
+                for holder in filter(None, (plan.engine, plan.prefill)):  # the prompt's KV
+                    self.index.record(holder.id, hashes, time.monotonic())
+                log.info("request %s → %s", r.rid, plan.why)
                 return
 
     async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
         """The request's plan once it is its turn and an engine has room."""
         place = self.line.join(r.tenant, r.request.priority, max(r.params.n, 1))
+        self.waiting.inc()
         self.turn.fire()
         alone_since: float | None = None  # since when no engine of the model is alive
         try:
@@ -259,6 +256,7 @@ class Dispatcher:
                     return None
         finally:
             self.line.leave(place)
+            self.waiting.dec()
             self.turn.fire()
             self.freed.fire()  # room to pull one more
 
@@ -305,14 +303,33 @@ class Dispatcher:
         if why := routing.never_fits(engines, cost(r), n):
             raise NeverFits(f"{why}: ask for fewer max_tokens or a smaller n", param="max_tokens")
         need = holding(r, self.settings.decode_reserve)
-        prefill = routing.pick(engines, self.seqs, self.tokens, len(r.prompt), 1, "prefill")
+        # The prompt's KV is made where it is prefilled: that engine is chosen by affinity.
+        prefill = self._choose(engines, hashes, now, len(r.prompt), 1, "prefill")
         decode = routing.pick(engines, self.seqs, self.tokens, need, n, "decode")
         if prefill is not None and decode is not None:
-            return Plan(engine=decode, prefill=prefill)
-        # No P/D pair: a union engine, else a decode engine prefilling for itself (a vLLM
-        # decode instance does that for a request that brings no KV to pull).
-        single = routing.pick(engines, self.seqs, self.tokens, need, n, "union") or decode
-        return Plan(engine=single) if single is not None else None
+            why = f"engine {decode.id} (decode) after prefill on {prefill.describe()}"
+            return Plan(engine=decode, prefill=prefill.engine, why=why)
+        if single := self._choose(engines, hashes, now, need, n, "union"):
+            return Plan(engine=single.engine, why=single.describe())
+        # No P/D pair and no union engine with room: a decode engine prefilling for itself
+        # (a vLLM decode instance does that for a request that brings no KV to pull).
+        if decode is not None:
+            return Plan(engine=decode, why=f"engine {decode.id} (decode, prefilling for itself)")
+        return None
+
+    def _choose(
+        self,
+        engines: list[EngineInfo],
+        hashes: list[int],
+        now: float,
+        need: int,
+        n: int,
+        role: Role,
+    ) -> affinity.Choice | None:
+        return affinity.choose(
+            engines, self.seqs, hashes, self.index, now, self.settings.prefill_scale,
+            tokens=self.tokens, need=need, n=n, role=role,
+        )  # fmt: skip
 
     async def _run_prefill(self, r: Owned, plan: Plan, tried: set[str]) -> None:
         """P/D's first leg: the prompt on the prefill engine, asking it to hand the KV over."""
@@ -349,6 +366,7 @@ class Dispatcher:
         r.held = holding(r, self.settings.decode_reserve)
         self._hold(engine.id, len(r.choices), r.held)
         self.line.started(r.tenant, len(r.choices))
+        self.running.inc()
         r.engine = engine.id
         if await self._send(engine, r, r.params, kv, tried):
             return True

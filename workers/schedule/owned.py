@@ -115,6 +115,9 @@ class Owned:
     ledger_seq: int = 0
     superseded: bool = False  # another owner has the request: leave everything to it
     handed_over: bool = False  # this worker is stopping: a peer continues it from the ledger
+    arrived: float = 0.0  # when it was queued for the schedulers (epoch seconds)
+    first_token: float | None = None  # when its engine's first output reached this owner
+    last_token: float = 0.0  # when the latest did
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -276,6 +279,23 @@ class Owned:
         self.usage_busy = True
         total = sum(len(c.committed) for c in self.choices)
         return DerenderEntry(context=self.ctx, usage_total=total)
+
+    def summary(self, now: float) -> str:
+        """The request's one line once it ends: where it ran, how much, how fast, how."""
+        if self.error is not None:
+            outcome = f"error {self.error.status}: {self.error.message}"
+        elif self.cancelled:
+            outcome = "cancelled"
+        else:
+            outcome = ",".join(str(c.finish) for c in self.choices)
+        ttft = "-" if self.first_token is None else f"{self.first_token - self.arrived:.3f}s"
+        output = sum(len(c.committed) for c in self.choices)
+        return (
+            f"request {self.rid} ended: model {self.ctx.model}, engine {self.engine or '-'}, "
+            f"{len(self.request.token_ids)} prompt + {output} output tokens, ttft {ttft}, "
+            f"{now - self.arrived:.3f}s, {outcome}"
+            + (f", {self.relays} relays" if self.relays else "")
+        )
 
     def is_last(self, choice: Choice) -> bool:
         """Would committing this choice's end close the request's output?"""

@@ -28,6 +28,7 @@ from nats.js.errors import APIError
 
 from tokenway import bus, ledger, ledger_writer
 from tokenway import headers as h
+from tokenway import metrics as stage_metrics
 from tokenway.aio import wait_any
 from tokenway.config import Settings
 from tokenway.errors import (
@@ -55,6 +56,7 @@ from tokenway.wire import (
 )
 from tokenway.worker import consume
 from workers.derender.backend import derender_backend, is_large
+from workers.schedule import metrics
 from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
@@ -90,6 +92,7 @@ class ScheduleService:
     ) -> None:
         self.settings = settings
         self.model = model
+        self.observed = metrics.Observed(model)
         self.obfuscation = obfuscation
         self.owner_id = f"s{secrets.token_hex(4)}"
         self.requests: dict[str, Owned] = {}
@@ -123,14 +126,14 @@ class ScheduleService:
             nats_url, f"tokenway-schedule-{self.owner_id}", self.settings, stop=stop
         )
         js = self._js = nc.jetstream()
-        self._writer = ledger_writer.LedgerWriter(nc, js)
+        self._writer = ledger_writer.LedgerWriter(nc, js, self.settings.bus_retry)
         await self._writer.start()
         self.derenderer = self._backend if self._backend else Pool(nc, self.settings, self.model)
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
         self.dispatcher = Dispatcher(
-            nc, self.owner_id, self.registry, self.settings, self.obfuscation
+            nc, self.owner_id, self.registry, self.settings, self.obfuscation, self.model
         )
         self._book = TenantBook(await bus.tenants_kv(js, self.settings))
         self.fanout = FanOut(nc, self.settings, self.model, self.owner_id, self._book)
@@ -215,11 +218,12 @@ class ScheduleService:
         if request.prompts and self.fanout is not None:  # one sub-request per prompt
             await self.fanout.take(msg, who, deadline, request)
             return
+        arrived = msg.metadata.timestamp.timestamp()
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant, leased=bool(who.limits))  # fmt: skip
+                  tenant=who.tenant, leased=bool(who.limits), arrived=arrived)  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
-        self._group.create_task(self._own(r, msg.metadata.timestamp.timestamp()))
+        self._group.create_task(self._own(r, arrived))
 
     async def _own(self, r: Owned, arrived: float) -> None:
         assert self.dispatcher is not None
@@ -264,6 +268,7 @@ class ScheduleService:
             r.avoid.add(r.engine)
             await self.dispatcher.abort(r.engine, r.rid, r.attempt)
         self.dispatcher.release(r)
+        self.observed.relays.inc()
         log.warning("request %s: %s; relaying after %d committed chunks (relay %d)",
                     r.rid, r.broken.message, r.out_seq, r.relays + 1)  # fmt: skip
         if not r.relay():  # the budget is spent: only the end is left to derender
@@ -302,6 +307,7 @@ class ScheduleService:
         choice.state, choice.committed = found.state, found.tokens
         # Relayed like an engine failure (and counted as one relay).
         r.attempt_failed(EngineFailed(f"the owner of request {r.rid} stopped").info())
+        self.observed.takeovers.inc()
         log.warning("request %s: taken over after %d committed chunks", r.rid, found.seq)
         return True
 
@@ -330,6 +336,11 @@ class ScheduleService:
                 log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
             except Exception:
                 log.exception("could not deliver the error of %s", r.rid)
+        if not (r.handed_over or r.superseded):  # else its end is another owner's to tell
+            now = time.time()
+            self.observed.ended(r, now)
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s", r.summary(now))
         self.dispatcher.release(r)
         if r.leased and not (r.handed_over or r.superseded):  # else it goes on elsewhere
             await self._book.release(r.tenant, r.rid)
@@ -376,6 +387,7 @@ class ScheduleService:
             log.error("undecodable token step on %s: %s", msg.subject, exc)
             return
         touched = []
+        now, made = 0.0, 0  # this step's time (read once for all its entries), its tokens
         assert self.dispatcher is not None
         for delta in step.entries:
             r = self.requests.get(delta.rid)
@@ -394,8 +406,12 @@ class ScheduleService:
                 self.dispatcher.grow(r, r.choices[delta.index], len(delta.token_ids))
                 if delta.seq == 0:
                     self.dispatcher.engine_served(step.engine)
+                now = now or time.time()
+                self.observed.output(r, now)
+                made += len(delta.token_ids)
             if healthy and r.broken is not None:
                 self.dispatcher.engine_failed(step.engine)  # an error, or lost output
+        self.observed.step(made)
         self._kick(touched)
 
     async def _abort_unwanted(self, engine: str, delta: TokenDelta) -> None:
@@ -453,8 +469,12 @@ class ScheduleService:
         closing usage chunk), or, for a round `beside`, what arrived while it ran."""
         try:
             assert self.derenderer is not None
+            began = time.perf_counter()
             results = await self.derenderer.derender([entry for _, _, entry in items])
+            derendered = time.perf_counter()
             await self._commit(items, results)
+            stage_metrics.DERENDER.observe(derendered - began)
+            stage_metrics.COMMIT.observe(time.perf_counter() - derendered)
         except (StageUnavailable, StageTimeout) as exc:
             for r, _, _ in items:
                 r.fail(exc.info())

@@ -292,3 +292,22 @@ def test_with_n_choices_the_last_one_closes_unless_a_usage_chunk_follows() -> No
         choice.committed.extend(range(count))
     entry = with_usage.usage_entry()
     assert entry.usage_total == 12 and not with_usage.needs_usage_chunk()
+
+
+def test_the_summary_says_where_how_much_how_fast_and_how_it_ended() -> None:
+    r = owned(n=2)
+    r.arrived, r.first_token = 100.0, 100.25
+    r.choices[0].committed.extend([1, 2, 3])
+    r.choices[1].committed.extend([4])
+    r.choices[0].finish, r.choices[1].finish = "stop", "length"
+    assert r.summary(102.5) == (
+        "request r1 ended: model , engine e1, 2 prompt + 4 output tokens, ttft 0.250s, "
+        "2.500s, stop,length"
+    )
+    r.relays = 1
+    r.fail(EngineFailed("the engine went away").info())
+    assert r.summary(103.0).endswith("3.000s, error 502: the engine went away, 1 relays")
+    waiting = owned()
+    waiting.engine, waiting.cancelled = None, True
+    assert "engine -, 2 prompt + 0 output tokens, ttft -" in waiting.summary(1.0)
+    assert waiting.summary(1.0).endswith(", cancelled")

@@ -1,0 +1,56 @@
+"""`tokenway status`: what an operator reads of a running deployment, from NATS alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.conftest import Stack, dead_letter_one
+from tests.test_cli import spawn
+from tokenway import bus
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def status(nats_url: str, *flags: str) -> tuple[int, str, str]:
+    proc = await spawn("status", "--nats", nats_url, *flags)
+    out, err = await proc.communicate()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack) -> None:
+    await dead_letter_one(stack.settings.nats)
+    code, out, err = await status(stack.settings.nats, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    ours = {bridge.id for bridge in stack.by_name["engine"]}
+    engines = {e["id"]: e for e in doc["engines"] if e["id"] in ours}
+    assert set(engines) == ours
+    assert all(e["alive"] and e["max_seqs"] > 0 and e["role"] == "union" for e in engines.values())
+    streams = {s["name"]: s for s in doc["streams"]}
+    assert set(streams) >= {bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM}
+    queues = {c["name"] for s in streams.values() for c in s["consumers"]}
+    assert {"render-deepseek-v4", "schedule-deepseek-v4"} <= queues
+    assert doc["dead_letters"]["render"] >= 1 and doc["missing"] == []
+    code, text, err = await status(stack.settings.nats)
+    assert code == 0, err
+    for heading in ("engines", "queues", "dead letters", "streams"):
+        assert f"\n{heading}\n" in f"\n{text}"
+    assert "render-deepseek-v4" in text and "TW_OUT" in text
+
+
+async def test_status_without_nats_says_how() -> None:
+    proc = await spawn("status")
+    _, err = await proc.communicate()
+    assert proc.returncode == 1 and "needs --nats" in err.decode()
+
+
+@pytest.mark.parametrize("command", [["status"], ["dlq", "ls"]])
+async def test_a_command_against_an_unreachable_nats_fails_at_once(command: list[str]) -> None:
+    """It used to retry for ever (nats-py's default without reconnects)."""
+    proc = await spawn(*command, "--nats", "nats://127.0.0.1:1")
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1 and "cannot connect to NATS" in err.decode()
+    assert "Traceback" not in err.decode()

@@ -1,0 +1,148 @@
+"""`tokenway status`: the deployment as NATS holds it — engines, queues, owned requests,
+dead letters and stream sizes — read, never changed (the `ops` role may run it)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from msgspec import Struct
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
+
+from tokenway import bus
+from tokenway.config import Settings
+from tokenway.wire import EngineInfo
+
+_engine = msgspec.msgpack.Decoder(EngineInfo)
+_QUEUES = (bus.RENDER_STREAM, bus.SCHED_STREAM)
+
+
+class Engine(Struct, kw_only=True):
+    id: str
+    model: str
+    role: str
+    running: int
+    waiting: int
+    max_seqs: int
+    kv_usage: float | None
+    beat_age: float  # seconds since its last heartbeat
+    alive: bool  # beat within the registry's TTL
+
+
+class Consumer(Struct, kw_only=True):
+    name: str
+    pending: int  # in the stream, not yet delivered to it
+    in_flight: int  # delivered, not yet acknowledged: renders running, requests owned
+    redelivered: int
+    pulling: int  # workers waiting for work
+
+
+class Stream(Struct, kw_only=True):
+    name: str
+    messages: int
+    bytes: int
+    max_bytes: int
+    consumers: list[Consumer]
+
+
+class Status(Struct, kw_only=True):
+    engines: list[Engine]
+    streams: list[Stream]
+    dead_letters: dict[str, int]  # by stage
+    missing: list[str]  # streams or the registry not there (not provisioned?)
+
+
+async def read_status(js: JetStreamContext, settings: Settings) -> Status:
+    missing: list[str] = []
+    streams = []
+    for spec in (s.config.name for s in bus.streams(settings)):
+        assert spec is not None
+        try:
+            info = await js.stream_info(spec)
+        except NotFoundError:
+            missing.append(spec)
+            continue
+        consumers = await js.consumers_info(spec) if spec in _QUEUES else []
+        streams.append(Stream(
+            name=spec, messages=info.state.messages, bytes=info.state.bytes,
+            max_bytes=info.config.max_bytes or -1,
+            consumers=[Consumer(
+                name=c.name, pending=c.num_pending or 0, in_flight=c.num_ack_pending or 0,
+                redelivered=c.num_redelivered or 0, pulling=c.num_waiting or 0,
+            ) for c in consumers],
+        ))  # fmt: skip
+    letters: dict[str, int] = {}
+    if bus.DLQ_STREAM not in missing:
+        info = await js.stream_info(bus.DLQ_STREAM, subjects_filter=bus.dlq_subject(">"))
+        for subject, count in (info.state.subjects or {}).items():
+            stage = subject.removeprefix(bus.dlq_subject(""))
+            letters[stage] = letters.get(stage, 0) + count
+    return Status(engines=await _engines(js, settings.engine_ttl, missing), streams=streams,
+                  dead_letters=letters, missing=missing)  # fmt: skip
+
+
+async def _engines(js: JetStreamContext, ttl: float, missing: list[str]) -> list[Engine]:
+    try:
+        kv = await js.key_value(bus.ENGINES_BUCKET)
+        keys = await kv.keys()
+    except BucketNotFoundError:
+        missing.append(bus.ENGINES_BUCKET)
+        return []
+    except NoKeysError:
+        return []
+    now, engines = time.time(), []
+    for key in sorted(keys):
+        try:
+            entry = await kv.get(key)
+        except NotFoundError:
+            continue  # gone meanwhile
+        if not entry.value:
+            continue  # a delete marker
+        e = _engine.decode(entry.value)
+        engines.append(Engine(
+            id=e.id, model=e.model, role=e.role, running=e.running, waiting=e.waiting,
+            max_seqs=e.max_seqs, kv_usage=e.kv_usage, beat_age=round(now - e.updated, 3),
+            alive=now - e.updated <= ttl,
+        ))  # fmt: skip
+    return engines
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def format_status(s: Status) -> str:
+    lines = ["engines"]
+    for e in s.engines:
+        kv = "-" if e.kv_usage is None else f"{e.kv_usage:.0%}"
+        health = "alive" if e.alive else "silent"
+        lines.append(f"  {e.id:<28} {e.model:<16} {e.role:<8} {e.running:>4}/{e.max_seqs:<4} "
+                     f"running  {e.waiting:>4} waiting  kv {kv:>4}  beat {e.beat_age:.1f}s ago "
+                     f"({health})")  # fmt: skip
+    if not s.engines:
+        lines.append("  none registered")
+    lines.append("queues")
+    for st in s.streams:
+        for c in st.consumers:
+            lines.append(f"  {st.name:<10} {c.name:<28} {c.pending:>6} queued  "
+                         f"{c.in_flight:>6} in flight  {c.redelivered:>4} redelivered  "
+                         f"{c.pulling:>3} workers pulling")  # fmt: skip
+    lines.append("dead letters")
+    lines += [f"  {stage:<10} {count}" for stage, count in sorted(s.dead_letters.items())]
+    if not s.dead_letters:
+        lines.append("  none")
+    lines.append("streams")
+    for st in s.streams:
+        cap = "unbounded" if st.max_bytes < 0 else _size(st.max_bytes)
+        lines.append(f"  {st.name:<14} {st.messages:>8} messages  {_size(st.bytes):>10} of {cap}")
+    if s.missing:
+        lines.append(f"missing: {', '.join(s.missing)} (run `tokenway provision`)")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""`POST /tokenize` and `/detokenize` in vLLM's shapes, answered by a render worker with the
+tokenizer and chat template it renders with, so the IDs are the ones a request would get."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body, internal
+from tokenway.protocol import (
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeResponse,
+    decode_detokenize,
+    decode_tokenize,
+)
+from tokenway.wire import TokenizeAnswer, TokenizeCall
+from workers.render.backend import THREAD_ABOVE_BYTES
+from workers.render.chat import apply_template
+from workers.render.core import Renderer
+
+log = logging.getLogger(__name__)
+
+_calls = msgspec.msgpack.Decoder(TokenizeCall)
+# What the answer's envelope (its msgpack framing and headers) may take of the bus payload.
+_ENVELOPE_BYTES = 1024
+
+
+def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | DetokenizeResponse:
+    """The answer to one call; `InvalidRequest`/`ModelNotFound` for the client's mistakes."""
+    tok = renderer.tokenizer
+    if call.route == "detokenize":
+        req = decode_detokenize(call.body)
+        _check_model(renderer, req.model)
+        bad = next((t for t in req.tokens if t >= renderer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+    body = decode_tokenize(call.body)
+    _check_model(renderer, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        text = apply_template(tok, body)
+    else:
+        text = body.prompt
+    ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=renderer.builder.info.context_length,
+        tokens=ids,
+        token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+    )
+
+
+def _check_model(renderer: Renderer, model: str | None) -> None:
+    if model is not None and model != renderer.builder.model:
+        raise ModelNotFound(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+async def answer(renderer: Renderer, data: bytes, max_payload: int) -> TokenizeAnswer:
+    """A call's HTTP answer, errors included; a big one is worked off the event loop."""
+    try:
+        call = _calls.decode(data)
+        if len(call.body) > THREAD_ABOVE_BYTES:
+            result = await asyncio.to_thread(tokenize, renderer, call)
+        else:
+            result = tokenize(renderer, call)
+        body = msgspec.json.encode(result)
+        if len(body) + _ENVELOPE_BYTES > max_payload:
+            raise InvalidRequest(
+                f"the answer ({len(body)} bytes) exceeds the bus payload limit of "
+                f"{max_payload} bytes; send less at once"
+            )
+        return TokenizeAnswer(status=200, body=body)
+    except msgspec.DecodeError as exc:
+        info = InvalidRequest(f"undecodable tokenize call: {exc}").info()
+    except TokenwayError as exc:
+        info = exc.info()
+    except Exception as exc:  # a bug: the client still hears what broke
+        log.exception("tokenize failed")
+        info = internal(exc)
+    return TokenizeAnswer(status=info.status, body=error_body(info))
