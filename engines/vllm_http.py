@@ -153,6 +153,14 @@ class _Attempt:
     stopped: bool = False  # aborted: what vLLM still sends is read, never reported
     done: bool = False  # vLLM sent [DONE]
     last_event: float = 0.0  # loop time of the last event, for the token timeout
+    traceparent: str | None = None  # the request's W3C trace, on to vLLM's own
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Of its calls to vLLM."""
+        if self.traceparent is None:
+            return _JSON_HEADERS
+        return {**_JSON_HEADERS, "traceparent": self.traceparent}
 
 
 class VllmEngine:
@@ -194,7 +202,8 @@ class VllmEngine:
     async def generate(self, work: EngineWork, emit: Emit) -> None:
         n = max(work.sampling_params.n, 1)
         request_id = f"{work.rid}-{work.attempt}"
-        a = _Attempt(request_id, REQUEST_ID_PREFIX + request_id, open=set(range(n)))
+        a = _Attempt(request_id, REQUEST_ID_PREFIX + request_id, open=set(range(n)),
+                     traceparent=work.traceparent)  # fmt: skip
         self.running += n
         # The HTTP exchange runs in a task of its own, so that cancelling this one (the
         # owner's abort) leaves the stream open for vLLM to confirm the abort on.
@@ -271,7 +280,7 @@ class VllmEngine:
             a.last_event = loop.time()
 
         call = asyncio.ensure_future(
-            self.client.request("POST", path, body, headers=_JSON_HEADERS, on_line=on_line)
+            self.client.request("POST", path, body, headers=a.headers, on_line=on_line)
         )
         try:
             resp = await self._within_deadlines(a, call)
@@ -309,7 +318,7 @@ class VllmEngine:
         """Non-streaming, for the prefill leg: only a whole response has kv_transfer_params."""
         body = _encoder.encode(vllm_request(work, a.request_id, stream=False))
         async with asyncio.timeout(self.endpoint.first_token_timeout):
-            resp = await self.client.request("POST", GENERATE_PATH, body, headers=_JSON_HEADERS)
+            resp = await self.client.request("POST", GENERATE_PATH, body, headers=a.headers)
         if resp.status != 200:
             self._raise_status(resp.status, resp.body, GENERATE_PATH)
         answer = self._decode(decode_generate, resp.body)

@@ -41,8 +41,10 @@ from tokenway.errors import (
     error_body,
     internal,
 )
+from tokenway.metrics import SSE_WRITE
 from tokenway.protocol import decode_body
 from tokenway.tenancy import Limits
+from tokenway.trace import traceparent
 from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
 from tokenway.worker import enqueue
 
@@ -253,7 +255,8 @@ class Completions:
         try:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
             stream = self._decode(api, body)
-            await self._submit(api, body, rid, tenant, client_id)
+            trace = traceparent(header(scope, b"traceparent").decode("latin-1"))
+            await self._submit(api, body, rid, tenant, client_id, trace)
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
@@ -277,11 +280,13 @@ class Completions:
             )
         return bool(req.stream)
 
-    async def _submit(self, api: Api, body: bytes, rid: str, tenant: str, client_id: str) -> None:
+    async def _submit(
+        self, api: Api, body: bytes, rid: str, tenant: str, client_id: str, trace: str
+    ) -> None:
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()),
                                 client_request_id=client_id or None)  # fmt: skip
         who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
-                              tenant, self.limits.get(tenant))  # fmt: skip
+                              tenant, self.limits.get(tenant), trace)  # fmt: skip
         try:
             await enqueue(
                 self.js, "render", bus.render_subject(self.model), _encoder.encode(request),
@@ -335,7 +340,9 @@ class Completions:
         try:
             while events:  # none: the client left
                 payload, done = stream.writer.write(events)
+                began = time.perf_counter()
                 await send({"type": "http.response.body", "body": payload, "more_body": not done})
+                SSE_WRITE.observe(time.perf_counter() - began)
                 if done:
                     return
                 events = await stream.slot.take()

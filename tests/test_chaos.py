@@ -195,6 +195,10 @@ async def test_restarting_the_nats_server_mid_stream_loses_nothing_silently(
             failed = check(got, expected, errors_allowed=True)
             report("nats", got, expected, failed)
             await nothing_left(c, await consumer_names(server.url))
+            async with httpx.AsyncClient() as http:  # the ingress counted losing NATS
+                page = (await http.get(f"{c.url}/metrics")).text
+            lost = re.search(r'^tokenway_bus_errors_total\{stage="ingress"\} (\S+)$', page, re.M)
+            assert lost is not None and float(lost.group(1)) >= 1, page
 
 
 async def test_a_stopping_schedule_worker_hands_its_requests_to_a_peer_at_once(

@@ -60,10 +60,12 @@ async def test_the_request_families_count_what_was_served(stack: Stack) -> None:
     assert finished == 4  # one per choice: 1 + 2 + 1
     assert value(after, "tokenway:num_requests_running") == 0
     assert value(after, "tokenway:num_requests_waiting") == 0
-    stages = {stage: after.get(("tokenway_stage_seconds_count", (("stage", stage),)), 0)
-              - before.get(("tokenway_stage_seconds_count", (("stage", stage),)), 0)
-              for stage in ("render", "derender", "commit")}  # fmt: skip
-    assert stages["render"] == 3 and stages["derender"] >= 3 and stages["commit"] >= 3, stages
+    names = ("render", "engine_first_token", "derender", "commit", "sse_write")
+    key = "tokenway_stage_seconds_count"
+    stages = {stage: after.get((key, (("stage", stage),)), 0)
+              - before.get((key, (("stage", stage),)), 0) for stage in names}  # fmt: skip
+    assert stages["render"] == stages["engine_first_token"] == 3, stages
+    assert stages["derender"] >= 3 and stages["commit"] >= 3 and stages["sse_write"] >= 1, stages
 
 
 async def test_dead_letters_are_counted_by_stage(stack: Stack) -> None:

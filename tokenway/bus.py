@@ -32,6 +32,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from tokenway.config import Settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
+from tokenway.metrics import BUS_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -278,10 +279,12 @@ async def connect(
     shown = redacted(url)
     # The server's refusal of our credentials, when it comes (a reset may follow it).
     refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    errors = BUS_ERRORS.labels(name.removeprefix("tokenway-").split("-", 1)[0])  # its stage
 
     async def failed(exc: Exception) -> None:  # nats-py would log a traceback each time
         last[:] = [exc]
         if attempt.done():  # connected once: reconnects, slow consumers, server errors
+            errors.inc()
             log.warning("%s: NATS error (%s): %r", name, shown, exc)
             return
         log.warning("%s cannot reach NATS (%s): %r", name, shown, exc)

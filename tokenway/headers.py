@@ -19,7 +19,7 @@ STATUS = "Tw-Status"
 TENANT = "Tw-Tenant"  # the API key's tenant, set by the ingress
 LIMITS = "Tw-Limits"  # that tenant's limits (`tokenway.tenancy.Limits`), set by the ingress
 RETRY_AFTER = "Tw-Retry-After"  # of a 429 error: seconds until the client may try again
-TRACEPARENT = "traceparent"
+TRACEPARENT = "traceparent"  # W3C Trace Context, from the client (or the ingress) to the engine
 
 # Optimistic concurrency: stored only if the subject's last message has this sequence.
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"

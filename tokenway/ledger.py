@@ -256,9 +256,12 @@ class Identity:
     deadline: float | None = None
     tenant: str = ""  # "" where the ingress asks for no key
     limits: Limits | None = None  # the tenant's, where it has any
+    trace: str = ""  # its W3C `traceparent`, passed on to the engine
 
     def headers(self) -> dict[str, str]:
         hdrs = {h.MSG_ID: self.rid, h.RID: self.rid, h.REPLY: self.reply}
+        if self.trace:
+            hdrs[h.TRACEPARENT] = self.trace
         if self.deadline is not None:
             hdrs[h.DEADLINE] = f"{self.deadline:.3f}"
         if self.tenant:
@@ -274,4 +277,5 @@ class Identity:
         hdrs = msg.headers or {}
         deadline, limits = hdrs.get(h.DEADLINE), hdrs.get(h.LIMITS)
         return cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
-                   hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None)  # fmt: skip
+                   hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None,
+                   hdrs.get(h.TRACEPARENT, ""))  # fmt: skip

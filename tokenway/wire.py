@@ -193,6 +193,7 @@ class EngineWork(Struct, kw_only=True, omit_defaults=True):
     # The obfuscation key fingerprint the owner mapped for (None: plain token IDs); a bridge
     # keyed differently declines the work.
     obfuscation: str | None = None
+    traceparent: str | None = None  # the request's W3C Trace Context, for the engine's call
 
 
 class EngineReply(Struct, kw_only=True, omit_defaults=True):

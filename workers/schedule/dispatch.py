@@ -216,6 +216,7 @@ class Dispatcher:
                 await self._run_prefill(r, plan, tried)
                 if r.ended.is_set() or r.prefill_kv is None:
                     continue  # failed or declined: choose again
+            r.dispatched = r.dispatched or time.time()  # before: output may beat the accept
             if await self._start(r, plan.engine, tried):
                 for holder in filter(None, (plan.engine, plan.prefill)):  # the prompt's KV
                     self.index.record(holder.id, hashes, time.monotonic())
@@ -394,6 +395,7 @@ class Dispatcher:
             # The native API is a fallback for a first try only, and never for obfuscated IDs.
             native_ok=r.out_seq == 0 and self.obfuscation is None,
             obfuscation=self.fingerprint,
+            traceparent=r.trace or None,
         )
         try:
             msg = await self.nc.request(

@@ -85,6 +85,7 @@ class Parent:
         self.rid = who.rid
         self.reply = who.reply
         self.tenant = who.tenant
+        self.trace = who.trace
         self.leased = bool(who.limits)  # holds one of its tenant's slots until it ends
         self.request = request
         self.deadline = deadline
@@ -251,7 +252,8 @@ class FanOut:
         return merge.error or p.error
 
     async def _publish(self, p: Parent, sub: GenerateRequest) -> int:
-        sub_of = ledger.Identity(sub.request_id, self.router.ingress_id, p.deadline, p.tenant)
+        sub_of = ledger.Identity(sub.request_id, self.router.ingress_id, p.deadline, p.tenant,
+                                 trace=p.trace)  # fmt: skip
         headers = sub_of.headers()
         try:
             ack = await self.js.publish(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from tokenway.metrics import ENGINE_FIRST_TOKEN
 from workers.schedule.owned import Owned
 
 # vLLM's own buckets for these families, so dashboards built for it read the same.
@@ -77,6 +78,7 @@ class Observed:
         if r.first_token is None:
             r.first_token = now
             self.ttft.observe(max(now - r.arrived, 0.0))
+            ENGINE_FIRST_TOKEN.observe(max(now - (r.dispatched or r.arrived), 0.0))
             self.prompt_tokens.inc(len(r.request.token_ids))
         elif now != r.last_token:
             self.itl.observe(now - r.last_token)

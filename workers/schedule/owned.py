@@ -116,6 +116,8 @@ class Owned:
     superseded: bool = False  # another owner has the request: leave everything to it
     handed_over: bool = False  # this worker is stopping: a peer continues it from the ledger
     arrived: float = 0.0  # when it was queued for the schedulers (epoch seconds)
+    dispatched: float = 0.0  # when its first attempt went to an engine
+    trace: str = ""  # its W3C `traceparent`, for the engine
     first_token: float | None = None  # when its engine's first output reached this owner
     last_token: float = 0.0  # when the latest did
 

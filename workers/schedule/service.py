@@ -220,7 +220,8 @@ class ScheduleService:
             return
         arrived = msg.metadata.timestamp.timestamp()
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant, leased=bool(who.limits), arrived=arrived)  # fmt: skip
+                  tenant=who.tenant, leased=bool(who.limits), arrived=arrived,
+                  trace=who.trace)  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
         self._group.create_task(self._own(r, arrived))

@@ -1,0 +1,82 @@
+"""W3C Trace Context: the client's `traceparent` (or a new one) rides every hop to the
+engine's generate call, the bus included."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+from tokenizers import Tokenizer
+
+from engines.bridge import Bridge
+from engines.vllm_http import VllmEndpoint, VllmEngine
+from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.fakes.vllm_engine import FakeVllm, Knobs
+from tokenway.cli import resolve_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+VALID = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def traced(nats_url: str, tmp_path: Path) -> AsyncIterator[tuple[Stack, FakeVllm]]:
+    """The pipeline in front of one fake vLLM that records every call's headers."""
+    settings = make_settings(tmp_path, served_model_name=f"trace-{tmp_path.name}")
+    resolved, served = resolve_model(settings)
+    tokenizer = Tokenizer.from_file(str(resolved.path / "tokenizer.json"))
+    fake = FakeVllm.for_tokenizer(tokenizer, resolved.eos_token_ids[0], Knobs(itl=0.001))
+    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule"])
+    stop = asyncio.Event()
+    await fake.__aenter__()
+    engine = VllmEngine(VllmEndpoint(url=fake.url, id="trace-0", model=served, max_seqs=8))
+    bridge = asyncio.create_task(Bridge(stack.settings, engine).run(nats_url, stop))
+    try:
+        await wait_engines(stack.by_name["schedule"][0].registry, 1)
+        yield stack, fake
+    finally:
+        stop.set()
+        await bridge
+        await engine.aclose()
+        await fake.__aexit__(None, None, None)
+        await stack.close()
+
+
+async def complete(stack: Stack, headers: dict[str, str], prompt: str | list[str]) -> None:
+    body = {"model": stack.settings.served_model_name, "prompt": prompt, "max_tokens": 3}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        resp = await http.post("/v1/completions", headers=headers, json=body)
+    assert resp.status_code == 200, resp.text
+
+
+async def test_the_clients_traceparent_reaches_the_engine(
+    traced: tuple[Stack, FakeVllm],
+) -> None:
+    stack, fake = traced
+    await complete(stack, {"traceparent": CLIENT}, "hi")
+    await complete(stack, {"traceparent": CLIENT}, ["one", "two"])  # each prompt on its own
+    assert [r.headers.get("traceparent") for r in fake.requests] == [CLIENT] * 3
+
+
+@pytest.mark.parametrize(
+    "given",
+    [None, "garbage", "00-00000000000000000000000000000000-00f067aa0ba902b7-01"],
+    ids=["none", "malformed", "zero-trace"],
+)
+async def test_without_a_valid_one_each_request_starts_its_own_trace(
+    traced: tuple[Stack, FakeVllm], given: str | None
+) -> None:
+    stack, fake = traced
+    before = len(fake.requests)
+    headers = {} if given is None else {"traceparent": given}
+    await complete(stack, headers, "hi")
+    await complete(stack, headers, "hi")
+    sent = [r.headers.get("traceparent", "") for r in fake.requests[before:]]
+    assert len(sent) == 2 and all(VALID.fullmatch(t) for t in sent), sent
+    assert sent[0] != sent[1] and given not in sent
