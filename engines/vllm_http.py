@@ -59,6 +59,7 @@ from engines.vllm_wire import (
     logprob_entries,
     vllm_request,
 )
+from tokenway import headers as h
 from tokenway.aio import uninterrupted
 from tokenway.config import Settings
 from tokenway.wire import EngineInfo, EngineWork, FinishReason, Role
@@ -160,7 +161,7 @@ class _Attempt:
         """Of its calls to vLLM."""
         if self.traceparent is None:
             return _JSON_HEADERS
-        return {**_JSON_HEADERS, "traceparent": self.traceparent}
+        return {**_JSON_HEADERS, h.TRACEPARENT: self.traceparent}
 
 
 class VllmEngine:

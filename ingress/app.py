@@ -43,6 +43,7 @@ from tokenway.errors import (
     MethodNotAllowed,
     ModelNotFound,
     TokenwayError,
+    check_model,
     error_body,
 )
 from tokenway.registry import EngineRegistry
@@ -136,7 +137,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
                                         code="stream_not_found"))  # fmt: skip
         return StreamingResponse(
             resumed(ledger_read, SseWriter(ids, after)), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": rid,
+            headers={"Cache-Control": "no-cache", REQUEST_ID_HEADER.decode(): rid,
                      STREAM_ID_HEADER.decode(): rid},
         )  # fmt: skip
 
@@ -162,9 +163,10 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != ctx.model:
-            return _error(ModelNotFound(f"The model `{model_id}` does not exist.",
-                                        param="model", code="model_not_found"))  # fmt: skip
+        try:
+            check_model(model_id, ctx.model)
+        except ModelNotFound as exc:
+            return _error(exc)
         return JSONResponse(card)
 
     @app.get("/version")

@@ -28,16 +28,17 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from ingress.metrics import OTHER, Metrics
 from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import bus, ledger
+from tokenway import headers as h
 from tokenway.errors import (
     BodyTimeout,
     DeadlineExceeded,
     InvalidRequest,
     MethodNotAllowed,
-    ModelNotFound,
     StageUnavailable,
     TokenwayError,
     TooLarge,
     Unavailable,
+    check_model,
     error_body,
     internal,
 )
@@ -64,6 +65,7 @@ STREAM_ID_HEADER = b"x-tokenway-stream-id"  # what `GET /v1/streams/{id}` resume
 CLIENT_CLOSED = 499  # nginx's "client closed request"
 EVENT_IDS_HEADER = "x-tokenway-event-ids"
 _EVENT_IDS = EVENT_IDS_HEADER.encode()
+_TRACEPARENT = h.TRACEPARENT.encode()  # the bus carries W3C's header under its own name
 YES, NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}  # event ids or not
 _JSON = b"application/json"
 _SSE_HEADERS = [
@@ -206,10 +208,7 @@ class Completions:
             await self.refuse(api, stopping, send, echo)
             return
         if api == "tokenize" or api == "detokenize":
-            reply = await self._tokenize(api, body)
-            self.metrics.requests.labels(api, reply.status).inc()
-            reply.headers += (echo,)
-            await reply.send(send)
+            await self._reply(api, await self._tokenize(api, body), send, echo)
             return
         slot = self.router.open(rid)
         watcher = asyncio.ensure_future(_watch(receive, slot))
@@ -222,9 +221,7 @@ class Completions:
                 self.metrics.requests.labels(api, 200).inc()
                 await self._stream(outcome, send, echo)
             else:
-                self.metrics.requests.labels(api, outcome.status).inc()
-                outcome.headers += (echo,)
-                await outcome.send(send)
+                await self._reply(api, outcome, send, echo)
         finally:
             watcher.cancel()
             if not streaming:
@@ -237,8 +234,15 @@ class Completions:
     ) -> None:
         """Answered before the request goes anywhere, and counted like every answer (`api`:
         the route's, None for any other)."""
-        self.metrics.requests.labels(api or OTHER, exc.status).inc()
-        await Reply.error(exc.info(), *headers).send(send)
+        await self._reply(api or OTHER, Reply.error(exc.info()), send, *headers)
+
+    async def _reply(
+        self, api: str, reply: Reply, send: Send, *headers: tuple[bytes, bytes]
+    ) -> None:
+        """A whole answer, counted, with `headers` added."""
+        self.metrics.requests.labels(api, reply.status).inc()
+        reply.headers += headers
+        await reply.send(send)
 
     async def _answer(
         self,
@@ -255,7 +259,7 @@ class Completions:
         try:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
             stream = self._decode(api, body)
-            trace = traceparent(header(scope, b"traceparent").decode("latin-1"))
+            trace = traceparent(header(scope, _TRACEPARENT).decode("latin-1"))
             await self._submit(api, body, rid, tenant, client_id, trace)
             first = await self._first(slot)
             if first is None:
@@ -274,10 +278,7 @@ class Completions:
     def _decode(self, api: Api, body: bytes) -> bool:
         """Checks what the ingress checks itself; whether the client asked for a stream."""
         req = decode_body(api, body)
-        if req.model is not None and req.model != self.model:
-            raise ModelNotFound(
-                f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
-            )
+        check_model(req.model, self.model)
         return bool(req.stream)
 
     async def _submit(

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
+from ingress.completions import REQUEST_ID_HEADER, STREAM_ID_HEADER
 from tokenway.config import Settings
 
 # What a browser script may read of a response besides the CORS-safe headers.
-EXPOSED = ["x-request-id", "x-tokenway-stream-id", "retry-after"]
+EXPOSED = [REQUEST_ID_HEADER.decode(), STREAM_ID_HEADER.decode(), "retry-after"]
 
 
 def names(value: str) -> list[str]:

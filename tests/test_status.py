@@ -44,7 +44,7 @@ async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack
 async def test_status_without_nats_says_how() -> None:
     proc = await spawn("status")
     _, err = await proc.communicate()
-    assert proc.returncode == 1 and "needs --nats" in err.decode()
+    assert proc.returncode == 1 and "status: no NATS server to join; pass --nats" in err.decode()
 
 
 @pytest.mark.parametrize("command", [["status"], ["dlq", "ls"]])

@@ -862,17 +862,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             raise SystemExit(asyncio.run(_dlq(args, settings)))
         return
-    if args.command == "status":
-        if not settings.nats:
-            raise SystemExit("tokenway status needs --nats URL (or TOKENWAY_NATS)")
-        asyncio.run(_status(args, settings))
-        return
     if args.command != "up" and not settings.nats:
         raise SystemExit(
             f"tokenway {args.command}: no NATS server to join; pass --nats nats://host:4222 "
             "(or set TOKENWAY_NATS), or run `tokenway up`, which embeds one"
         )
-    if args.command == "provision":
+    if args.command == "status":
+        asyncio.run(_status(args, settings))
+    elif args.command == "provision":
         _run(msgspec.structs.replace(settings, provision=True), [])
     elif args.command == "up":
         _run(settings, up_stages(settings), announce=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import Counter
 from tokenizers import Tokenizer
@@ -30,6 +30,7 @@ from workers.render.parse import ParserFlags
 from workers.render.vllm_http import RenderUnavailable, VllmRenderClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FALLBACKS = Counter(
     "tokenway_render_fallbacks",
@@ -54,11 +55,16 @@ class RenderBackend(Protocol):
 THREAD_ABOVE_BYTES = 64 * 1024
 
 
+async def worked(size: int, work: Callable[..., T], *args: object) -> T:
+    """`work(*args)` for a body of `size` bytes: in a thread when the body is big."""
+    if size > THREAD_ABOVE_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
+
+
 async def prompt_ids(renderer: Renderer, req: OpenAIRequest, size: int) -> list[list[int]]:
     """The request's prompt IDs, off the event loop for a body of `size` bytes that is big."""
-    if size > THREAD_ABOVE_BYTES:
-        return await asyncio.to_thread(renderer.prompt_ids, req)
-    return renderer.prompt_ids(req)
+    return await worked(size, renderer.prompt_ids, req)
 
 
 class LocalBackend:

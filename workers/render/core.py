@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from tokenway.errors import InvalidRequest, ModelNotFound
+from tokenway.errors import InvalidRequest, check_model
 from tokenway.model import ModelInfo
 from tokenway.protocol import (
     ChatCompletionRequest,
@@ -77,10 +77,7 @@ class RequestBuilder:
     def parse(self, request: RenderRequest) -> OpenAIRequest:
         """The decoded body, refused (400/404) before anything is tokenized."""
         req = decode_body(request.api, request.body)
-        if req.model is not None and req.model != self.model:
-            raise ModelNotFound(
-                f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
-            )
+        check_model(req.model, self.model)
         reject_unsupported(req)
         if isinstance(req, CompletionRequest):
             completion_prompts(req)

@@ -3,12 +3,11 @@ tokenizer and chat template it renders with, so the IDs are the ones a request w
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import msgspec
 
-from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body, internal
+from tokenway.errors import InvalidRequest, TokenwayError, check_model, error_body, internal
 from tokenway.protocol import (
     DetokenizeResponse,
     TokenizeChatRequest,
@@ -17,7 +16,7 @@ from tokenway.protocol import (
     decode_tokenize,
 )
 from tokenway.wire import TokenizeAnswer, TokenizeCall
-from workers.render.backend import THREAD_ABOVE_BYTES
+from workers.render.backend import worked
 from workers.render.chat import apply_template
 from workers.render.core import Renderer
 
@@ -33,13 +32,13 @@ def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | Detok
     tok = renderer.tokenizer
     if call.route == "detokenize":
         req = decode_detokenize(call.body)
-        _check_model(renderer, req.model)
+        check_model(req.model, renderer.builder.model)
         bad = next((t for t in req.tokens if t >= renderer.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
         return DetokenizeResponse(prompt=tok.decode(req.tokens))
     body = decode_tokenize(call.body)
-    _check_model(renderer, body.model)
+    check_model(body.model, renderer.builder.model)
     if isinstance(body, TokenizeChatRequest):
         text = apply_template(tok, body)
     else:
@@ -53,22 +52,11 @@ def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | Detok
     )
 
 
-def _check_model(renderer: Renderer, model: str | None) -> None:
-    if model is not None and model != renderer.builder.model:
-        raise ModelNotFound(
-            f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
-
-
 async def answer(renderer: Renderer, data: bytes, max_payload: int) -> TokenizeAnswer:
     """A call's HTTP answer, errors included; a big one is worked off the event loop."""
     try:
         call = _calls.decode(data)
-        if len(call.body) > THREAD_ABOVE_BYTES:
-            result = await asyncio.to_thread(tokenize, renderer, call)
-        else:
-            result = tokenize(renderer, call)
-        body = msgspec.json.encode(result)
+        body = msgspec.json.encode(await worked(len(call.body), tokenize, renderer, call))
         if len(body) + _ENVELOPE_BYTES > max_payload:
             raise InvalidRequest(
                 f"the answer ({len(body)} bytes) exceeds the bus payload limit of "

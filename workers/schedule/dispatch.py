@@ -203,7 +203,7 @@ class Dispatcher:
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    async def dispatch(self, r: Owned, arrived: float) -> None:
+    async def dispatch(self, r: Owned) -> None:
         """Hand the request to an engine (or a P/D pair); wait for room until its deadline."""
         tried: set[str] = set()
         hashes = self._affinity_hashes(r)
@@ -211,7 +211,7 @@ class Dispatcher:
             plan = await self._wait_turn(r, tried, hashes)
             if plan is None:
                 return
-            self.queue_time.observe(max(time.time() - arrived, 0.0))
+            self.queue_time.observe(max(time.time() - r.arrived, 0.0))
             if plan.prefill is not None:
                 await self._run_prefill(r, plan, tried)
                 if r.ended.is_set() or r.prefill_kv is None:

@@ -279,8 +279,12 @@ class Owned:
 
     def usage_entry(self) -> DerenderEntry:
         self.usage_busy = True
-        total = sum(len(c.committed) for c in self.choices)
-        return DerenderEntry(context=self.ctx, usage_total=total)
+        return DerenderEntry(context=self.ctx, usage_total=self.output_tokens)
+
+    @property
+    def output_tokens(self) -> int:
+        """Committed output tokens of every choice."""
+        return sum(len(c.committed) for c in self.choices)
 
     def summary(self, now: float) -> str:
         """The request's one line once it ends: where it ran, how much, how fast, how."""
@@ -291,11 +295,10 @@ class Owned:
         else:
             outcome = ",".join(str(c.finish) for c in self.choices)
         ttft = "-" if self.first_token is None else f"{self.first_token - self.arrived:.3f}s"
-        output = sum(len(c.committed) for c in self.choices)
         return (
             f"request {self.rid} ended: model {self.ctx.model}, engine {self.engine or '-'}, "
-            f"{len(self.request.token_ids)} prompt + {output} output tokens, ttft {ttft}, "
-            f"{now - self.arrived:.3f}s, {outcome}"
+            f"{len(self.request.token_ids)} prompt + {self.output_tokens} output tokens, "
+            f"ttft {ttft}, {now - self.arrived:.3f}s, {outcome}"
             + (f", {self.relays} relays" if self.relays else "")
         )
 

@@ -218,22 +218,22 @@ class ScheduleService:
         if request.prompts and self.fanout is not None:  # one sub-request per prompt
             await self.fanout.take(msg, who, deadline, request)
             return
-        arrived = msg.metadata.timestamp.timestamp()
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant, leased=bool(who.limits), arrived=arrived,
+                  tenant=who.tenant, leased=bool(who.limits),
+                  arrived=msg.metadata.timestamp.timestamp(),
                   trace=who.trace)  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
-        self._group.create_task(self._own(r, arrived))
+        self._group.create_task(self._own(r))
 
-    async def _own(self, r: Owned, arrived: float) -> None:
+    async def _own(self, r: Owned) -> None:
         assert self.dispatcher is not None
         try:
             if r.msg.metadata.num_delivered > 1 and not await self._read_back(r):
                 return  # its last owner finished it
             while not r.ended.is_set():
                 if not r.trouble.is_set() or await self._relay(r):
-                    await self.dispatcher.dispatch(r, arrived)
+                    await self.dispatcher.dispatch(r)
                 await wait_any(r.ended, r.trouble, timeout=max(r.deadline - time.time(), 0))
                 if not (r.ended.is_set() or r.trouble.is_set()):
                     raise TimeoutError

@@ -50,3 +50,16 @@ def test_sequences_count_each_choice_and_an_emptied_tenant_is_forgotten() -> Non
     line.stopped("t", 8)
     assert line.running == {}
     assert line.first() is None and line.waiting() == 0
+
+
+def test_whose_turn_follows_every_start_and_stop() -> None:
+    line = Line()
+    line.started("a", 2)
+    a, b = line.join("a", 0, 1), line.join("b", 0, 1)
+    assert line.first() is b
+    line.started("b", 3)
+    assert line.first() is a
+    line.stopped("b", 3)
+    assert line.first() is b
+    line.stopped("a", 2)  # both idle now: arrival decides
+    assert line.first() is a
