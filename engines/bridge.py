@@ -21,7 +21,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from tokenway import bus
+from tokenway import bus, spans
 from tokenway.config import Settings
 from tokenway.obfuscation import Permutation
 from tokenway.registry import heartbeat
@@ -102,6 +102,13 @@ class Bridge:
         self._group: asyncio.TaskGroup | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self.problem: str | None = None  # why the last health check kept it out, if it did
+        self.checked = asyncio.Event()  # a health check has answered
+
+    async def _healthy(self) -> str | None:
+        self.problem = await self.engine.healthy()
+        self.checked.set()
+        return self.problem
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self._nc = await bus.connect(
@@ -114,7 +121,7 @@ class Bridge:
             await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
             await nc.subscribe(bus.orphan_subject(), cb=self._on_abort)
             group.create_task(
-                heartbeat(kv, self.info, self.engine.healthy, self.settings.engine_ttl, stop)
+                heartbeat(kv, self.info, self._healthy, self.settings.engine_ttl, stop)
             )
             log.info(
                 "engine %s (%s) serving %s%s",
@@ -214,16 +221,25 @@ class Bridge:
             self._queue(work.owner, delta)
 
         key = (work.rid, work.attempt)
+        span = spans.start("generate", work.traceparent, "client", request_id=work.rid,
+                           engine=self.id, attempt=work.attempt)  # fmt: skip
+        work.traceparent = span.traceparent() or work.traceparent  # the engine's spans: ours
+        failed: str | None = None
         try:
             await self.engine.generate(obf.work_to_physical(work) if obf else work, emit)
         except asyncio.CancelledError:
+            span.set(aborted=True)
             if key in self.orphaned:  # an owner thought dead may be alive: it must know
-                self._fail(work, seq, f"engine {self.id}: dropped for the request's new owner")
+                failed = "dropped for the request's new owner"
+                self._fail(work, seq, f"engine {self.id}: {failed}")
             # else aborted: the owner asked, so it expects nothing more
         except Exception as exc:  # the engine failed this attempt: tell the owner why
             log.exception("engine %s failed %s", self.id, work.rid)
-            self._fail(work, seq, f"engine {self.id}: {type(exc).__name__}: {exc}")
+            failed = f"{type(exc).__name__}: {exc}"
+            self._fail(work, seq, f"engine {self.id}: {failed}")
         finally:
+            span.set(steps=seq)
+            span.end(failed)
             self.tasks.pop(key, None)
             self.owners.pop(key, None)
             self.orphaned.discard(key)

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -490,22 +490,34 @@ def engine_id_for(url: str) -> str:
     return token_safe(f"vllm-{parts.hostname or 'localhost'}-{parts.port or 80}")
 
 
-def vllm_urls(value: str | None) -> list[str]:
-    """`--vllm-url` values: one or more URLs, separated by commas or spaces."""
-    urls = [u.rstrip("/") for u in re.split(r"[,\s]+", value or "") if u]
-    for url in urls:
+def vllm_urls(value: str | None, models: Sequence[str]) -> list[tuple[str, str]]:
+    """`--vllm-url` values, separated by commas or spaces: `URL`, or `MODEL=URL` where the
+    process serves several models; each with the model it serves."""
+    urls = []
+    for item in re.split(r"[,\s]+", value or ""):
+        if not item:
+            continue
+        model, named, url = item.partition("=")
+        if not named or "://" in model:  # a bare URL (an `=` of its own comes after ://)
+            model, url = "", item
+        url = url.rstrip("/")
         if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
-            raise ValueError(f"--vllm-url must be http(s)://host:port, got {url!r}")
+            raise ValueError(f"--vllm-url must be [MODEL=]http(s)://host:port, got {item!r}")
+        if not model and len(models) > 1:
+            raise ValueError(f"several models are served: name the one of {url} as MODEL={url}")
+        if model and model not in models:
+            raise ValueError(f"--vllm-url {item}: {model!r} is not a served model")
+        urls.append((model or models[0], url))
     return urls
 
 
-def vllm_engines(settings: Settings, served_model_name: str) -> list[Engine]:
+def vllm_engines(settings: Settings, models: Sequence[str]) -> list[Engine]:
     """One engine per vLLM URL; ids from `--engine-id` (suffixed when several) or host:port."""
-    urls = vllm_urls(settings.vllm_url)
+    urls = vllm_urls(settings.vllm_url, models)
     if not urls:
         raise ValueError("no vLLM server given: pass --vllm-url http://host:port")
     engines: list[Engine] = []
-    for i, url in enumerate(urls):
+    for i, (model, url) in enumerate(urls):
         if settings.engine_id:
             id_ = token_safe(settings.engine_id + (f"-{i}" if len(urls) > 1 else ""))
         else:
@@ -513,7 +525,7 @@ def vllm_engines(settings: Settings, served_model_name: str) -> list[Engine]:
         endpoint = VllmEndpoint(
             url=url,
             id=id_,
-            model=served_model_name,
+            model=model,
             role=settings.engine_role,
             max_seqs=settings.engine_max_seqs,
             connect_timeout=settings.engine_connect_timeout,

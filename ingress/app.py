@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +36,7 @@ from ingress.completions import (
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerRead, LedgerReader
 from ingress.metrics import OTHER, Metrics
+from ingress.models import Catalog
 from ingress.openapi import with_completions
 from ingress.router import OutputRouter, SseWriter
 from tokenway import bus
@@ -43,7 +45,6 @@ from tokenway.errors import (
     MethodNotAllowed,
     ModelNotFound,
     TokenwayError,
-    check_model,
     error_body,
 )
 from tokenway.registry import EngineRegistry
@@ -58,9 +59,7 @@ class IngressContext:
     router: OutputRouter
     registry: EngineRegistry
     ledger: LedgerReader
-    model: str
-    model_root: str
-    context_length: int
+    catalog: Catalog
     request_timeout: float
     bus_retry: float
     draining: asyncio.Event
@@ -92,7 +91,7 @@ def _answering(send: Send, metrics: Metrics, echo: tuple[bytes, bytes] | None) -
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = Metrics()
     completions = Completions(
-        ctx.nc, ctx.router, metrics, ctx.model, ctx.request_timeout, ctx.bus_retry, ctx.draining,
+        ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
         ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits,
     )  # fmt: skip
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
@@ -154,20 +153,18 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             metrics.active.dec()
             await source.close()
 
-    card = {"id": ctx.model, "object": "model", "created": 0, "owned_by": "tokenway",
-            "root": ctx.model_root, "max_model_len": ctx.context_length}  # fmt: skip
-
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card]})
+    async def models() -> Response:
+        listed = {"object": "list", "data": ctx.catalog.listed()}
+        return Response(msgspec.json.encode(listed), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         try:
-            check_model(model_id, ctx.model)
+            card = ctx.catalog.cards[ctx.catalog.resolve(model_id)]
         except ModelNotFound as exc:
             return _error(exc)
-        return JSONResponse(card)
+        return Response(msgspec.json.encode(card), media_type="application/json")
 
     @app.get("/version")
     async def served_version() -> JSONResponse:

@@ -26,26 +26,27 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 
 from ingress.metrics import OTHER, Metrics
+from ingress.models import Catalog
 from ingress.router import Event, OutputRouter, Slot, SseWriter
-from tokenway import bus, ledger
+from tokenway import bus, ledger, spans
 from tokenway import headers as h
 from tokenway.errors import (
     BodyTimeout,
     DeadlineExceeded,
     InvalidRequest,
     MethodNotAllowed,
+    ModelNotFound,
     StageUnavailable,
     TokenwayError,
     TooLarge,
     Unavailable,
-    check_model,
     error_body,
     internal,
 )
 from tokenway.metrics import SSE_WRITE
 from tokenway.protocol import decode_body
 from tokenway.tenancy import Limits
-from tokenway.trace import traceparent
+from tokenway.trace import traceparent, valid
 from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
 from tokenway.worker import enqueue
 
@@ -74,6 +75,22 @@ _SSE_HEADERS = [
 ]
 _encoder = msgspec.msgpack.Encoder()
 _answers = msgspec.msgpack.Decoder(TokenizeAnswer)
+
+
+class _Named(msgspec.Struct):
+    model: str | None = None
+
+
+_named_decoder = msgspec.json.Decoder(_Named)
+
+
+def _named(body: bytes) -> str | None:
+    """The model a tokenize body names: render judges the rest of it, and a body that
+    does not even decode goes to the default model's render to be told what is wrong."""
+    try:
+        return _named_decoder.decode(body).model
+    except msgspec.DecodeError:  # ValidationError too
+        return None
 
 
 def event_ids(value: str) -> bool:
@@ -167,7 +184,7 @@ class Completions:
     nc: NATS
     router: OutputRouter
     metrics: Metrics
-    model: str
+    catalog: Catalog
     request_timeout: float
     bus_retry: float
     draining: asyncio.Event
@@ -210,19 +227,27 @@ class Completions:
         if api == "tokenize" or api == "detokenize":
             await self._reply(api, await self._tokenize(api, body), send, echo)
             return
+        given = header(scope, _TRACEPARENT).decode("latin-1")
+        span = spans.start(f"POST {scope['path']}", valid(given), "server", request_id=rid)
+        trace = span.traceparent() or traceparent(given)
         slot = self.router.open(rid)
         watcher = asyncio.ensure_future(_watch(receive, slot))
         first: Event | None = None
         streaming = False
         try:
-            outcome, first = await self._answer(api, scope, body, rid, tenant, client_id, slot)
+            outcome, first = await self._answer(
+                api, scope, body, rid, tenant, client_id, trace, slot
+            )
             if isinstance(outcome, Stream):
                 streaming = True  # the stream closes its slot itself
                 self.metrics.requests.labels(api, 200).inc()
+                span.set(status=200)
                 await self._stream(outcome, send, echo)
             else:
+                span.set(status=outcome.status)
                 await self._reply(api, outcome, send, echo)
         finally:
+            span.end()
             watcher.cancel()
             if not streaming:
                 self.router.close(rid)
@@ -252,15 +277,15 @@ class Completions:
         rid: str,
         tenant: str,
         client_id: str,
+        trace: str,
         slot: Slot,
     ) -> tuple[Reply | Stream, Event | None]:
         """The whole reply, or a stream once its first event is committed; and that event."""
         first: Event | None = None
         try:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
-            stream = self._decode(api, body)
-            trace = traceparent(header(scope, _TRACEPARENT).decode("latin-1"))
-            await self._submit(api, body, rid, tenant, client_id, trace)
+            model, stream = self._decode(api, body)
+            await self._submit(api, model, body, rid, tenant, client_id, trace)
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
@@ -275,22 +300,23 @@ class Completions:
             log.exception("request %s failed", rid)
             return Reply.error(internal(exc)), first
 
-    def _decode(self, api: Api, body: bytes) -> bool:
-        """Checks what the ingress checks itself; whether the client asked for a stream."""
+    def _decode(self, api: Api, body: bytes) -> tuple[str, bool]:
+        """Checks what the ingress checks itself; the model, and whether the client asked
+        for a stream."""
         req = decode_body(api, body)
-        check_model(req.model, self.model)
-        return bool(req.stream)
+        return self.catalog.resolve(req.model), bool(req.stream)
 
     async def _submit(
-        self, api: Api, body: bytes, rid: str, tenant: str, client_id: str, trace: str
-    ) -> None:
+        self, api: Api, model: str, body: bytes, rid: str, tenant: str, client_id: str,
+        trace: str,
+    ) -> None:  # fmt: skip
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()),
                                 client_request_id=client_id or None)  # fmt: skip
         who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
                               tenant, self.limits.get(tenant), trace)  # fmt: skip
         try:
             await enqueue(
-                self.js, "render", bus.render_subject(self.model), _encoder.encode(request),
+                self.js, "render", bus.render_subject(model), _encoder.encode(request),
                 who.headers(), self.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:
@@ -300,12 +326,17 @@ class Completions:
 
     async def _tokenize(self, route: TokenizeRoute, body: bytes) -> Reply:
         """A render worker's answer: core request/reply, nothing queued or kept."""
-        call = _encoder.encode(TokenizeCall(route=route, body=body))
-        subject = bus.tokenize_subject(self.model)
         try:
-            msg = await self.nc.request(subject, call, timeout=self.request_timeout)
+            model = self.catalog.resolve(_named(body))
+        except ModelNotFound as exc:
+            return Reply.error(exc.info())
+        call = _encoder.encode(TokenizeCall(route=route, body=body))
+        try:
+            msg = await self.nc.request(
+                bus.tokenize_subject(model), call, timeout=self.request_timeout
+            )
         except NoRespondersError:
-            failed: TokenwayError = Unavailable(f"no render worker serves {self.model} now")
+            failed: TokenwayError = Unavailable(f"no render worker serves {model} now")
         except TimeoutError:
             failed = DeadlineExceeded(f"no answer within {self.request_timeout:.0f}s")
         except MaxPayloadError:

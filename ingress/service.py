@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -14,12 +14,13 @@ from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
+from ingress.models import Catalog
 from ingress.router import OutputRouter
 from tokenway import bus
 from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
-from tokenway.model import ModelInfo
 from tokenway.registry import EngineRegistry
+from tokenway.served import ServedModel
 from tokenway.tenancy import Limits
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def listen(host: str, port: int) -> socket.socket:
 class IngressService:
     name = "ingress"
 
-    def __init__(self, settings: Settings, model: ModelInfo, served_model_name: str) -> None:
+    def __init__(self, settings: Settings, models: Sequence[ServedModel]) -> None:
         self.settings = settings
         # ValueError when the keys given are unusable: refuse to start rather than run open
         self.keys = ApiKeys.load(
@@ -57,8 +58,7 @@ class IngressService:
                    tokens_per_minute=settings.tenant_tokens_per_minute),
         )  # fmt: skip
         self.cors = Cors.load(settings)
-        self.model = model
-        self.served = served_model_name
+        self.models = models
         self.ingress_id = settings.resolved_ingress_id()
         self.started = asyncio.Event()
         self.draining = asyncio.Event()  # stopping: new requests are refused
@@ -84,7 +84,8 @@ class IngressService:
             reconnected=self._reconnected, stop=stop,
         )  # fmt: skip
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
-        self.registry = registry = EngineRegistry(kv, self.served, self.settings.engine_ttl)
+        served = [m.name for m in self.models]
+        self.registry = registry = EngineRegistry(kv, served, self.settings.engine_ttl)
         self.router = router = OutputRouter(nc, self.ingress_id, self.settings.stream_buffer_bytes)
         await router.start()
         ctx = IngressContext(
@@ -92,9 +93,7 @@ class IngressService:
             router=router,
             registry=registry,
             ledger=LedgerReader(nc.jetstream(), self.settings.request_timeout),
-            model=self.served,
-            model_root=str(self.model.path),
-            context_length=self.model.context_length,
+            catalog=Catalog(self.models, registry),
             request_timeout=self.settings.request_timeout,
             bus_retry=self.settings.bus_retry,
             draining=self.draining,

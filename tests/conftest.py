@@ -18,9 +18,11 @@ import pytest_asyncio
 from tokenway import bus
 from tokenway.cli import build_stages, serve
 from tokenway.config import Settings
+from tokenway.model import ModelInfo
 from tokenway.nats_users import NatsUsers
 from tokenway.natsd import EmbeddedNats
 from tokenway.registry import EngineRegistry
+from tokenway.served import served_models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -97,6 +99,12 @@ def make_settings(data_dir: Path, **overrides: object) -> Settings:
     return Settings(**values)  # type: ignore[arg-type]
 
 
+def resolve_model(settings: Settings) -> tuple[ModelInfo, str]:
+    """The one model `settings` serve, and its name."""
+    (model,) = served_models(settings)
+    return model.info, model.name
+
+
 @dataclass
 class Stack:
     """A running pipeline: the stages by name, its base URL, and how to stop it."""
@@ -114,6 +122,11 @@ class Stack:
     @property
     def url(self) -> str:
         return self.ingress.url
+
+    @property
+    def model(self) -> str:
+        """The served model (the first, where several are)."""
+        return self.ingress.models[0].name
 
     async def close(self) -> None:
         self.stop.set()
@@ -153,12 +166,15 @@ async def dead_letter_one(nats_url: str, model: str = "deepseek-v4") -> None:
         await nc.close()
 
 
-async def wait_engines(registry: EngineRegistry, count: int, timeout: float = 20.0) -> None:
-    """Until the registry (filled by KV heartbeats) shows `count` engines."""
+async def wait_engines(
+    registry: EngineRegistry, count: int, timeout: float = 20.0, model: str | None = None
+) -> None:
+    """Until the registry (filled by KV heartbeats) shows `count` engines (of `model`)."""
     async with asyncio.timeout(timeout):
         while True:
             changed = registry.changed.waiter()
-            if len(registry.alive()) >= count:
+            alive = [e for e in registry.alive() if model is None or e.model == model]
+            if len(alive) >= count:
                 return
             await changed.wait()
 

@@ -37,7 +37,7 @@ class StageProcesses:
         args = ["engine", "sim"] if stage == "engine" else [stage]
         proc = await spawn(
             *args, "--nats", self.stack.settings.nats, "--data-dir", str(self.tmp),
-            "--served-model-name", self.stack.ingress.served, *extra, env=ENV,
+            "--served-model-name", self.stack.model, *extra, env=ENV,
         )  # fmt: skip
         self.procs.append(proc)
         await logged(proc, READY[stage])

@@ -44,7 +44,7 @@ async def own_stack(nats_url: str, tmp_path: Path) -> AsyncIterator[Stack]:
 
 async def test_a_dropped_render_consumer_is_recreated(own_stack: Stack, nats_url: str) -> None:
     nc = await nats.connect(nats_url)
-    spec = bus.render_consumer(own_stack.settings, own_stack.ingress.served)
+    spec = bus.render_consumer(own_stack.settings, own_stack.model)
     await nc.jetstream().delete_consumer(spec.stream, spec.durable)
     async with httpx.AsyncClient(timeout=60) as http:
         resp = await http.post(f"{own_stack.url}/v1/chat/completions", json=CHAT)
@@ -102,7 +102,7 @@ async def test_a_stream_longer_than_the_owners_ack_wait_stays_with_its_owner(
             resp = await http.post(f"{stack.url}/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 150
-        spec = bus.sched_consumer(settings, stack.ingress.served)
+        spec = bus.sched_consumer(settings, stack.model)
         info = await nc.jetstream().consumer_info(spec.stream, spec.durable)
         assert info.config.ack_wait == 0.4
         assert info.num_redelivered == 0
@@ -121,7 +121,7 @@ async def test_a_model_with_no_live_engine_is_a_503_naming_it(
                              served_model_name=f"engineless-{tmp_path.name}")  # fmt: skip
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule"])
     try:
-        await refused(stack, stack.ingress.served, "no engine")
+        await refused(stack, stack.model, "no engine")
     finally:
         await stack.close()
 

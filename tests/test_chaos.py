@@ -59,7 +59,7 @@ async def run_load(
     fault: Callable[[], Awaitable[None]] | None = None,
 ) -> list[Streamed]:
     """Every stream of the load at once; `fault` once `when` holds."""
-    bodies = load(c.stack.ingress.served)
+    bodies = load(c.stack.model)
     out = [Streamed() for _ in bodies]
     progress = Signal()
     async with httpx.AsyncClient(timeout=120) as http:
@@ -115,7 +115,7 @@ async def nothing_left(c: StageProcesses, consumers: set[str]) -> None:
     nc = await nats.connect(servers=bus.seeds(stack.settings.nats))
     try:
         js = nc.jetstream()
-        model = stack.ingress.served
+        model = stack.model
         for spec in (bus.render_consumer(stack.settings, model),
                      bus.sched_consumer(stack.settings, model)):  # fmt: skip
             info = await js.consumer_info(spec.stream, spec.durable)

@@ -148,9 +148,8 @@ async def _wait_ready(nats_url: str, ingress: asyncio.subprocess.Process) -> Non
 async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from tests.conftest import make_settings, start_stack
+    from tests.conftest import make_settings, resolve_model, start_stack
     from tests.fakes.vllm_engine import FakeVllm, Knobs
-    from tokenway.cli import resolve_model
 
     settings = make_settings(tmp_path / "data", served_model_name="vllm-cli")
     model, served = resolve_model(settings)
@@ -191,9 +190,8 @@ async def test_up_with_a_vllm_url_serves_that_engine_alone_on_a_fixed_nats_port(
 ) -> None:
     from tokenizers import Tokenizer
 
-    from tests.conftest import make_settings
+    from tests.conftest import make_settings, resolve_model
     from tests.fakes.vllm_engine import FakeVllm, Knobs
-    from tokenway.cli import resolve_model
 
     model, _ = resolve_model(make_settings(tmp_path / "data"))
     tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
@@ -206,9 +204,9 @@ async def test_up_with_a_vllm_url_serves_that_engine_alone_on_a_fixed_nats_port(
         )  # fmt: skip
         try:
             block = await announcement(proc)
-            assert block["engines"] == "real-0 (union)"
+            assert block["engines"] == "real-0 (union, deepseek-v4, healthy)"
             assert block["NATS"].startswith(f"nats://127.0.0.1:{port}")
-            assert block["model"] == "deepseek-v4" and block["metrics"].endswith("/metrics")
+            assert block["models"] == "deepseek-v4" and block["metrics"].endswith("/metrics")
             client = openai.AsyncOpenAI(base_url=block["api"], api_key="-", max_retries=0)
             done = await client.completions.create(model="deepseek-v4", prompt="hi", max_tokens=4)
             assert done.choices[0].text and len(fake.requests) == 1  # no simulated engine
@@ -216,13 +214,14 @@ async def test_up_with_a_vllm_url_serves_that_engine_alone_on_a_fixed_nats_port(
             assert await stop(proc) == 0
 
 
-async def test_up_with_no_simulated_engine_serves_and_waits_for_engines(tmp_path: Path) -> None:
+async def test_up_names_an_engine_not_healthy_yet_and_waits_for_it(tmp_path: Path) -> None:
     proc = await spawn(
-        "up", "--data-dir", str(tmp_path), "--port", "0", "--sim-engines", "0", "--access-log"
-    )
+        "up", "--data-dir", str(tmp_path), "--port", "0", "--access-log",
+        "--vllm-url", f"http://127.0.0.1:{free_port()}", "--engine-id", "late",
+    )  # fmt: skip
     try:
         block = await announcement(proc)
-        assert block["engines"] == "none in this process"
+        assert block["engines"].startswith("late (union, deepseek-v4, not healthy yet: ")
         async with httpx.AsyncClient() as http:
             ready = await http.get(block["metrics"].replace("/metrics", "/ready"))
         assert ready.status_code == 503 and ready.json()["engines"] == 0

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Stack, make_settings, start_stack
+from tests.conftest import Stack, make_settings, resolve_model, start_stack
 from tests.fakes.vllm_render import FakeVllmRender, Knobs
-from tokenway.cli import build_stages, resolve_model
+from tokenway.cli import build_stages
 from workers.render.core import Renderer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -116,7 +116,7 @@ async def test_a_healthy_derender_server_gives_the_local_output(
     stack: Stack, vllm_stack: Stack, fake: FakeVllmRender, path: str, body: dict[str, Any]
 ) -> None:
     fake.reset()
-    status, local, _ = await ask(stack, path, {**body, "model": stack.ingress.served})
+    status, local, _ = await ask(stack, path, {**body, "model": stack.model})
     assert status == 200
     sent = {**body, "model": MODEL}
     status, remote, error = await ask(vllm_stack, path, sent)
@@ -155,7 +155,7 @@ async def test_a_derender_server_failing_briefly_is_tried_again(
 ) -> None:
     """The same delta and state again (derender is pure): the client sees no difference."""
     body = {**CHAT, "stream": stream}
-    _, local, _ = await ask(stack, "chat/completions", {**body, "model": stack.ingress.served})
+    _, local, _ = await ask(stack, "chat/completions", {**body, "model": stack.model})
     fake.reset(knobs)
     status, remote, error = await ask(vllm_stack, "chat/completions", {**body, "model": MODEL})
     assert status == 200 and not error and text(remote) == text(local)

@@ -70,7 +70,7 @@ async def test_wrong_method_on_a_completion_route_is_405_with_an_error_body(stac
 
 
 async def test_prompt_longer_than_context_is_400_with_numbers(stack: Stack) -> None:
-    context = stack.ingress.model.context_length
+    context = stack.ingress.models[0].info.context_length
     resp = await post(
         stack, "/v1/completions", json={"prompt": [100] * (context + 1), "max_tokens": 1}
     )
@@ -78,7 +78,7 @@ async def test_prompt_longer_than_context_is_400_with_numbers(stack: Stack) -> N
 
 
 async def test_prompt_plus_max_tokens_over_context_is_400(stack: Stack) -> None:
-    context = stack.ingress.model.context_length
+    context = stack.ingress.models[0].info.context_length
     resp = await post(
         stack, "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": context},

@@ -52,11 +52,11 @@ async def front(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Asyn
 
 @pytest.fixture(scope="module")
 def tokenizer(front: Stack) -> Tokenizer:
-    return Tokenizer.from_file(str(front.ingress.model.path / "tokenizer.json"))
+    return Tokenizer.from_file(str(front.ingress.models[0].info.path / "tokenizer.json"))
 
 
 def permutation(front: Stack, key: str) -> Permutation:
-    return Permutation(key.encode(), front.ingress.model.vocab_size)
+    return Permutation(key.encode(), front.ingress.models[0].info.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ async def registry_until(
     async with asyncio.timeout(timeout):
         while True:
             changed = registry.changed.waiter()
-            if done(registry.alive()):
+            if done([e for e in registry.alive() if e.model == MODEL]):  # not other tests'
                 return
             await changed.wait()
 
@@ -107,7 +107,7 @@ async def bridged(front: Stack, *engines: tuple[Engine, Permutation | None]) -> 
 
 def sim(front: Stack, tokenizer: Tokenizer, id: str, trained_on: Permutation | None) -> SimEngine:
     config = SimConfig(
-        id=id, model=MODEL, eos_token_id=front.ingress.model.eos_token_ids[0],
+        id=id, model=MODEL, eos_token_id=front.ingress.models[0].info.eos_token_ids[0],
         ttft=0, itl=0.001, output_len=30,
     )  # fmt: skip
     return SimEngine(config, tokenizer, trained_on=trained_on)
@@ -148,7 +148,7 @@ async def test_the_engine_sees_only_physical_ids_and_the_client_the_same_text(
     async with scheduler(front, KEY) as owner, bridged(front, (engine, perm)):
         keyed_chat = await chat_text(front, seed=7)
         keyed = await completion(front, seed=11, stop_token_ids=[stop])
-        outside = front.ingress.model.vocab_size + 5
+        outside = front.ingress.models[0].info.vocab_size + 5
         with pytest.raises(openai.BadRequestError, match=f"token ID {outside}, outside"):
             await completion(front, seed=11, stop_token_ids=[outside])  # never sent on
         # KV affinity hashed what the engine caches: the physical prompt (while it is there).
@@ -225,7 +225,7 @@ def vllm(fake: FakeVllm, id: str) -> VllmEngine:
 async def test_a_vllm_engine_sees_physical_ids_and_never_falls_back_to_native_when_keyed(
     front: Stack, tokenizer: Tokenizer, perm: Permutation
 ) -> None:
-    eos = front.ingress.model.eos_token_ids[0]
+    eos = front.ingress.models[0].info.eos_token_ids[0]
     plain_fake = FakeVllm.for_tokenizer(tokenizer, eos, Knobs(itl=0.001, output_len=30))
     keyed_fake = FakeVllm.for_tokenizer(
         tokenizer, eos, Knobs(itl=0.001, output_len=30), trained_on=perm
@@ -278,6 +278,8 @@ async def test_one_process_hands_its_key_to_the_schedule_and_engine_stages_it_ru
         assert isinstance(bridge, Bridge) and bridge.obfuscation is owner.obfuscation
         assert bridge.info().obfuscation == perm.fingerprint
         assert isinstance(bridge.engine, SimEngine)
-        assert [bridge.engine.eos_token_id] == perm.to_physical(front.ingress.model.eos_token_ids)
+        assert [bridge.engine.eos_token_id] == perm.to_physical(
+            front.ingress.models[0].info.eos_token_ids
+        )
     plain = build_stages(front.settings, ["schedule"])[0]
     assert isinstance(plain, ScheduleService) and plain.obfuscation is None

@@ -17,14 +17,13 @@ from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
 from engines.vllm_http import VllmEndpoint, VllmEngine
-from tests.conftest import make_settings, start_stack, wait_engines
+from tests.conftest import make_settings, resolve_model, start_stack, wait_engines
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tests.stages import stage_processes
 from tests.streams import Streamed, post, until
 from tests.test_cli import logged
 from tests.test_scheduling import model, pipeline, sim
 from tokenway.aio import Signal
-from tokenway.cli import resolve_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -122,7 +121,7 @@ async def test_an_engine_process_killed_mid_stream_is_relayed(
     nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with stage_processes(nats_url, tmp_path, "engine", processes=1) as c:
-        model, (first,) = c.stack.ingress.served, c.procs
+        model, (first,) = c.stack.model, c.procs
         registry = c.stack.by_name["schedule"][0].registry
         await wait_engines(registry, 1)
         expected = await stream(c.url, body(model, 400))
@@ -144,7 +143,7 @@ async def test_the_owner_killed_mid_stream_is_taken_over_from_the_ledger(
     """The schedule worker owning a stream is SIGKILLed; JetStream redelivers the request to
     another worker, which reads the ledger back, aborts the orphaned engine work and relays."""
     async with stage_processes(nats_url, tmp_path, "schedule", processes=1) as c:
-        model, (first,) = c.stack.ingress.served, c.procs
+        model, (first,) = c.stack.model, c.procs
         expected = await stream(c.url, body(model, 400))
         (sim,) = c.stack.by_name["engine"]
 
@@ -168,7 +167,7 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
     (they expect a last message that is no longer the last), so it lets the request go and
     the client's stream stays exactly the fault-free one."""
     async with stage_processes(nats_url, tmp_path, "schedule", processes=1) as c:
-        model, (stale,) = c.stack.ingress.served, c.procs
+        model, (stale,) = c.stack.model, c.procs
         expected = await stream(c.url, body(model, 400))
         got, progress = Streamed(), Signal()
         async with httpx.AsyncClient(timeout=60) as http:

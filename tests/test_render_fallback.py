@@ -15,9 +15,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Stack, make_settings, start_stack
+from tests.conftest import Stack, make_settings, resolve_model, start_stack
 from tests.fakes.vllm_render import FakeVllmRender, Knobs
-from tokenway.cli import resolve_model
 from tokenway.wire import RenderRequest
 from workers.render.core import Renderer
 

@@ -35,7 +35,7 @@ async def pipeline(
     model = f"model-{data.name}"
     s: Settings = make_settings(data, served_model_name=model, **settings)
     stack = await start_stack(nats_url, s, ["ingress", "render", "schedule", "derender"])
-    tokenizer = Tokenizer.from_file(str(stack.ingress.model.path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(stack.ingress.models[0].info.path / "tokenizer.json"))
     sims = [SimEngine(dataclasses.replace(c, model=model), tokenizer) for c in engines]
     bridges = [Bridge(stack.settings, sim) for sim in sims]
     stop = asyncio.Event()
@@ -60,7 +60,7 @@ def client(stack: Stack) -> openai.AsyncOpenAI:
 
 
 def model(stack: Stack) -> str:
-    return stack.ingress.served
+    return stack.model
 
 
 async def test_pd_handoff_passes_the_prefill_kv_params_to_the_decode_leg(

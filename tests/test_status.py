@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 from tests.conftest import Stack, dead_letter_one
@@ -39,6 +40,26 @@ async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack
     for heading in ("engines", "queues", "dead letters", "streams"):
         assert f"\n{heading}\n" in f"\n{text}"
     assert "render-deepseek-v4" in text and "TW_OUT" in text
+
+
+async def test_status_shows_what_each_owner_holds(stack: Stack) -> None:
+    body = {"model": stack.model, "prompt": "Count to a million:", "max_tokens": 100_000,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.aiter_lines()  # kept: a dropped one closes the stream
+            assert (await anext(lines)).startswith("data: ")  # it runs on an engine
+            code, out, err = await status(stack.settings.nats, "--json")
+            _, text, _ = await status(stack.settings.nats)
+    assert code == 0, err
+    owners = {o["id"]: o for o in json.loads(out)["owners"]}
+    ours = {owner.owner_id for owner in stack.by_name["schedule"]}
+    assert set(owners) >= ours
+    holding = [owners[i] for i in ours if owners[i]["owned"]]
+    assert len(holding) == 1 and holding[0]["running"] == 1, owners
+    assert holding[0]["model"] == stack.model and holding[0]["tenants"] == {"": 1}
+    assert "\nowners\n" in text and f"{holding[0]['id']}" in text
 
 
 async def test_status_without_nats_says_how() -> None:

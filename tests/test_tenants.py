@@ -145,7 +145,7 @@ async def test_tokens_per_minute_are_charged_prompt_plus_max_tokens_times_n(
         # No max_tokens: it is charged the context it may fill, which no minute allows.
         resp = await http.post("/v1/chat/completions", json=_body())
         assert resp.status_code == 400, resp.text
-        context = one.ingress.model.context_length
+        context = one.ingress.models[0].info.context_length
         assert f"needs {context} tokens" in resp.json()["error"]["message"]
 
 

@@ -14,9 +14,10 @@ from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
 from engines.vllm_http import VllmEndpoint, VllmEngine
-from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.conftest import Stack, make_settings, resolve_model, start_stack, wait_engines
+from tests.fakes.otlp import Collector
 from tests.fakes.vllm_engine import FakeVllm, Knobs
-from tokenway.cli import resolve_model
+from tokenway import spans
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -84,3 +85,41 @@ async def test_without_a_valid_one_each_request_starts_its_own_trace(
     sent = [r.headers.get("traceparent", "") for r in fake.requests[before:]]
     assert len(sent) == 2 and all(VALID.fullmatch(t) for t in sent), sent
     assert sent[0] != sent[1] and given not in sent
+
+
+async def test_with_an_otlp_endpoint_each_stage_exports_its_span_of_the_request(
+    traced: tuple[Stack, FakeVllm],
+) -> None:
+    stack, fake = traced
+    before = len(fake.requests)
+    async with Collector() as collector:
+        spans.configure(collector.url)
+        try:
+            await complete(stack, {"traceparent": CLIENT}, "hi")
+            await stack.by_name["schedule"][0].empty.wait()  # the owner's span has ended
+        finally:
+            await asyncio.to_thread(spans.shutdown)  # exports what is batched, then off
+        found = await collector.until(4, CLIENT.split("-")[1])
+    by_name = {s.name: s for s in found}
+    assert set(by_name) == {"POST /v1/completions", "render", "schedule", "generate"}
+    ingress, owner, attempt = (
+        by_name["POST /v1/completions"],
+        by_name["schedule"],
+        by_name["generate"],
+    )
+    assert (ingress.parent, ingress.kind) == (CLIENT.split("-")[2], 2)  # the client's child
+    assert by_name["render"].parent == owner.parent == ingress.span_id
+    assert (attempt.parent, attempt.kind) == (owner.span_id, 3)
+    # vLLM's own spans join under the bridge's call
+    (call,) = fake.requests[before:]
+    assert call.headers["traceparent"].split("-")[2] == attempt.span_id
+    rid = ingress.attributes["tokenway.request_id"]
+    assert all(s.attributes["tokenway.request_id"] == rid for s in found)
+    assert ingress.attributes["tokenway.status"] == 200 and not any(s.error for s in found)
+    assert owner.attributes["tokenway.engine"] == "trace-0"
+    assert owner.attributes["tokenway.output_tokens"] == 3
+    assert owner.events == ["dispatched → " + owner.events[0].split("→ ", 1)[1], "first token"]
+    assert {s.service for s in found} == {"tokenway"}
+    # off again: the context travels on untouched
+    await complete(stack, {"traceparent": CLIENT}, "hi")
+    assert fake.requests[-1].headers["traceparent"] == CLIENT

@@ -96,6 +96,9 @@ def tokenize_subject(model: str | None) -> str:
     return f"tw.tokenize.{'*' if model is ANY else token(model)}"
 
 
+OWNERS_SUBJECT = "tw.owners"  # core request, every owner answers (`tokenway status`)
+
+
 def inbox_prefix(role: str) -> str:
     """Where a role's replies arrive (JetStream answers, acks, request replies): its own
     inboxes, which no other role may read."""

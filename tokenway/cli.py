@@ -17,26 +17,23 @@ import time
 from collections.abc import Coroutine, Iterator, Sequence
 from importlib.metadata import version
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 from nats.aio.client import Client
 
-from tokenway import bus
+from tokenway import bus, spans
 from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
-from tokenway.model import (
-    DEFAULT_MODEL_NAME,
-    ModelInfo,
-    default_model_dir,
-    load_model_info,
-    tokenizer_of,
-)
+from tokenway.model import default_model_dir, tokenizer_of
 from tokenway.nats_users import AUTH_FILE, NatsUsers
 from tokenway.natsd import EmbeddedNats
-from tokenway.obfuscation import ObfuscationError, Permutation, load_key
-from workers.render.parse import ParserFlags
+from tokenway.obfuscation import Permutation
+from tokenway.served import ServedModel, obfuscation, parser_flags, served_models
+
+if TYPE_CHECKING:
+    from engines.bridge import Bridge
 
 log = logging.getLogger("tokenway")
 
@@ -47,123 +44,71 @@ class Stage(Protocol):
     async def run(self, nats_url: str, stop: asyncio.Event) -> None: ...
 
 
-# The bundled DeepSeek-V4 tokenizer's template speaks DeepSeek-V3.1's formats.
-DEFAULT_PARSERS = ParserFlags(
-    reasoning_parser="deepseek_v3", tool_call_parser="deepseek_v31", enable_auto_tool_choice=True
-)
-
-
-def parser_flags(s: Settings) -> ParserFlags:
-    """The flags as given; for the bundled model, its defaults fill what was not given."""
-    base = ParserFlags() if s.model_dir else DEFAULT_PARSERS
-    auto = s.enable_auto_tool_choice
-    flags = ParserFlags(
-        reasoning_parser=s.reasoning_parser or base.reasoning_parser,
-        tool_call_parser=s.tool_call_parser or base.tool_call_parser,
-        enable_auto_tool_choice=base.enable_auto_tool_choice if auto is None else auto,
-    )
-    try:
-        flags.check()
-    except ValueError as exc:
-        raise SystemExit(f"tokenway: {exc}") from exc
-    return flags
-
-
-def resolve_model(s: Settings) -> tuple[ModelInfo, str]:
-    """The model directory (bundled default unless `--model-dir`) and its served name."""
-    if s.model_dir:
-        path = Path(s.model_dir).expanduser()
-        default_name = path.name
-    else:
-        path = default_model_dir(s.data_path)
-        default_name = DEFAULT_MODEL_NAME
-    try:
-        info = load_model_info(path, s.max_model_len)
-    except ValueError as exc:
-        raise SystemExit(f"tokenway: {exc}") from exc
-    return info, s.served_model_name or default_name
-
-
-def obfuscation(s: Settings, model: ModelInfo) -> Permutation | None:
-    """The token permutation when a key is configured; a key flag without a usable key
-    refuses to start rather than run unobfuscated."""
-    try:
-        key = load_key(s.obfuscation_key, s.obfuscation_key_file)
-        return None if key is None else Permutation(key, model.vocab_size)
-    except ObfuscationError as exc:
-        raise SystemExit(f"tokenway: {exc}") from exc
-
-
 def build_stages(
     base: Settings, which: Sequence[str], users: NatsUsers | None = None
 ) -> list[Stage]:
-    """Stages by name; imported here so a single-stage process loads only what it runs.
+    """Stages by name, one per served model where a stage serves one (render, schedule,
+    derender, engines); imported here so a single-stage process loads only what it runs.
     With `users`, each stage connects to NATS as its own role."""
-    model, served = resolve_model(base)
-    # One permutation for every stage of this process that maps IDs (schedule, engines).
-    obf = obfuscation(base, model) if {"schedule", "sim", "vllm"} & set(which) else None
+    models = served_models(base)
+    # One permutation per model for every stage of this process that maps IDs.
+    maps = {"schedule", "sim", "vllm"} & set(which)
+    obf = {m.name: obfuscation(base, m.info) if maps else None for m in models}
     stages: list[Stage] = []
     for name in which:
         role = "engine" if name in ("sim", "vllm") else name
         s = base if users is None else users.settings(base, role)
-        if name == "ingress":
-            from ingress.service import IngressService
-
-            try:
-                stages.append(IngressService(s, model, served))
-            except ValueError as exc:
-                raise SystemExit(f"tokenway: {exc}") from exc
-        elif name == "render":
-            from workers.render.service import RenderService
-
-            try:
-                stages.append(RenderService(s, model, served, parser_flags(s)))
-            except ValueError as exc:
-                raise SystemExit(f"tokenway: {exc}") from exc
-        elif name == "schedule":
-            from workers.schedule.service import ScheduleService
-
-            try:
-                stages.append(ScheduleService(s, served, model.path, obf))
-            except ValueError as exc:
-                raise SystemExit(f"tokenway: {exc}") from exc
-        elif name == "derender":
-            from workers.derender.service import DerenderService
-
-            parser_flags(s)  # refuse unknown parser names here too
-            try:
-                stages.append(DerenderService(s, model.path, served))
-            except ValueError as exc:
-                raise SystemExit(f"tokenway: {exc}") from exc
-        elif name == "sim":
-            stages.extend(sim_engines(s, model, served, obf))
-        elif name == "vllm":
-            stages.extend(vllm_bridges(s, served, obf))
-        elif name == "dlq":
-            from tokenway.dlq import DlqMover
-
-            stages.append(DlqMover(s))
+        try:
+            stages.extend(_stages(s, name, models, obf))
+        except ValueError as exc:
+            raise SystemExit(f"tokenway: {exc}") from exc
     return stages
 
 
-def vllm_bridges(s: Settings, served: str, obf: Permutation | None) -> list[Stage]:
-    from engines.bridge import Bridge
-    from engines.vllm_http import vllm_engines
+def _stages(
+    s: Settings, name: str, models: list[ServedModel], obf: dict[str, Permutation | None]
+) -> list[Stage]:
+    """The stages `name` stands for; ValueError when the settings cannot make them."""
+    if name == "ingress":
+        from ingress.service import IngressService
 
-    try:
-        engines = vllm_engines(s, served)
-    except ValueError as exc:
-        raise SystemExit(f"tokenway: {exc}") from exc
-    return [Bridge(s, engine, obf) for engine in engines]
+        return [IngressService(s, models)]
+    if name == "render":
+        from workers.render.service import RenderService
+
+        return [RenderService(s, m.info, m.name, parser_flags(s, m)) for m in models]
+    if name == "schedule":
+        from workers.schedule.service import ScheduleService
+
+        return [ScheduleService(s, m.name, m.info.path, obf[m.name]) for m in models]
+    if name == "derender":
+        from workers.derender.service import DerenderService
+
+        for m in models:
+            parser_flags(s, m)  # refuse unknown parser names here too
+        return [DerenderService(s, m.info.path, m.name) for m in models]
+    if name == "sim":
+        return [bridge for m in models for bridge in sim_engines(s, m, obf[m.name])]
+    if name == "vllm":
+        from engines.bridge import Bridge
+        from engines.vllm_http import vllm_engines
+
+        engines = vllm_engines(s, [m.name for m in models])
+        return [Bridge(s, engine, obf[engine.info().model]) for engine in engines]
+    if name == "dlq":
+        from tokenway.dlq import DlqMover
+
+        return [DlqMover(s)]
+    raise ValueError(f"no stage {name!r}")
 
 
-def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | None) -> list[Stage]:
+def sim_engines(s: Settings, model: ServedModel, obf: Permutation | None) -> list[Stage]:
     import secrets
 
     from engines.bridge import Bridge
     from engines.sim import SimConfig, SimEngine
 
-    tokenizer = tokenizer_of(model.path)
+    tokenizer = tokenizer_of(model.info.path)
     prefix = f"sim-{secrets.token_hex(3)}"
     bridges: list[Stage] = []
     roles = [r.strip() for r in s.sim_roles.split(",") if r.strip()]
@@ -173,8 +118,8 @@ def sim_engines(s: Settings, model: ModelInfo, served: str, obf: Permutation | N
         config = SimConfig(
             role=roles[i] if i < len(roles) else "union",  # type: ignore[arg-type]
             id=f"{prefix}-{i}",
-            model=served,
-            eos_token_id=model.eos_token_ids[0],
+            model=model.name,
+            eos_token_id=model.info.eos_token_ids[0],
             max_seqs=s.sim_max_seqs,
             chunk_size=s.sim_chunk_size,
             ttft=s.sim_ttft,
@@ -281,16 +226,26 @@ async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None)
         nats += f"  (its users in {users.directory})"
     ingress = next(stage for stage in stages if isinstance(stage, IngressService))
     await ingress.started.wait()
-    infos = [stage.engine.info() for stage in stages if isinstance(stage, Bridge)]
-    engines = ", ".join(f"{i.id} ({i.role})" for i in infos) or "none in this process"
+    bridges = [stage for stage in stages if isinstance(stage, Bridge)]
+    if bridges:
+        log.info("waiting for the first health check of %d engine(s)", len(bridges))
+    for bridge in bridges:
+        await bridge.checked.wait()
+    engines = ", ".join(_engine_line(b) for b in bridges) or "none in this process"
     print(
         f"tokenway serving the OpenAI API at {ingress.url}/v1\n"
-        f"  model    {ingress.served}\n"
+        f"  models   {', '.join(m.name for m in ingress.models)}\n"
         f"  engines  {engines}\n"
         f"  NATS     {nats}\n"
         f"  metrics  {ingress.url}/metrics",
         flush=True,
     )
+
+
+def _engine_line(bridge: Bridge) -> str:
+    info = bridge.engine.info()
+    health = "healthy" if bridge.problem is None else f"not healthy yet: {bridge.problem}"
+    return f"{info.id} ({info.role}, {info.model}, {health})"
 
 
 def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> None:
@@ -316,6 +271,11 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
             loop.add_signal_handler(sig, on_signal)
         if s.metrics_port is not None:
             serve_metrics(s.metrics_host, s.metrics_port)
+        if s.otlp_endpoint:
+            try:
+                spans.configure(s.otlp_endpoint)
+            except ValueError as exc:
+                raise CannotStart(str(exc)) from None
         # An embedded server lets in its own users only, one per role.
         users = NatsUsers.prepare(s.data_path / "nats-auth") if s.nats is None else None
         stages = build_stages(s, stage_names, users)
@@ -333,6 +293,8 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
             raise SystemExit(f"tokenway: {group.exceptions[0]}") from None
     except* asyncio.CancelledError:
         raise SystemExit("tokenway: stopped without draining (a second signal)") from None
+    finally:
+        spans.shutdown()  # the spans still batched go out before the process does
 
 
 def serve_metrics(host: str, port: int) -> None:
@@ -386,6 +348,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="a local Hugging Face model directory (default: bundled DeepSeek-V4 tokenizer)",
     )
     g.add_argument("--served-model-name", help="the model name clients use")
+    g.add_argument(
+        "--model", action="append", dest="models", metavar="NAME[=DIR]",
+        help="serve a model under NAME, from a local Hugging Face directory (without DIR: the "
+        "bundled tokenizer); repeatable, in place of --model-dir and --served-model-name",
+    )  # fmt: skip
     g.add_argument("--max-model-len", type=int, help="cap the context length, in tokens")
     g.add_argument(
         "--context-budget",
@@ -393,6 +360,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="on: clip a max_tokens that does not fit the context (default off: a 400)",
     )
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--otlp-endpoint",
+        help="send each stage's spans of a request to this OTLP/HTTP collector, e.g. "
+        "http://127.0.0.1:4318 (needs the otel extra; default: no spans)",
+    )
     g.add_argument(
         "--metrics-port", type=int,
         help="serve this process's metrics at http://HOST:PORT/metrics (default: none; under "
@@ -595,7 +567,7 @@ def _sim(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated engine")
     g.add_argument(
         "--sim-engines", type=int,
-        help="how many simulated engines (default 1; `up` with --vllm-url: 0, none)",
+        help="how many simulated engines per model (default 1; `up` with --vllm-url: 0, none)",
     )  # fmt: skip
     g.add_argument("--sim-max-seqs", type=int, help="concurrent sequences per engine (default 256)")
     g.add_argument("--sim-chunk-size", type=int, help="tokens per sequence per step (default 1)")
@@ -610,8 +582,10 @@ def _sim(p: argparse.ArgumentParser) -> None:
 def _vllm(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM engine")
     g.add_argument(
-        "--vllm-url", action="append", help="http://host:port of a vLLM server (repeatable)"
-    )
+        "--vllm-url", action="append", metavar="[MODEL=]URL",
+        help="http://host:port of a vLLM server (repeatable); MODEL= names the served model "
+        "it runs where there are several",
+    )  # fmt: skip
     g.add_argument("--engine-id", help="id in the registry (default: vllm-<host>-<port>)")
     g.add_argument("--engine-role", choices=["union", "prefill", "decode"], help="default union")
     g.add_argument("--engine-max-seqs", type=int, help="concurrent sequences (default 256)")
@@ -701,7 +675,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> None:
 
     nc = await _command_connection(settings, "tokenway-status")
     try:
-        status = await read_status(nc.jetstream(), settings)
+        status = await read_status(nc, settings)
     finally:
         await nc.close()
     print(msgspec.json.encode(status).decode() if args.json else format_status(status))
@@ -841,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = dlq_parser().parse_args(argv[1:]) if argv[:1] == ["dlq"] else parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
-    for name in ("vllm_url", "api_key", "allowed_origins"):  # repeatable: one setting
+    for name in ("vllm_url", "api_key", "allowed_origins", "models"):  # repeatable: one setting
         if isinstance(flags.get(name), list):
             flags[name] = ",".join(flags[name])
     settings = load_settings(flags)

@@ -64,6 +64,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     data_dir: str = msgspec.field(default_factory=lambda: _default_data_dir(os.environ))
     model_dir: str | None = None  # None: the bundled DeepSeek-V4 tokenizer directory
     served_model_name: str | None = None
+    # several models, or one under a name (`tokenway.served`): comma-separated NAME=DIR, or
+    # NAME for the bundled tokenizer; in place of model_dir and served_model_name
+    models: str = ""
     max_model_len: PositiveInt | None = None
     # "on": a max_tokens that does not fit the context is clipped to what fits (else a 400)
     context_budget: Literal["on", "off"] = "off"
@@ -190,6 +193,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     obfuscation_key_file: str | None = None
 
     log_level: str = "info"
+    # an OTLP/HTTP collector (`http://host:4318`) for each stage's spans; None: no spans
+    otlp_endpoint: str | None = None
     # this process's Prometheus page (the stages' metrics); None: none but `up`'s /metrics
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     metrics_host: str = "127.0.0.1"

@@ -54,9 +54,9 @@ class ModelNotFound(TokenwayError):
     type = "NotFoundError"
 
 
-def check_model(asked: str | None, served: str) -> None:
-    """A request naming a model other than the one served: the client's 404, as vLLM words it."""
-    if asked is not None and asked != served:
+def check_model(asked: str | None, *served: str) -> None:
+    """A request naming a model other than those served: the client's 404, as vLLM words it."""
+    if asked is not None and asked not in served:
         raise ModelNotFound(
             f"The model `{asked}` does not exist.", param="model", code="model_not_found"
         )

@@ -47,7 +47,7 @@ class ModelInfo:
     vocab_size: int
 
 
-@functools.lru_cache(maxsize=4)  # a process serves one model, tests a few model dirs
+@functools.lru_cache(maxsize=8)  # a process serves a few models, tests a few model dirs
 def tokenizer_of(model_dir: Path) -> Tokenizer:
     """The model's fast tokenizer, read once per process (0.6 s for a 128k vocabulary): the
     stages of one process share it (its encode and decode are safe from several threads)."""

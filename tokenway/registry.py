@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import msgspec
@@ -28,11 +28,11 @@ _decoder = msgspec.msgpack.Decoder(EngineInfo)
 
 
 class EngineRegistry:
-    """A live view of the engines serving one model."""
+    """A live view of the engines serving some models (None: any)."""
 
-    def __init__(self, kv: KeyValue, model: str | None, ttl: float) -> None:
+    def __init__(self, kv: KeyValue, models: Collection[str] | None, ttl: float) -> None:
         self._kv = kv
-        self.model = model
+        self.models = None if models is None else frozenset(models)
         self.ttl = ttl
         self.engines: dict[str, EngineInfo] = {}
         self.changed = Signal()
@@ -108,7 +108,7 @@ class EngineRegistry:
                     self._remove(entry.key)
                 else:
                     info = _decoder.decode(entry.value)
-                    if self.model is None or info.model == self.model:
+                    if self.models is None or info.model in self.models:
                         self.engines[entry.key] = info
                 self.changed.fire()
         finally:

@@ -126,7 +126,13 @@ def roles() -> list[Role]:
                 *_REGISTRY,
                 *_INFO,
             ),
-            subscribe=(bus.tok_subject("*"), bus.cancel_subject(), bus.sse_subject("*")),
+            subscribe=(
+                bus.tok_subject("*"),
+                bus.cancel_subject(),
+                bus.sse_subject("*"),
+                bus.OWNERS_SUBJECT,
+            ),
+            responds=True,  # to `tokenway status`
         ),
         Role(
             "derender",
@@ -168,6 +174,7 @@ def roles() -> list[Role]:
                 bus.dlq_subject(">"),  # replay markers
                 bus.render_subject(bus.ANY),
                 bus.sched_subject(bus.ANY),  # replays
+                bus.OWNERS_SUBJECT,
                 *_INFO,
             ),
             subscribe=(),

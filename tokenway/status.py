@@ -7,14 +7,16 @@ import time
 
 import msgspec
 from msgspec import Struct
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
 
 from tokenway import bus
 from tokenway.config import Settings
-from tokenway.wire import EngineInfo
+from tokenway.wire import EngineInfo, OwnerInfo
 
 _engine = msgspec.msgpack.Decoder(EngineInfo)
+_owner = msgspec.msgpack.Decoder(OwnerInfo)
 _QUEUES = (bus.RENDER_STREAM, bus.SCHED_STREAM)
 
 
@@ -48,12 +50,14 @@ class Stream(Struct, kw_only=True):
 
 class Status(Struct, kw_only=True):
     engines: list[Engine]
+    owners: list[OwnerInfo]  # the schedule workers that answered
     streams: list[Stream]
     dead_letters: dict[str, int]  # by stage
     missing: list[str]  # streams or the registry not there (not provisioned?)
 
 
-async def read_status(js: JetStreamContext, settings: Settings) -> Status:
+async def read_status(nc: NATS, settings: Settings) -> Status:
+    js = nc.jetstream()
     missing: list[str] = []
     streams = []
     for spec in (s.config.name for s in bus.streams(settings)):
@@ -78,8 +82,30 @@ async def read_status(js: JetStreamContext, settings: Settings) -> Status:
         for subject, count in (info.state.subjects or {}).items():
             stage = subject.removeprefix(bus.dlq_subject(""))
             letters[stage] = letters.get(stage, 0) + count
-    return Status(engines=await _engines(js, settings.engine_ttl, missing), streams=streams,
-                  dead_letters=letters, missing=missing)  # fmt: skip
+    return Status(engines=await _engines(js, settings.engine_ttl, missing),
+                  owners=await _owners(nc), streams=streams, dead_letters=letters,
+                  missing=missing)  # fmt: skip
+
+
+async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[OwnerInfo]:
+    """Every owner's answer: the first within `first` seconds, each next within `between`
+    of the one before (owners answer at once; nobody says how many there are)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    owners: list[OwnerInfo] = []
+    try:
+        await nc.publish(bus.OWNERS_SUBJECT, b"", reply=inbox)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=between if owners else first)
+            except TimeoutError:
+                break
+            if msg.headers and msg.headers.get("Status") == "503":
+                break  # the server's word that nobody listens: no owner runs
+            owners.append(_owner.decode(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return sorted(owners, key=lambda o: (o.model, o.id))
 
 
 async def _engines(js: JetStreamContext, ttl: float, missing: list[str]) -> list[Engine]:
@@ -129,6 +155,14 @@ def format_status(s: Status) -> str:
                      f"({health})")  # fmt: skip
     if not s.engines:
         lines.append("  none registered")
+    lines.append("owners")
+    for o in s.owners:
+        tenants = ", ".join(f"{t or 'default'} {n}" for t, n in sorted(o.tenants.items()))
+        lines.append(f"  {o.id:<12} {o.model:<16} {o.owned:>5} owned  {o.running:>5} running  "
+                     f"{o.waiting:>5} waiting" + (f"  (sequences: {tenants})" if tenants else "")
+                     + ("  draining" if o.draining else ""))  # fmt: skip
+    if not s.owners:
+        lines.append("  none answered")
     lines.append("queues")
     for st in s.streams:
         for c in st.consumers:

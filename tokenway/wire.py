@@ -266,6 +266,18 @@ class EngineInfo(Struct, kw_only=True, omit_defaults=True):
     obfuscation: str | None = None  # key fingerprint when the bridge maps token IDs
 
 
+class OwnerInfo(Struct, kw_only=True, omit_defaults=True):
+    """A schedule worker's answer on `bus.OWNERS_SUBJECT`: what it owns right now."""
+
+    id: str
+    model: str
+    owned: int  # requests it owns
+    running: int  # of those, on an engine
+    waiting: int  # of those, in its line for an engine
+    tenants: dict[str, int] = {}  # sequences running per tenant ("" without API keys)
+    draining: bool = False
+
+
 # -- derender request-reply ----------------------------------------------------------------
 
 

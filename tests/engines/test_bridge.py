@@ -42,7 +42,7 @@ async def running_bridge(
     running = asyncio.create_task(bridge.run(nats_url, stop))
     nc = await nats.connect(nats_url)
     registry = EngineRegistry(
-        await bus.engines_kv(nc.jetstream(), settings), engine.info().model, 3.0
+        await bus.engines_kv(nc.jetstream(), settings), [engine.info().model], 3.0
     )
     watching = asyncio.create_task(registry.run(stop))
     steps: asyncio.Queue[TokenStep] = asyncio.Queue()

@@ -30,11 +30,10 @@ from engines.vllm_http import (
     vllm_engines,
 )
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH, completions_request, vllm_request
-from tests.conftest import make_settings, start_stack, wait_engines
+from tests.conftest import make_settings, resolve_model, start_stack, wait_engines
 from tests.engines.emits import Emits
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
-from tokenway.cli import resolve_model
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineWork, SamplingParams
 
@@ -468,17 +467,17 @@ async def test_engines_come_one_per_url_with_token_safe_ids(tmp_path: Path) -> N
     settings = make_settings(
         tmp_path, vllm_url="http://10.0.0.7:8000, http://gpu-b.local:9000/", engine_role="decode"
     )
-    a, b = vllm_engines(settings, "served")
+    a, b = vllm_engines(settings, ["served"])
     assert [a.info().id, b.info().id] == ["vllm-10-0-0-7-8000", "vllm-gpu-b-local-9000"]
     assert (a.info().model, a.info().role, a.info().max_seqs) == ("served", "decode", 256)
     named = vllm_engines(make_settings(tmp_path, vllm_url="http://h:1,http://h:2",
-                                       engine_id="pool.a"), "served")  # fmt: skip
+                                       engine_id="pool.a"), ["served"])  # fmt: skip
     assert [e.info().id for e in named] == ["pool-a-0", "pool-a-1"]
     assert engine_id_for("http://[::1]:8000") == "vllm-1-8000"
     with pytest.raises(ValueError, match="--vllm-url"):
-        vllm_engines(make_settings(tmp_path), "served")
+        vllm_engines(make_settings(tmp_path), ["served"])
     with pytest.raises(ValueError, match="http"):
-        vllm_engines(make_settings(tmp_path, vllm_url="grpc://h:1"), "served")
+        vllm_engines(make_settings(tmp_path, vllm_url="grpc://h:1"), ["served"])
 
 
 # -- end to end ----------------------------------------------------------------------------
@@ -549,7 +548,7 @@ async def test_the_bridge_is_registered_only_while_vllm_answers_its_health_check
     running = asyncio.create_task(Bridge(settings, engine).run(nats_url, stop))
     nc = await nats.connect(nats_url)
     kv = await bus.engines_kv(nc.jetstream(), settings)
-    registry = EngineRegistry(kv, name, settings.engine_ttl)
+    registry = EngineRegistry(kv, [name], settings.engine_ttl)
     watching = asyncio.create_task(registry.run(stop))
     try:
         await fake.wait_until(lambda: fake.health_checks >= 2)  # two beats: vLLM not healthy

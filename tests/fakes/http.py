@@ -4,6 +4,7 @@ test that runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
@@ -30,6 +31,20 @@ class QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # tests own the process's signals
+
+
+def serve(app: Any, port: int = 0) -> tuple[str, QuietServer, asyncio.Task[None]]:
+    """uvicorn serving `app` on 127.0.0.1 (a free port by default) in a task of the running
+    loop, quietly; its URL. Connections queue on the bound socket until uvicorn accepts
+    them: nothing to wait for."""
+    sock = listening_socket(port)
+    host, bound = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app, interface="asgi3", http="h11", lifespan="off", log_config=None,
+        log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+    )  # fmt: skip
+    server = QuietServer(config)
+    return f"http://{host}:{bound}", server, asyncio.create_task(server.serve(sockets=[sock]))
 
 
 async def read_body(receive: Any) -> bytes:

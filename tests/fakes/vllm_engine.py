@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import uvicorn
 from tokenizers import Tokenizer
 
 from engines.sim import CorpusModel, Sequence, corpus_sentences
-from tests.fakes.http import QuietServer, listening_socket, read_body, send_json
+from tests.fakes.http import QuietServer, read_body, send_json, serve
 from tokenway.obfuscation import Permutation
 from tokenway.wire import SamplingParams
 
@@ -254,21 +253,7 @@ class FakeVllm:
 
     async def __aenter__(self) -> FakeVllm:
         logging.getLogger("uvicorn.error").addFilter(_DEATHS)
-        sock = listening_socket()
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        config = uvicorn.Config(
-            self,
-            interface="asgi3",
-            http="h11",
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=2,
-        )
-        self._server = QuietServer(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self.url, self._server, self._task = serve(self)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

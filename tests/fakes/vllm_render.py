@@ -24,10 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-import uvicorn
 from tokenizers import Tokenizer
 
-from tests.fakes.http import QuietServer, listening_socket, read_body, send_body, send_json
+from tests.fakes.http import (
+    QuietServer,
+    read_body,
+    send_body,
+    send_json,
+    serve,
+)
 from tokenway.errors import TokenwayError
 from tokenway.wire import (
     Api,
@@ -159,17 +164,9 @@ class FakeVllmRender:
     async def start(self) -> None:
         """Listen on a free port, or on the port of the last `stop()`."""
         logging.getLogger("uvicorn.error").addFilter(_DEATHS)
-        sock = listening_socket(self.port)
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         self._released = asyncio.Event()
-        config = uvicorn.Config(
-            self, interface="asgi3", http="h11", lifespan="off", log_config=None,
-            log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-        )  # fmt: skip
-        self._server = QuietServer(config)
-        # Connections queue on the bound socket until uvicorn accepts them: no wait needed.
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self.url, self._server, self._task = serve(self, self.port)
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     async def stop(self) -> None:
         """Close the port and every connection: from now on, connections are refused."""

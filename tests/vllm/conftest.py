@@ -125,7 +125,7 @@ async def vllm_stack(
         engine_ttl=15.0,
     )
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
-    engines = vllm_engines(stack.settings, SERVED_NAME)
+    engines = vllm_engines(stack.settings, [SERVED_NAME])
     bridges = [Bridge(stack.settings, engine) for engine in engines]
     stop = asyncio.Event()
     runs = [asyncio.create_task(b.run(nats_url, stop), name=b.id) for b in bridges]

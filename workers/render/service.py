@@ -14,7 +14,7 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 
-from tokenway import bus, ledger, metrics
+from tokenway import bus, ledger, metrics, spans
 from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
@@ -100,6 +100,7 @@ class RenderService:
             await ledger.dead_letter(js, "render", msg, reason)
             return
         began = time.perf_counter()
+        span = spans.start("render", who.trace or None, request_id=who.rid, model=self.model)
         try:
             if who.deadline is not None and time.time() > who.deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
@@ -115,10 +116,14 @@ class RenderService:
                     await self._tenants().release(who.tenant, who.rid)
                 raise
             metrics.RENDER.observe(time.perf_counter() - began)
+            span.set(prompt_tokens=len(generate.token_ids))
+            span.end()
         except TokenwayError as exc:
+            span.end(exc.message)
             await self._fail(who, exc.info())
         except Exception as exc:  # a bug: the client still hears about it
             log.exception("render failed for %s", who.rid)
+            span.end(repr(exc))
             await self._fail(who, internal(exc))
         await msg.ack()
 

@@ -114,6 +114,7 @@ class Dispatcher:
         self.freed = Signal()
         self.line = Line()
         self.turn = Signal()  # the line changed: whose turn it is may have too
+        self.model = model
         self.queue_time = metrics.QUEUE.labels(model)
         self.running = metrics.RUNNING.labels(model)
         self.waiting = metrics.WAITING.labels(model)
@@ -221,6 +222,7 @@ class Dispatcher:
                 for holder in filter(None, (plan.engine, plan.prefill)):  # the prompt's KV
                     self.index.record(holder.id, hashes, time.monotonic())
                 log.info("request %s → %s", r.rid, plan.why)
+                r.span.event(f"dispatched → {plan.why}")
                 return
 
     async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
@@ -269,7 +271,7 @@ class Dispatcher:
         left = self.settings.engine_wait - (now - (alone_since or now))
         if left <= 0:
             raise NoEngine(
-                f"no engine is serving model {self.registry.model} "
+                f"no engine is serving model {self.model} "
                 f"(none registered for {self.settings.engine_wait:g}s); retry later"
             )
         return left

@@ -52,6 +52,10 @@ class Line:
     def _rank(self, place: Place) -> tuple[int, int, int]:
         return self.running[place.tenant], place.priority, place.arrival
 
+    def __len__(self) -> int:
+        """Requests waiting for their turn."""
+        return len(self._places)
+
     def waiting(self) -> int:
         """Sequences waiting for their turn."""
         return sum(p.seqs for p in self._places)

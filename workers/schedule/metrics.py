@@ -77,6 +77,7 @@ class Observed:
         the same for every choice it carries; its tokens are counted per step, `step`)."""
         if r.first_token is None:
             r.first_token = now
+            r.span.event("first token")
             self.ttft.observe(max(now - r.arrived, 0.0))
             ENGINE_FIRST_TOKEN.observe(max(now - (r.dispatched or r.arrived), 0.0))
             self.prompt_tokens.inc(len(r.request.token_ids))

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from tokenway.errors import EngineFailed
+from tokenway.spans import OFF, Span
 from tokenway.wire import (
     DerenderEntry,
     ErrorInfo,
@@ -117,7 +118,8 @@ class Owned:
     handed_over: bool = False  # this worker is stopping: a peer continues it from the ledger
     arrived: float = 0.0  # when it was queued for the schedulers (epoch seconds)
     dispatched: float = 0.0  # when its first attempt went to an engine
-    trace: str = ""  # its W3C `traceparent`, for the engine
+    trace: str = ""  # its W3C `traceparent`, for the engine (its span's, when recorded)
+    span: Span = OFF  # the owner's part of it (`tokenway.spans`)
     first_token: float | None = None  # when its engine's first output reached this owner
     last_token: float = 0.0  # when the latest did
 

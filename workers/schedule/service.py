@@ -26,7 +26,7 @@ from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from tokenway import bus, ledger, ledger_writer
+from tokenway import bus, ledger, ledger_writer, spans
 from tokenway import headers as h
 from tokenway import metrics as stage_metrics
 from tokenway.aio import wait_any
@@ -51,6 +51,7 @@ from tokenway.wire import (
     DerenderResult,
     EngineAbort,
     GenerateRequest,
+    OwnerInfo,
     TokenDelta,
     TokenStep,
 )
@@ -118,6 +119,7 @@ class ScheduleService:
             else None
         )
         self.derenderer: Derenderer | None = None
+        self._draining = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class ScheduleService:
         await self._writer.start()
         self.derenderer = self._backend if self._backend else Pool(nc, self.settings, self.model)
         kv = await bus.engines_kv(js, self.settings)
-        self.registry = EngineRegistry(kv, self.model, self.settings.engine_ttl)
+        self.registry = EngineRegistry(kv, (self.model,), self.settings.engine_ttl)
         self.registry.on_removed.append(self._engine_gone)
         self.dispatcher = Dispatcher(
             nc, self.owner_id, self.registry, self.settings, self.obfuscation, self.model
@@ -145,6 +147,7 @@ class ScheduleService:
             group.create_task(self.fanout.run(stop))
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
             await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
+            await nc.subscribe(bus.OWNERS_SUBJECT, cb=self._on_owners)
             group.create_task(self._keepalive(drained))
             rounds = group.create_task(self._rounds())
             await self.fanout.started.wait()  # its subscription made
@@ -163,6 +166,7 @@ class ScheduleService:
         """Stop fetching (done by now), let owned requests finish within the drain timeout,
         then hand the rest over: a NAK redelivers each at once to a peer, which continues
         it from the ledger (no waiting out the owner's ack wait)."""
+        self._draining = True
         if self.requests:
             log.info("schedule %s draining: %d requests", self.owner_id, len(self.requests))
         try:
@@ -193,6 +197,22 @@ class ScheduleService:
             if self.dispatcher is not None:
                 self.dispatcher.index.expire(time.monotonic())
 
+    def info(self) -> OwnerInfo:
+        """What it owns now, for `tokenway status`."""
+        line = self.dispatcher.line if self.dispatcher is not None else None
+        return OwnerInfo(
+            id=self.owner_id, model=self.model, owned=len(self.requests),
+            running=sum(r.engine is not None for r in self.requests.values()),
+            waiting=len(line) if line is not None else 0,
+            tenants=dict(line.running) if line is not None else {}, draining=self._draining,
+        )  # fmt: skip
+
+    async def _on_owners(self, msg: Msg) -> None:
+        try:
+            await msg.respond(_encoder.encode(self.info()))
+        except nats.errors.Error as exc:  # the asker is gone, or NATS is away
+            log.debug("owner status not sent: %r", exc)
+
     # -- intake ---------------------------------------------------------------------------
 
     async def _on_request(self, msg: Msg) -> None:
@@ -218,10 +238,12 @@ class ScheduleService:
         if request.prompts and self.fanout is not None:  # one sub-request per prompt
             await self.fanout.take(msg, who, deadline, request)
             return
+        span = spans.start("schedule", who.trace or None, request_id=rid, model=self.model,
+                           owner=self.owner_id)  # fmt: skip
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
                   tenant=who.tenant, leased=bool(who.limits),
                   arrived=msg.metadata.timestamp.timestamp(),
-                  trace=who.trace)  # fmt: skip
+                  trace=span.traceparent() or who.trace, span=span)  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
         self._group.create_task(self._own(r))
@@ -342,6 +364,10 @@ class ScheduleService:
             self.observed.ended(r, now)
             if log.isEnabledFor(logging.INFO):
                 log.info("%s", r.summary(now))
+        r.span.set(engine=r.engine or "", prompt_tokens=len(r.request.token_ids),
+                   output_tokens=r.output_tokens, relays=r.relays,
+                   handed_over=r.handed_over)  # fmt: skip
+        r.span.end(None if r.error is None else r.error.message)
         self.dispatcher.release(r)
         if r.leased and not (r.handed_over or r.superseded):  # else it goes on elsewhere
             await self._book.release(r.tenant, r.rid)

@@ -16,9 +16,10 @@ from prometheus_client import REGISTRY
 from tests.conftest import make_settings
 from tests.fakes.vllm_render import FakeVllmRender, Knobs
 from tests.test_cli import free_port
-from tokenway.cli import DEFAULT_PARSERS, build_stages
+from tokenway.cli import build_stages
 from tokenway.errors import InvalidRequest, ModelNotFound, Unprocessable
 from tokenway.model import load_model_info
+from tokenway.served import DEFAULT_PARSERS
 from tokenway.wire import Api, RenderRequest
 from workers.render.backend import VllmBackend, render_backend
 from workers.render.core import Renderer

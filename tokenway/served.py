@@ -1,0 +1,111 @@
+"""The models a process serves: each `--model NAME=DIR` (repeatable), or the one model of
+`--model-dir` and `--served-model-name` (by default the bundled DeepSeek-V4 tokenizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenway import bus
+from tokenway.config import Settings
+from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
+from tokenway.obfuscation import ObfuscationError, Permutation, load_key
+from workers.render.parse import ParserFlags
+
+# The bundled DeepSeek-V4 tokenizer's template speaks DeepSeek-V3.1's formats.
+DEFAULT_PARSERS = ParserFlags(
+    reasoning_parser="deepseek_v3", tool_call_parser="deepseek_v31", enable_auto_tool_choice=True
+)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # what clients call it
+    info: ModelInfo
+    bundled: bool  # the bundled tokenizer directory: its parsers are the defaults
+
+
+def model_entries(value: str) -> list[tuple[str, str | None]]:
+    """`--model` values, comma-separated: `NAME=DIR`, or `NAME` for the bundled tokenizer."""
+    entries = []
+    for item in (v.strip() for v in value.split(",")):
+        if not item:
+            continue
+        name, _, directory = item.partition("=")
+        if not name.strip():
+            raise ValueError(f"--model takes NAME=DIR (or NAME), got {item!r}")
+        entries.append((name.strip(), directory.strip() or None))
+    return entries
+
+
+def served_models(s: Settings) -> list[ServedModel]:
+    """Every model this process serves, in the order given (the first: the default of a
+    request that names none). Exits with the reason when one cannot be served."""
+    try:
+        entries = model_entries(s.models)
+        if entries and (s.model_dir or s.served_model_name):
+            raise ValueError(
+                "name models either with --model NAME=DIR (repeatable) or with --model-dir "
+                "and --served-model-name, not both"
+            )
+        if not entries:
+            given = Path(s.model_dir).expanduser() if s.model_dir else None
+            entries = [(s.served_model_name or (given.name if given else DEFAULT_MODEL_NAME),
+                        s.model_dir)]  # fmt: skip
+        models = [_load(s, name, directory) for name, directory in entries]
+        _check(s, models)
+    except ValueError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
+    return models
+
+
+def _load(s: Settings, name: str, directory: str | None) -> ServedModel:
+    path = Path(directory).expanduser() if directory else default_model_dir(s.data_path)
+    return ServedModel(name, load_model_info(path, s.max_model_len), bundled=directory is None)
+
+
+def _check(s: Settings, models: list[ServedModel]) -> None:
+    seen: dict[str, str] = {}  # subject token → the name that has it
+    for model in models:
+        # names meet as subject tokens: two that spell the same one would share queues
+        key = bus.token(model.name)
+        if key in seen:
+            raise ValueError(
+                f"model {model.name!r} is named twice" if seen[key] == model.name
+                else f"models {seen[key]!r} and {model.name!r} would share the bus's subjects"
+            )  # fmt: skip
+        seen[key] = model.name
+    if len(models) > 1:
+        for backend in ("render", "derender"):
+            if getattr(s, f"{backend}_backend") == "vllm":
+                raise ValueError(
+                    f"--{backend}-backend vllm serves one model (its server's); run one "
+                    f"{backend} process per model"
+                )
+
+
+def parser_flags(s: Settings, model: ServedModel) -> ParserFlags:
+    """The flags as given (for every model of the process); for the bundled tokenizer, its
+    defaults fill what was not given."""
+    base = DEFAULT_PARSERS if model.bundled else ParserFlags()
+    auto = s.enable_auto_tool_choice
+    flags = ParserFlags(
+        reasoning_parser=s.reasoning_parser or base.reasoning_parser,
+        tool_call_parser=s.tool_call_parser or base.tool_call_parser,
+        enable_auto_tool_choice=base.enable_auto_tool_choice if auto is None else auto,
+    )
+    try:
+        flags.check()
+    except ValueError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
+    return flags
+
+
+def obfuscation(s: Settings, model: ModelInfo) -> Permutation | None:
+    """The token permutation of a model's vocabulary when a key is configured; a key flag
+    without a usable key refuses to start rather than run unobfuscated."""
+    try:
+        key = load_key(s.obfuscation_key, s.obfuscation_key_file)
+        return None if key is None else Permutation(key, model.vocab_size)
+    except ObfuscationError as exc:
+        raise SystemExit(f"tokenway: {exc}") from exc
