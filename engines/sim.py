@@ -16,6 +16,7 @@ from importlib import resources
 from tokenizers import Tokenizer
 
 from engines.bridge import Emit
+from engines.guided import Guide, matcher
 from tokenway.obfuscation import Permutation
 from tokenway.wire import (
     EngineInfo,
@@ -124,10 +125,13 @@ class Sequence:
         index: int,
         output_len: int,
         trained_on: Permutation | None = None,
+        guide: Guide | None = None,
     ) -> None:
         if trained_on is not None:
             prompt = trained_on.to_semantic(prompt, "the prompt")
         self.tokens = model.tokens(prompt, seed_of(params, index), output_len)
+        if guide is not None:  # under a constraint: what the grammar allows of it
+            self.tokens = guide.tokens(self.tokens)
         self.trained_on = trained_on
         self.eos = eos
         self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
@@ -187,6 +191,7 @@ class SimEngine:
         self.eos_token_id = config.eos_token_id
         if trained_on is not None:  # the EOS of the model trained on the permuted vocabulary
             [self.eos_token_id] = trained_on.to_physical([config.eos_token_id])
+        self.tokenizer = tokenizer
         self.model = CorpusModel(corpus_sentences(tokenizer))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
@@ -227,9 +232,11 @@ class SimEngine:
     async def _sequence(self, work: EngineWork, emit: Emit, index: int, doomed: bool) -> None:
         params = work.sampling_params
         c = self.config
+        so = params.structured_outputs
+        guide = None if so is None else await matcher(self.tokenizer, c.eos_token_id, so)
         seq = Sequence(
             self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
-            self.trained_on,
+            self.trained_on, guide,
         )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time

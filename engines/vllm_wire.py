@@ -34,7 +34,8 @@ TOKEN_ID_PLACEHOLDER = "token_id:"
 # (`skip_special_tokens`, `spaces_between_special_tokens`, `include_stop_str_in_output`).
 PASSED_SAMPLING_FIELDS = frozenset(
     "n temperature top_p top_k min_p seed max_tokens min_tokens stop_token_ids ignore_eos "
-    "presence_penalty frequency_penalty repetition_penalty logprobs logit_bias".split()
+    "presence_penalty frequency_penalty repetition_penalty logprobs logit_bias "
+    "structured_outputs".split()
 )
 
 
@@ -51,6 +52,7 @@ class VllmGenerateRequest(Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     kv_transfer_params: dict[str, object] | None = None
     cache_salt: str | None = None
+    reasoning_ended: bool | None = None  # whether the grammar applies from the first token
 
 
 class Logprob(Struct):
@@ -114,6 +116,7 @@ def vllm_request(work: EngineWork, request_id: str, stream: bool) -> VllmGenerat
         priority=work.priority,
         kv_transfer_params=work.kv_transfer_params,
         cache_salt=work.cache_salt,
+        reasoning_ended=work.reasoning_ended,
     )
 
 

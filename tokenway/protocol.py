@@ -13,7 +13,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from tokenway.errors import InvalidRequest
-from tokenway.wire import TokenId
+from tokenway.wire import StructuredOutputs, TokenId
 
 PosInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -72,6 +72,23 @@ class NamedToolChoice(Struct, kw_only=True):
     type: Literal["function"] = "function"
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True, omit_defaults=True):
+    """OpenAI's `response_format`, and vLLM's structural tags (both of its forms)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: Any = None  # a structural tag
+    structures: list[dict[str, Any]] | None = None  # a structural tag, its older form
+    triggers: list[str] | None = None
+
+
 class StreamOptionsBody(Struct, kw_only=True):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -107,6 +124,14 @@ class _Common(Struct, kw_only=True):
     request_id: str | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured outputs (0.33 dropped them: here they still work)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -118,7 +143,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
-    response_format: dict[str, Any] | None = None
     # vLLM extras
     echo: bool = False
     add_generation_prompt: bool = True
@@ -248,8 +272,9 @@ def _free_form(req: object) -> list[tuple[str, object]]:
     fields: list[tuple[str, object]] = []
     if isinstance(req, _Common):
         fields.append(("kv_transfer_params", req.kv_transfer_params))
-    if isinstance(req, ChatCompletionRequest):
         fields.append(("response_format", req.response_format))
+        fields.append(("structured_outputs", req.structured_outputs))
+        fields.append(("guided_json", req.guided_json))
     if isinstance(req, ChatCompletionRequest | TokenizeChatRequest):
         fields.append(("chat_template_kwargs", req.chat_template_kwargs))
         fields += [(f"tools[{i}].function.parameters", t.function.parameters)

@@ -7,7 +7,7 @@ New fields get defaults and go last, so old and new workers can talk during a ro
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -21,6 +21,27 @@ Role = Literal["union", "prefill", "decode"]
 
 # A prompt longer than this never fits any model we serve; it bounds decoding work.
 MAX_PROMPT_TOKENS = 4 * 1024 * 1024
+
+
+class StructuredOutputs(Struct, kw_only=True, omit_defaults=True):
+    """vLLM's `StructuredOutputsParams`: one constraint (`json` a JSON schema, as an object
+    or a string; `regex`; `choice`; `grammar`, EBNF or Lark; `json_object`; `structural_tag`,
+    an xgrammar structural tag as a JSON string), with its options."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def kinds(self) -> list[str]:
+        """The constraints set (exactly one in a valid request)."""
+        kinds = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        return [k for k in kinds if getattr(self, k) is not None]
 
 
 class SamplingParams(Struct, kw_only=True, omit_defaults=True):
@@ -46,6 +67,7 @@ class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class StreamOptions(Struct, kw_only=True, omit_defaults=True):
@@ -146,6 +168,9 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     return_token_ids: bool | None = None
     context: OutputContext = msgspec.field(default_factory=OutputContext)
     prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS)] | None = None
+    # With structured outputs: whether the prompt already ended the reasoning, so the
+    # grammar applies from the first token (None: the engine judges from the prompt).
+    reasoning_ended: bool | None = None
 
 
 class RenderRequest(Struct, kw_only=True):
@@ -194,6 +219,7 @@ class EngineWork(Struct, kw_only=True, omit_defaults=True):
     # keyed differently declines the work.
     obfuscation: str | None = None
     traceparent: str | None = None  # the request's W3C Trace Context, for the engine's call
+    reasoning_ended: bool | None = None  # `GenerateRequest.reasoning_ended`
 
 
 class EngineReply(Struct, kw_only=True, omit_defaults=True):

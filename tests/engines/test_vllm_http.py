@@ -35,7 +35,7 @@ from tests.engines.emits import Emits
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
 from tokenway.registry import EngineRegistry
-from tokenway.wire import EngineWork, SamplingParams
+from tokenway.wire import EngineWork, SamplingParams, StructuredOutputs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -119,6 +119,18 @@ async def test_the_request_is_vllms_generate_request_with_only_fields_vllm_takes
     whole = msgspec.json.decode(msgspec.json.encode(vllm_request(work(), "r-0", stream=False)))
     assert whole["stream"] is False and "stream_options" not in whole
     assert whole["sampling_params"] == {"detokenize": False}  # vLLM's defaults for the rest
+
+
+async def test_a_constraint_reaches_vllm_in_its_sampling_params() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    w = msgspec.structs.replace(
+        work(structured_outputs=StructuredOutputs(json=schema)), reasoning_ended=True
+    )
+    doc = msgspec.json.decode(msgspec.json.encode(vllm_request(w, "r-0", stream=True)))
+    assert doc["sampling_params"]["structured_outputs"] == {"json": schema}
+    assert doc["reasoning_ended"] is True
+    plain = msgspec.json.decode(msgspec.json.encode(vllm_request(work(), "r-0", stream=True)))
+    assert "reasoning_ended" not in plain  # the engine judges from the prompt
 
 
 async def test_each_attempt_runs_under_its_own_generate_tokens_id(

@@ -52,7 +52,17 @@ BODIES: list[tuple[Api, dict[str, Any]]] = [
     ),
     ("completion", {"prompt": "Once upon a time", "max_tokens": 8, "seed": 3}),
     ("completion", {"prompt": [11, 12, 13], "max_tokens": 5}),
-]
+    # structured outputs: the constraint vLLM's render puts in the sampling parameters
+    ("chat", {"messages": [{"role": "user", "content": "JSON?"}], "max_tokens": 9,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+              "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+    ("chat", {"messages": [{"role": "user", "content": "Yes?"}], "max_tokens": 4,
+              "structured_outputs": {"choice": ["yes", "no"]},
+              "response_format": {"type": "text"}}),
+    ("completion", {"prompt": "A code:", "max_tokens": 6,
+                    "structured_outputs": {"regex": "[A-Z]{3}"}}),
+    ("completion", {"prompt": "{", "max_tokens": 6, "response_format": {"type": "json_object"}}),
+]  # fmt: skip
 
 
 def request(api: Api, body: dict[str, Any]) -> RenderRequest:

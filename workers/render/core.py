@@ -25,12 +25,14 @@ from tokenway.wire import (
     MAX_PROMPTS,
     GenerateRequest,
     OutputContext,
+    ParseContext,
     Prompt,
     RenderRequest,
     SamplingParams,
     StreamOptions,
 )
 from workers.derender.detok import SEED_TOKENS
+from workers.render import structured
 from workers.render.chat import apply_template
 from workers.render.parse import ParserFlags, parse_context
 from workers.render.sampling import (
@@ -65,6 +67,17 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts  # type: ignore[return-value]
 
 
+def _reasoning_ended(req: OpenAIRequest, parse: ParseContext | None) -> bool | None:
+    """Whether a constraint applies from the first output token, as vLLM tells its engine:
+    reasoning is not shown, or the prompt closed it; None where no reasoning is parsed
+    (completions: the engine judges from the prompt)."""
+    if not isinstance(req, ChatCompletionRequest) or parse is None:
+        return None
+    if not req.include_reasoning:
+        return True
+    return {"closed": True, "open": False}.get(parse.reasoning_start)
+
+
 @dataclass(frozen=True)
 class RequestBuilder:
     """What render decides without a tokenizer: validation, the budget, the output context."""
@@ -81,6 +94,8 @@ class RequestBuilder:
         reject_unsupported(req)
         if isinstance(req, CompletionRequest):
             completion_prompts(req)
+        so = structured.constraint(req)
+        structured.check(so, "response_format" if req.response_format else "structured_outputs")
         return req
 
     def build(
@@ -109,7 +124,7 @@ class RequestBuilder:
         several = None
         if more:  # several prompts: each its own budget, as vLLM gives each its own
             several = [Prompt(token_ids=p, max_tokens=self._budget(p, req)) for p in prompts]
-        params = sampling_params(req, max_tokens)
+        params = sampling_params(req, max_tokens, structured.constraint(req))
         if remote is not None:
             params = keep_output_fields(remote, params)
         opts = req.stream_options
@@ -152,6 +167,7 @@ class RequestBuilder:
             return_token_ids=req.return_token_ids,
             context=context,
             prompts=several,
+            reasoning_ended=_reasoning_ended(req, parse) if params.structured_outputs else None,
         )
 
     @staticmethod

@@ -6,7 +6,7 @@ import msgspec
 
 from tokenway.errors import InvalidRequest
 from tokenway.protocol import ChatCompletionRequest, CompletionRequest
-from tokenway.wire import GenerateRequest, Prompt, SamplingParams
+from tokenway.wire import GenerateRequest, Prompt, SamplingParams, StructuredOutputs
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -72,7 +72,9 @@ def requested_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | 
 
 
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    structured_outputs: StructuredOutputs | None = None,
 ) -> SamplingParams:
     return SamplingParams(
         n=req.n,
@@ -94,6 +96,7 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=req.logit_bias,
         logprobs=requested_logprobs(req),
+        structured_outputs=structured_outputs,
     )
 
 

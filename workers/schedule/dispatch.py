@@ -398,6 +398,7 @@ class Dispatcher:
             native_ok=r.out_seq == 0 and self.obfuscation is None,
             obfuscation=self.fingerprint,
             traceparent=r.trace or None,
+            reasoning_ended=r.request.reasoning_ended,
         )
         try:
             msg = await self.nc.request(

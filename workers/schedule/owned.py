@@ -170,11 +170,8 @@ class Owned:
         diverged would need one engine sequence each.
         """
         assert self.broken is not None
-        if len(self.choices) > 1 and any(c.committed for c in self.choices):
-            raise RelayRefused(
-                f"{self.broken.message}; a request with n={len(self.choices)} cannot be "
-                "relayed after output was sent"
-            )
+        if any(c.committed for c in self.choices):
+            self.refuse_continuing(self.broken.message, "relayed")
         self.broken = None
         self.trouble.clear()
         self.relays += 1
@@ -193,6 +190,20 @@ class Owned:
             self.choices[0].finish, self.choices[0].engine_done = "length", True
             return False
         return True
+
+    def refuse_continuing(self, what_failed: str, how: str) -> None:
+        """Raises `RelayRefused` where a new attempt cannot continue sent output faithfully:
+        with n > 1 (choices that diverged would need one engine sequence each), or under a
+        structured-outputs constraint (a new engine would start its grammar over in the
+        middle of the document)."""
+        if len(self.choices) > 1:
+            why = f"a request with n={len(self.choices)} cannot be {how} after output was sent"
+        elif self.request.sampling_params.structured_outputs is not None:
+            why = (f"a request with structured outputs cannot be {how} after output was sent: "
+                   "the engine would start its grammar over mid-document")  # fmt: skip
+        else:
+            return
+        raise RelayRefused(f"{what_failed}; {why}")
 
     def cancel(self) -> None:
         self.cancelled = True

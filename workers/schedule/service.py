@@ -61,7 +61,7 @@ from workers.schedule import metrics
 from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
-from workers.schedule.owned import Choice, Owned, RelayRefused
+from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
 
@@ -320,11 +320,7 @@ class ScheduleService:
             # gets it now (and reads back whatever else it missed).
             await ledger.deliver(self._nc, r.reply, [found.last])
             return False
-        if len(r.choices) > 1:
-            raise RelayRefused(
-                f"the owner of request {r.rid} stopped; a request with "
-                f"n={len(r.choices)} cannot be resumed after output was sent"
-            )
+        r.refuse_continuing(f"the owner of request {r.rid} stopped", "resumed")
         r.out_seq, r.attempt, r.ledger_seq = found.seq, found.attempt, found.stream_seq
         choice = r.choices[0]
         choice.state, choice.committed = found.state, found.tokens

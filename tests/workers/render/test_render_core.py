@@ -387,8 +387,9 @@ def _nested(depth: int) -> dict:
 
 @pytest.mark.parametrize(
     "field",
-    ["chat_template_kwargs", "kv_transfer_params", "response_format", "tools"],
-)
+    ["chat_template_kwargs", "kv_transfer_params", "response_format", "structured_outputs",
+     "tools"],
+)  # fmt: skip
 @pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 5000])
 def test_json_nested_too_deep_is_invalid_request_naming_the_field(field: str, depth: int) -> None:
     """Deep nesting was a RecursionError (a 500) in decoding, the template or re-encoding."""
@@ -401,6 +402,10 @@ def deep_json(field: str, depth: int) -> bytes:
     inner = '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)
     if field == "tools":
         inner = f'[{{"type":"function","function":{{"name":"f","parameters":{inner}}}}}]'
+    if field == "response_format":  # a JSON schema's
+        inner = f'{{"type":"json_schema","json_schema":{{"name":"s","schema":{inner}}}}}'
+    if field == "structured_outputs":
+        inner = f'{{"json":{inner}}}'
     return f'{{"messages":[{{"role":"user","content":"hi"}}],"{field}":{inner}}}'.encode()
 
 

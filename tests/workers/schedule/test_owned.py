@@ -11,6 +11,7 @@ from tokenway.wire import (
     GenerateRequest,
     OutputContext,
     SamplingParams,
+    StructuredOutputs,
     TokenDelta,
 )
 from workers.schedule.owned import Owned, RelayRefused
@@ -165,6 +166,18 @@ def test_relay_is_refused_for_n_above_one_after_output() -> None:
     r.choices[1].committed.append(3)
     r.attempt_failed(EngineFailed("gone again").info())
     with pytest.raises(RelayRefused, match="n=2 cannot be relayed"):
+        r.relay()
+
+
+def test_relay_is_refused_for_a_constrained_request_after_output() -> None:
+    """A new engine would start the grammar over mid-document: duplicated or nested JSON."""
+    r = owned()
+    r.request.sampling_params.structured_outputs = StructuredOutputs(json_object=True)
+    r.attempt_failed(EngineFailed("gone").info())
+    assert r.relay()  # nothing sent yet: a plain retry
+    committed(r, [7, 8])
+    r.attempt_failed(EngineFailed("gone again").info())
+    with pytest.raises(RelayRefused, match="structured outputs cannot be relayed after output"):
         r.relay()
 
 

@@ -1,0 +1,94 @@
+"""The simulated engine's output under a structured-outputs constraint (llguidance).
+
+The toy model's own next token goes out wherever the grammar allows it; where the grammar
+forces tokens (a key's name, a closing quote) those go; elsewhere an allowed token is
+picked that brings the document to its end: its fill first, closing tokens once the
+document has run a while, the end of sequence once the grammar accepts. So a JSON schema
+gets valid JSON of that schema, a choice one of its options, a forced tool a call that
+parses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+from llguidance import LLMatcher, LLTokenizer
+from tokenizers import Tokenizer
+
+from tokenway.constraints import Unsupported, grammar
+from tokenway.wire import StructuredOutputs
+
+# Pieces a document is filled and closed with, in the order they are tried.
+_FILL = ("a", "e", "x", "1", "2", " the", " data", "-", "_", ".")
+_CLOSE = ('"', "}", "]", ")", '"}', '"]', "}]", "0", "true", ",")
+PATIENCE = 24  # tokens of a document before closing tokens are tried first
+
+_lock = threading.Lock()
+_tokenizers: dict[int, tuple[Tokenizer, LLTokenizer]] = {}
+
+
+def ll_tokenizer(tokenizer: Tokenizer, eos: int) -> LLTokenizer:
+    """llguidance's view of the vocabulary, built once per tokenizer (about a second)."""
+    with _lock:
+        held = _tokenizers.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:
+            held = _tokenizers[id(tokenizer)] = (
+                tokenizer, LLTokenizer(tokenizer.to_str(), eos_token=eos)
+            )  # fmt: skip
+        return held[1]
+
+
+async def matcher(tokenizer: Tokenizer, eos: int, so: StructuredOutputs) -> Guide:
+    """What decodes under `so` (built off the loop: the vocabulary and the grammar both
+    take a while); ValueError for a constraint this engine cannot decode."""
+    try:
+        text = grammar(so)
+    except Unsupported:
+        raise ValueError("the simulated engine does not decode structural tags") from None
+    vocab = await asyncio.to_thread(ll_tokenizer, tokenizer, eos)
+    m = await asyncio.to_thread(LLMatcher, vocab, text)
+    if m.is_error():
+        raise ValueError(f"the constraint does not compile: {m.get_error()}")
+    return Guide(m, vocab, eos)
+
+
+class Guide:
+    """Turns the toy model's (token, wants_stop) pairs into ones the grammar allows."""
+
+    def __init__(self, m: LLMatcher, vocab: LLTokenizer, eos: int) -> None:
+        self.m = m
+        self.eos = eos
+        single = [vocab.tokenize_str(piece) for piece in (*_FILL, *_CLOSE)]
+        ids = [t[0] if len(t) == 1 else -1 for t in single]
+        self.fill = [t for t in ids[: len(_FILL)] if t >= 0]
+        self.close = [t for t in ids[len(_FILL) :] if t >= 0]
+        self.made = 0
+
+    def tokens(self, model: Iterator[tuple[int, bool]]) -> Iterator[tuple[int, bool]]:
+        for own, _ in model:
+            if self.m.is_stopped():  # the document is whole: only its end is left
+                yield self.eos, True
+                continue
+            tid = self._pick(own)
+            if not self.m.consume_token(tid):
+                raise RuntimeError(f"the grammar took no token: {self.m.get_error()}")
+            self.made += 1
+            yield tid, tid == self.eos
+
+    def _pick(self, own: int) -> int:
+        forced = self.m.compute_ff_tokens()
+        if forced:
+            return forced[0]
+        closing = self.made >= PATIENCE
+        if not closing and self.m.validate_tokens([own]) == 1:
+            return own
+        order = [self.eos, *self.close, *self.fill] if closing else [*self.fill, *self.close]
+        for tid in order:
+            if (tid != self.eos or self.m.is_accepting()) and self.m.validate_tokens([tid]):
+                return tid
+        mask = int.from_bytes(self.m.compute_bitmask(), "little")
+        if not mask:
+            raise RuntimeError(f"the grammar allows no token: {self.m.get_error()}")
+        return (mask & -mask).bit_length() - 1  # the lowest allowed ID

@@ -1,0 +1,161 @@
+"""Structured outputs and forced tools, through the openai SDK against the whole pipeline:
+the constraint reaches the engine in its sampling parameters, and the simulated engine
+decodes under it, so what comes back parses."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from pydantic import BaseModel
+
+from tests.conftest import Stack
+from tests.test_errors import assert_error
+from tokenway.wire import EngineWork
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CHAT = [{"role": "user", "content": "Describe a city."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                       "days": {"type": "integer"}}, "required": ["city", "days"]},
+    },
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"],
+}}}  # fmt: skip
+
+
+class City(BaseModel):
+    name: str
+    population: int
+    landmarks: list[str]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0) as c:
+        yield c
+
+
+def work_of(stack: Stack, response_id: str) -> EngineWork:
+    """What the engine was asked to run for the response (its id ends in the request's)."""
+    rid = response_id.split("-", 1)[1]
+    (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received if w.rid == rid]
+    return work
+
+
+async def test_a_pydantic_response_format_parses(client: openai.AsyncOpenAI, stack: Stack) -> None:
+    done = await client.chat.completions.parse(
+        model=stack.model, messages=CHAT, response_format=City, max_tokens=200
+    )
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City), done.choices[0].message.content
+    assert done.choices[0].finish_reason == "stop"
+    so = work_of(stack, done.id).sampling_params.structured_outputs
+    assert so is not None and so.kinds() == ["json"]
+    assert set(so.json["properties"]) == {"name", "population", "landmarks"}  # type: ignore[index]
+
+
+async def test_a_streamed_json_schema_is_valid_json_of_it(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+              "items": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["ok", "items"]}  # fmt: skip
+    stream = await client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=200, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    doc = json.loads(text)
+    assert isinstance(doc["ok"], bool) and all(isinstance(i, int) for i in doc["items"])
+
+
+async def test_choice_regex_and_json_object_on_both_routes(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    options = ["alpha", "beta", "gamma"]
+    chosen = await client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=20,
+        extra_body={"structured_outputs": {"choice": options}},
+    )  # fmt: skip
+    assert chosen.choices[0].message.content in options
+    # the older spelling still constrains
+    coded = await client.completions.create(
+        model=stack.model, prompt="A code:", max_tokens=20,
+        extra_body={"guided_regex": r"[A-Z]{3}-\d{4}"},
+    )  # fmt: skip
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}", coded.choices[0].text), coded.choices[0].text
+    obj = await client.completions.create(
+        model=stack.model, prompt="JSON:", max_tokens=100,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+
+
+async def test_a_required_tool_call_always_parses(client: openai.AsyncOpenAI, stack: Stack) -> None:
+    done = await client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=200, tools=[WEATHER, TIME],
+        tool_choice="required",
+    )  # fmt: skip
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time") and isinstance(args, dict)
+    schema = work_of(stack, done.id).sampling_params.structured_outputs.json  # type: ignore[union-attr]
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    names = [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+
+
+async def test_a_named_tool_gets_its_arguments(client: openai.AsyncOpenAI, stack: Stack) -> None:
+    done = await client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=200, tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    (call,) = done.choices[0].message.tool_calls or []
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "days"}
+    assert isinstance(args["days"], int) and done.choices[0].finish_reason == "stop"
+    so = work_of(stack, done.id).sampling_params.structured_outputs
+    assert so is not None and so.json == WEATHER["function"]["parameters"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"response_format": {"type": "bogus"}}, "response_format.type", "bogus"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex is not valid"),
+        ({"structured_outputs": {"json": {"type": "bogus"}}}, "structured_outputs",
+         "json is not valid"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+         "response_format", "regex, json_object"),
+        ({"structured_outputs": {}}, "structured_outputs", "no constraint"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "empty list"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs",
+         "not both"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "'json_schema' field"),
+        ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"},
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice", "not both"),
+    ],
+    ids=["unknown-format", "bad-regex", "not-a-schema", "two-kinds", "no-kind", "no-choices",
+         "guided-and-structured", "schema-missing", "tools-and-constraint"],
+)  # fmt: skip
+async def test_a_constraint_asked_for_wrongly_is_a_400_naming_it(
+    stack: Stack, extra: dict, param: str, says: str
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        resp = await http.post(f"{stack.url}/v1/chat/completions", json={
+            "model": stack.model, "messages": CHAT, "max_tokens": 5, **extra})  # fmt: skip
+    assert assert_error(resp, 400, says)["param"] == param

@@ -1,0 +1,188 @@
+"""What a request asks for by way of structure, as the one constraint vLLM's sampling
+parameters carry (`StructuredOutputs`), by vLLM 0.33's rules:
+
+- `structured_outputs` as given; the older `guided_json`/`guided_regex`/`guided_choice`/
+  `guided_grammar` fields stand for it (vLLM 0.33 ignores them: a constraint dropped
+  silently is a wrong answer, so here they still constrain);
+- `response_format` (`json_object`, `json_schema`, `structural_tag`) sets its kind over
+  the same kind there, keeping the options; a second kind is an error, as is none;
+- a forced tool (`tool_choice` "required" or named) replaces all of it with the tools'
+  JSON schema, as vLLM does for tool parsers that build no structural tag: "required" asks
+  for a JSON list of `{"name", "parameters"}` objects, one of the tools each; a named tool
+  for its parameters object. Derender parses exactly these forms.
+
+`check` then refuses what an engine could not decode, before anything is tokenized.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import msgspec
+
+from tokenway.constraints import problem
+from tokenway.errors import InvalidRequest
+from tokenway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from tokenway.wire import StructuredOutputs
+
+_KINDS = "json, regex, choice, grammar, json_object or structural_tag"
+
+
+def constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+    """The request's constraint, or None; `InvalidRequest` for one it asks for wrongly."""
+    so = req.structured_outputs
+    if isinstance(req, ChatCompletionRequest):
+        named = req.tool_choice is not None and not isinstance(req.tool_choice, str)
+        if named and so is not None and {"json", "regex", "choice"} & set(so.kinds()):
+            raise InvalidRequest(
+                "You can only either use constraints for structured outputs or tools, not both.",
+                param="tool_choice",
+            )
+        if (tools := _forced_tools(req)) is not None:
+            return tools
+    guided = _guided(req)
+    if guided is not None:
+        if so is not None:
+            raise InvalidRequest(
+                "give structured_outputs or the guided_* fields, not both",
+                param="structured_outputs",
+            )
+        so = guided
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        kind, value = _from_format(fmt)
+        so = (
+            StructuredOutputs(**{kind: value})
+            if so is None
+            else msgspec.structs.replace(so, **{kind: value})
+        )
+    if so is None:
+        return None
+    param = "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+    kinds = so.kinds()
+    if len(kinds) > 1:
+        raise InvalidRequest(
+            f"only one kind of structured outputs constraint may be given ({_KINDS}); "
+            f"this request gives {', '.join(kinds)}",
+            param=param,
+        )
+    if not kinds:
+        raise InvalidRequest(f"structured_outputs gives no constraint: one of {_KINDS}",
+                             param="structured_outputs")  # fmt: skip
+    return so
+
+
+def check(so: StructuredOutputs | None, param: str) -> None:
+    """vLLM's request checks of a constraint, and whether it compiles at all."""
+    if so is None:
+        return
+    if so.choice is not None and not so.choice:
+        raise InvalidRequest("Choice '[]' cannot be an empty list", param=param)
+    for kind in ("grammar", "json", "structural_tag"):
+        value = getattr(so, kind)
+        if isinstance(value, str) and not value.strip():
+            raise InvalidRequest(
+                f"structured_outputs.{kind} cannot be an empty string", param=param
+            )
+    if so.json_object is False:
+        raise InvalidRequest(
+            "structured_outputs.json_object must be True if set; omit structured_outputs to "
+            "disable structured outputs",
+            param=param,
+        )
+    if so.regex is not None and "\x00" in so.regex:
+        raise InvalidRequest("structured_outputs.regex must not contain a NUL character",
+                             param=param)  # fmt: skip
+    if so.structural_tag is not None:
+        try:
+            json.loads(so.structural_tag)
+        except ValueError:
+            raise InvalidRequest("Invalid structural tag specification.", param=param) from None
+    if (why := problem(so)) is not None:
+        kind = so.kinds()[0]
+        raise InvalidRequest(f"the structured outputs {kind} is not valid: {why}", param=param)
+
+
+def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+    given = {
+        "json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+        "grammar": req.guided_grammar,
+    }  # fmt: skip
+    set_ = {k: v for k, v in given.items() if v is not None}
+    if not set_:
+        return None
+    return StructuredOutputs(**set_, whitespace_pattern=req.guided_whitespace_pattern)
+
+
+def _from_format(fmt: ResponseFormat) -> tuple[str, Any]:
+    if fmt.type == "json_object":
+        return "json_object", True
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest(
+                "When response_format type is 'json_schema', the 'json_schema' field must be "
+                "provided.",
+                param="response_format",
+            )
+        if fmt.json_schema.schema is None:
+            raise InvalidRequest("response_format.json_schema needs its schema",
+                                 param="response_format.json_schema.schema")  # fmt: skip
+        return "json", fmt.json_schema.schema
+    # a structural tag travels as vLLM makes it: its JSON, as Python's json.dumps writes it
+    if fmt.format is not None:
+        tag: dict[str, Any] = {"type": "structural_tag", "format": fmt.format}
+    elif fmt.structures is not None and fmt.triggers is not None:
+        structures = [{"begin": s.get("begin"), "schema": s.get("schema"), "end": s.get("end")}
+                      for s in fmt.structures]  # fmt: skip
+        tag = {"type": "structural_tag", "structures": structures, "triggers": fmt.triggers}
+    else:
+        raise InvalidRequest("Invalid response_format structural_tag specification.",
+                             param="response_format")  # fmt: skip
+    return "structural_tag", json.dumps(tag)
+
+
+def _forced_tools(req: ChatCompletionRequest) -> StructuredOutputs | None:
+    """The constraint of a forced tool call (None when no call is forced)."""
+    choice, tools = req.tool_choice, req.tools or []
+    if not tools or choice is None or choice in ("none", "auto"):
+        return None
+    if not isinstance(choice, str):  # named: its parameters object
+        (tool,) = [t for t in tools if t.function.name == choice.function.name] or [None]
+        if tool is None:
+            return None  # parse_context names the missing tool
+        return StructuredOutputs(json=_params(tool.function.parameters))
+    defs: dict[str, Any] = {}
+    options = []
+    for tool in tools:
+        params = copy.deepcopy(_params(tool.function.parameters))
+        found = params.pop("$defs", None) or {}
+        if not isinstance(found, dict):
+            raise InvalidRequest(
+                f"`$defs` in the parameters of tool '{tool.function.name}' must be an object, "
+                f"got {type(found).__name__}.",
+                param="tools",
+            )
+        for name, schema in found.items():
+            if defs.setdefault(name, schema) != schema:
+                raise InvalidRequest(
+                    f"Tool definition '{name}' has multiple schemas, which is not supported.",
+                    param="tools",
+                )
+        options.append({
+            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                           "parameters": params},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": {"type": "object", "anyOf": options}}  # fmt: skip
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return StructuredOutputs(json=schema)
+
+
+def _params(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    return parameters or {"type": "object", "properties": {}}
