@@ -58,13 +58,13 @@ async def stage_processes(
     stack = await start_stack(nats_url, settings, names)
     c = StageProcesses(stack, tmp, url=stack.url)
     try:
-        for _ in range(processes):
-            if stage == "ingress":  # the clients' ingress: the one that will die
+        if stage == "ingress":  # the clients' ingress: the one that will die
+            for _ in range(processes):
                 port = free_port()
                 await c.spawn(stage, "--port", str(port))
                 c.url = f"http://127.0.0.1:{port}"
-            else:
-                await c.spawn(stage)
+        else:  # side by side: each takes seconds to load
+            await asyncio.gather(*(c.spawn(stage) for _ in range(processes)))
         if stage == "engine":
             await wait_engines(stack.ingress.registry, processes)
         yield c

@@ -208,8 +208,7 @@ async def test_a_stopping_schedule_worker_hands_its_requests_to_a_peer_at_once(
     NAK), not after the owner's ack wait, here far longer than the clients would wait."""
     async with stage_processes(nats_url, tmp_path, "schedule", processes=0) as c:
         slow = ["--owner-ack-wait", "300", "--drain-timeout", "0"]
-        doomed = await c.spawn("schedule", *slow)
-        await c.spawn("schedule", *slow)
+        doomed, _ = await asyncio.gather(c.spawn("schedule", *slow), c.spawn("schedule", *slow))
         consumers = await consumer_names(nats_url)
         expected = await run_load(c, c.url)
 

@@ -65,13 +65,15 @@ def _require_vllm() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model."""
+    """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model,
+    with a tool parser, so that it constrains forced tool calls as tokenway does (the JSON
+    schema of the tools: `VLLM_ENFORCE_STRICT_TOOL_CALLING=0`, `bench.vllm_serve.vllm_env`)."""
     python, model = _require_vllm()
     port = free_port()
     log = Path(os.environ.get(LOG_ENV) or tmp_path_factory.mktemp("vllm") / "server.log")
-    with launched(
-        server_command(python, model, port, SERVED_NAME, MAX_MODEL_LEN, True), port, model, log
-    ) as server:
+    command = server_command(python, model, port, SERVED_NAME, MAX_MODEL_LEN, True)
+    command += ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31"]
+    with launched(command, port, model, log) as server:
         yield server
 
 

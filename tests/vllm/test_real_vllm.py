@@ -403,3 +403,24 @@ async def test_same_constrained_tokens_as_vllm(
     if constraint != "json_schema":  # short enough to end within the budget
         assert theirs["choices"][0]["finish_reason"] == "stop", theirs
     assert_same(ours, theirs, api)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+}}}  # fmt: skip
+FORCED = {"required": "required",
+          "named": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("forced", sorted(FORCED))
+async def test_same_forced_tool_call_tokens_as_vllm(vllm_stack: VllmStack, forced: str) -> None:
+    body = chat_body(False, max_tokens=48, tools=[WEATHER], tool_choice=FORCED[forced])
+    [theirs] = await post(vllm_stack.server.url, PATHS["chat"], body)
+    [ours] = await post(vllm_stack.url, PATHS["chat"], body)
+    them, us = theirs["choices"][0], ours["choices"][0]
+    assert us["token_ids"] == them["token_ids"] and them["token_ids"]
+    assert us["finish_reason"] == them["finish_reason"]
+    if them["finish_reason"] != "length":  # a whole call: the same one, parsed alike
+        calls = [[(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                  for c in side["message"]["tool_calls"]] for side in (us, them)]  # fmt: skip
+        assert calls[0] == calls[1] and calls[1]
