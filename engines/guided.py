@@ -5,7 +5,8 @@ forces tokens (a key's name, a closing quote) those go; elsewhere an allowed tok
 picked that brings the document to its end: its fill first, closing tokens once the
 document has run a while, the end of sequence once the grammar accepts. So a JSON schema
 gets valid JSON of that schema, a choice one of its options, a forced tool a call that
-parses.
+parses. Where the request's reasoning is still open (`reasoning_ended: false`), a short
+free reasoning and its end marker come first.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tokenway.wire import StructuredOutputs
 _FILL = ("a", "e", "x", "1", "2", " the", " data", "-", "_", ".")
 _CLOSE = ('"', "}", "]", ")", '"}', '"]', "}]", "0", "true", ",")
 PATIENCE = 24  # tokens of a document before closing tokens are tried first
+REASONING = 12  # tokens of free reasoning before a constrained answer, where it is open
 
 _lock = threading.Lock()
 _tokenizers: dict[int, tuple[Tokenizer, LLTokenizer]] = {}
@@ -66,7 +68,16 @@ class Guide:
         self.close = [t for t in ids[len(_FILL) :] if t >= 0]
         self.made = 0
 
-    def tokens(self, model: Iterator[tuple[int, bool]]) -> Iterator[tuple[int, bool]]:
+    def tokens(
+        self, model: Iterator[tuple[int, bool]], think_end: int | None = None
+    ) -> Iterator[tuple[int, bool]]:
+        """With `think_end`, the reasoning is still open: the model reasons freely for a
+        while and closes it with that token, and the grammar applies from there on (as
+        vLLM's engine holds a constraint back until reasoning ends)."""
+        if think_end is not None:
+            for _ in range(REASONING):
+                yield next(model)[0], False
+            yield think_end, False
         for own, _ in model:
             if self.m.is_stopped():  # the document is whole: only its end is left
                 yield self.eos, True

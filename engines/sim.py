@@ -27,6 +27,7 @@ from tokenway.wire import (
     SamplingParams,
     TokenLogprob,
 )
+from workers.derender.reasoning import END as THINK_END
 
 
 @dataclass(frozen=True)
@@ -126,12 +127,13 @@ class Sequence:
         output_len: int,
         trained_on: Permutation | None = None,
         guide: Guide | None = None,
+        think_end: int | None = None,
     ) -> None:
         if trained_on is not None:
             prompt = trained_on.to_semantic(prompt, "the prompt")
         self.tokens = model.tokens(prompt, seed_of(params, index), output_len)
         if guide is not None:  # under a constraint: what the grammar allows of it
-            self.tokens = guide.tokens(self.tokens)
+            self.tokens = guide.tokens(self.tokens, think_end)
         self.trained_on = trained_on
         self.eos = eos
         self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
@@ -192,6 +194,7 @@ class SimEngine:
         if trained_on is not None:  # the EOS of the model trained on the permuted vocabulary
             [self.eos_token_id] = trained_on.to_physical([config.eos_token_id])
         self.tokenizer = tokenizer
+        self.think_end = tokenizer.token_to_id(THINK_END)  # None: the model does not reason
         self.model = CorpusModel(corpus_sentences(tokenizer))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
@@ -234,9 +237,11 @@ class SimEngine:
         c = self.config
         so = params.structured_outputs
         guide = None if so is None else await matcher(self.tokenizer, c.eos_token_id, so)
+        # the reasoning's end marker, where the request's reasoning is still open
+        think_end = self.think_end if work.reasoning_ended is False else None
         seq = Sequence(
             self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
-            self.trained_on, guide,
+            self.trained_on, guide, think_end,
         )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time

@@ -131,6 +131,27 @@ async def test_a_named_tool_gets_its_arguments(client: openai.AsyncOpenAI, stack
     assert so is not None and so.json == WEATHER["function"]["parameters"]
 
 
+async def test_with_reasoning_open_the_grammar_starts_after_it(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    """The bundled template with thinking on leaves reasoning open: the engine is told so,
+    reasons freely, and only the answer after it is held to the constraint."""
+    done = await client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=200,
+        response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )  # fmt: skip
+    message = done.choices[0].message
+    assert getattr(message, "reasoning", None), message  # free text, kept apart
+    assert isinstance(json.loads(message.content or ""), dict), message.content
+    assert work_of(stack, done.id).reasoning_ended is False
+    closed = await client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=200, response_format={"type": "json_object"}
+    )
+    assert work_of(stack, closed.id).reasoning_ended is True  # thinking off: none is open
+    assert isinstance(json.loads(closed.choices[0].message.content or ""), dict)
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "says"),
     [

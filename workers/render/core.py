@@ -68,15 +68,19 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts  # type: ignore[return-value]
 
 
-def _reasoning_ended(req: OpenAIRequest, parse: ParseContext | None) -> bool | None:
+def _reasoning_ended(
+    req: OpenAIRequest, parse: ParseContext | None, parser: str | None
+) -> bool | None:
     """Whether a constraint applies from the first output token, as vLLM tells its engine:
-    reasoning is not shown, or the prompt closed it; None where no reasoning is parsed
-    (completions: the engine judges from the prompt)."""
-    if not isinstance(req, ChatCompletionRequest) or parse is None:
+    reasoning is not shown, or the prompt leaves none open (closed, or thinking off); None
+    without a reasoning parser (and for completions: the engine judges from the prompt)."""
+    if not isinstance(req, ChatCompletionRequest):
         return None
     if not req.include_reasoning:
         return True
-    return {"closed": True, "open": False}.get(parse.reasoning_start)
+    if parser is None:
+        return None
+    return parse is None or parse.reasoning_start != "open"
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,9 @@ class RequestBuilder:
             return_token_ids=req.return_token_ids,
             context=context,
             prompts=several,
-            reasoning_ended=_reasoning_ended(req, parse) if params.structured_outputs else None,
+            reasoning_ended=_reasoning_ended(req, parse, self.flags.reasoning_parser)
+            if params.structured_outputs
+            else None,
         )
 
     @staticmethod
