@@ -44,7 +44,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.metrics import SSE_WRITE
-from tokenway.protocol import decode_body
+from tokenway.protocol import decode_body, named_model
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid
 from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
@@ -75,22 +75,6 @@ _SSE_HEADERS = [
 ]
 _encoder = msgspec.msgpack.Encoder()
 _answers = msgspec.msgpack.Decoder(TokenizeAnswer)
-
-
-class _Named(msgspec.Struct):
-    model: str | None = None
-
-
-_named_decoder = msgspec.json.Decoder(_Named)
-
-
-def _named(body: bytes) -> str | None:
-    """The model a tokenize body names: render judges the rest of it, and a body that
-    does not even decode goes to the default model's render to be told what is wrong."""
-    try:
-        return _named_decoder.decode(body).model
-    except msgspec.DecodeError:  # ValidationError too
-        return None
 
 
 def event_ids(value: str) -> bool:
@@ -327,7 +311,7 @@ class Completions:
     async def _tokenize(self, route: TokenizeRoute, body: bytes) -> Reply:
         """A render worker's answer: core request/reply, nothing queued or kept."""
         try:
-            model = self.catalog.resolve(_named(body))
+            model = self.catalog.resolve(named_model(body))
         except ModelNotFound as exc:
             return Reply.error(exc.info())
         call = _encoder.encode(TokenizeCall(route=route, body=body))

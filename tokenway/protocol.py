@@ -226,9 +226,11 @@ class DetokenizeResponse(Struct, kw_only=True):
 
 
 class _Shape(Struct):
-    """Which `/tokenize` body this is, read without decoding the rest."""
+    """Which `/tokenize` body this is, and which model it names, read without decoding the
+    rest."""
 
     messages: msgspec.Raw = msgspec.Raw()  # empty: no messages
+    model: msgspec.Raw = msgspec.Raw()
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
@@ -237,12 +239,27 @@ _TOKENIZE_PROMPT = msgspec.json.Decoder(TokenizeCompletionRequest, strict=False)
 _DETOKENIZE = msgspec.json.Decoder(DetokenizeRequest, strict=False)
 
 
+def _shape(body: bytes) -> _Shape:
+    """The shape of a `/tokenize` or `/detokenize` body; an empty one for a body that does
+    not decode (its own decoder then says what is wrong with it)."""
+    try:
+        return msgspec.json.decode(body, type=_Shape)
+    except (msgspec.DecodeError, RecursionError):
+        return _Shape()
+
+
+def named_model(body: bytes) -> str | None:
+    """The model a `/tokenize` or `/detokenize` body names, where it names one as a string."""
+    raw = _shape(body).model
+    try:
+        return msgspec.json.decode(raw, type=str) if raw else None
+    except msgspec.DecodeError:  # null, or not a string: its own decoder says so
+        return None
+
+
 def decode_tokenize(body: bytes) -> TokenizeRequest:
     """A `/tokenize` body: messages (chat) or a prompt, as vLLM tells them apart."""
-    try:
-        chat = bool(msgspec.json.decode(body, type=_Shape).messages)
-    except (msgspec.DecodeError, RecursionError):
-        chat = False  # its own decoder says what is wrong with it
+    chat = bool(_shape(body).messages)
     return _decoded(_TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, body)
 
 
