@@ -157,6 +157,8 @@ async def test_with_reasoning_open_the_grammar_starts_after_it(
     [
         ({"response_format": {"type": "bogus"}}, "response_format.type", "bogus"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex is not valid"),
+        ({"structured_outputs": {"regex": "[a-"}, "response_format": {"type": "text"}},
+         "structured_outputs", "regex is not valid"),
         ({"structured_outputs": {"json": {"type": "bogus"}}}, "structured_outputs",
          "json is not valid"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
@@ -166,12 +168,16 @@ async def test_with_reasoning_open_the_grammar_starts_after_it(
         ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs",
          "not both"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "'json_schema' field"),
+        ({"tools": [{"type": "function", "function": {"name": "f",
+          "parameters": {"type": "bogus"}}}], "tool_choice": "required"},
+         "tools", "json is not valid"),
         ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"},
           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
          "tool_choice", "not both"),
     ],
-    ids=["unknown-format", "bad-regex", "not-a-schema", "two-kinds", "no-kind", "no-choices",
-         "guided-and-structured", "schema-missing", "tools-and-constraint"],
+    ids=["unknown-format", "bad-regex", "bad-regex-text-format", "not-a-schema", "two-kinds",
+         "no-kind", "no-choices", "guided-and-structured", "schema-missing", "bad-tool-schema",
+         "tools-and-constraint"],
 )  # fmt: skip
 async def test_a_constraint_asked_for_wrongly_is_a_400_naming_it(
     stack: Stack, extra: dict, param: str, says: str

@@ -73,9 +73,9 @@ class LocalBackend:
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
         builder = self.renderer.builder
-        req = builder.parse(request)
-        ids = await prompt_ids(self.renderer, req, len(request.body))
-        return builder.build(request, req, ids, self.renderer.vocab)
+        parsed = builder.parse(request)
+        ids = await prompt_ids(self.renderer, parsed.req, len(request.body))
+        return builder.build(request, parsed, ids, self.renderer.vocab)
 
     async def local(self) -> Renderer:
         return self.renderer
@@ -120,12 +120,13 @@ class VllmBackend:
         return self._local is not None
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
-        req = self.builder.parse(request)
+        parsed = self.builder.parse(request)
+        req = parsed.req
         if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
             # vLLM's render route answers one prompt; several are tokenized here.
             local = await self.local()
             ids = await prompt_ids(local, req, len(request.body))
-            return self.builder.build(request, req, ids, local.vocab)
+            return self.builder.build(request, parsed, ids, local.vocab)
         try:
             prompt = await self.client.render(request.api, request.body)
         except RenderUnavailable as exc:
@@ -135,9 +136,9 @@ class VllmBackend:
             )
             local = await self.local()
             ids = await prompt_ids(local, req, len(request.body))
-            return self.builder.build(request, req, ids, local.vocab)
+            return self.builder.build(request, parsed, ids, local.vocab)
         return self.builder.build(
-            request, req, [prompt.token_ids], self.vocab, prompt.sampling_params
+            request, parsed, [prompt.token_ids], self.vocab, prompt.sampling_params
         )
 
     async def local(self) -> Renderer:

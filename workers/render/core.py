@@ -31,6 +31,7 @@ from tokenway.wire import (
     RenderRequest,
     SamplingParams,
     StreamOptions,
+    StructuredOutputs,
 )
 from workers.derender.detok import SEED_TOKENS
 from workers.render import structured
@@ -83,6 +84,14 @@ def _reasoning_ended(
     return parse is None or parse.reasoning_start != "open"
 
 
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A request body decoded and checked, with the constraint it asks for."""
+
+    req: OpenAIRequest
+    constraint: StructuredOutputs | None
+
+
 @dataclass(frozen=True)
 class RequestBuilder:
     """What render decides without a tokenizer: validation, the budget, the output context."""
@@ -92,21 +101,20 @@ class RequestBuilder:
     flags: ParserFlags = field(default_factory=ParserFlags)
     clip_budget: bool = False
 
-    def parse(self, request: RenderRequest) -> OpenAIRequest:
-        """The decoded body, refused (400/404) before anything is tokenized."""
+    def parse(self, request: RenderRequest) -> Parsed:
+        """The decoded body and its constraint, refused (400/404) before anything is
+        tokenized."""
         req = decode_body(request.api, request.body)
         check_model(req.model, self.model)
         reject_unsupported(req)
         if isinstance(req, CompletionRequest):
             completion_prompts(req)
-        so = structured.constraint(req)
-        structured.check(so, "response_format" if req.response_format else "structured_outputs")
-        return req
+        return Parsed(req, structured.constraint(req))
 
     def build(
         self,
         request: RenderRequest,
-        req: OpenAIRequest,
+        parsed: Parsed,
         prompts: list[list[int]],
         vocab: Mapping[str, int],
         remote: SamplingParams | None = None,
@@ -114,6 +122,7 @@ class RequestBuilder:
         """The tokenized request for its prompts' IDs (several only for completions).
         `vocab` finds the reasoning markers; `remote` is a render server's sampling
         parameters, taken where tokenway's own output stage does not act on them."""
+        req = parsed.req
         chat = isinstance(req, ChatCompletionRequest)
         ids, *more = prompts
         if not ids or not all(more):
@@ -129,7 +138,7 @@ class RequestBuilder:
         several = None
         if more:  # several prompts: each its own budget, as vLLM gives each its own
             several = [Prompt(token_ids=p, max_tokens=self._budget(p, req)) for p in prompts]
-        params = sampling_params(req, max_tokens, structured.constraint(req))
+        params = sampling_params(req, max_tokens, parsed.constraint)
         if remote is not None:
             params = keep_output_fields(remote, params)
         opts = req.stream_options
@@ -235,5 +244,5 @@ class Renderer:
         return list(prompt)
 
     def render(self, request: RenderRequest) -> GenerateRequest:
-        req = self.builder.parse(request)
-        return self.builder.build(request, req, self.prompt_ids(req), self.vocab)
+        parsed = self.builder.parse(request)
+        return self.builder.build(request, parsed, self.prompt_ids(parsed.req), self.vocab)

@@ -11,7 +11,8 @@ parameters carry (`StructuredOutputs`), by vLLM 0.33's rules:
   for a JSON list of `{"name", "parameters"}` objects, one of the tools each; a named tool
   for its parameters object. Derender parses exactly these forms.
 
-`check` then refuses what an engine could not decode, before anything is tokenized.
+Each constraint is then checked (vLLM's request checks, and whether it compiles), so that
+what an engine could not decode is refused before anything is tokenized.
 """
 
 from __future__ import annotations
@@ -24,17 +25,38 @@ import msgspec
 
 from tokenway.constraints import problem
 from tokenway.errors import InvalidRequest
-from tokenway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from tokenway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    ResponseFormat,
+)
 from tokenway.wire import StructuredOutputs
 
 _KINDS = "json, regex, choice, grammar, json_object or structural_tag"
 
 
 def constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
-    """The request's constraint, or None; `InvalidRequest` for one it asks for wrongly."""
+    """The request's constraint, checked, or None; `InvalidRequest` naming the parameter
+    that asks for it wrongly."""
+    so = _constraint(req)
+    if so is not None:
+        _check(so, _asked_by(req))
+    return so
+
+
+def _asked_by(req: ChatCompletionRequest | CompletionRequest) -> str:
+    """The parameter the request's constraint comes from."""
+    if isinstance(req, ChatCompletionRequest) and _forces_a_call(req):
+        return "tools"
+    fmt = req.response_format
+    return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+
+def _constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
     so = req.structured_outputs
     if isinstance(req, ChatCompletionRequest):
-        named = req.tool_choice is not None and not isinstance(req.tool_choice, str)
+        named = isinstance(req.tool_choice, NamedToolChoice)
         if named and so is not None and {"json", "regex", "choice"} & set(so.kinds()):
             raise InvalidRequest(
                 "You can only either use constraints for structured outputs or tools, not both.",
@@ -60,7 +82,7 @@ def constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutp
         )
     if so is None:
         return None
-    param = "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+    param = _asked_by(req)
     kinds = so.kinds()
     if len(kinds) > 1:
         raise InvalidRequest(
@@ -74,10 +96,8 @@ def constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutp
     return so
 
 
-def check(so: StructuredOutputs | None, param: str) -> None:
+def _check(so: StructuredOutputs, param: str) -> None:
     """vLLM's request checks of a constraint, and whether it compiles at all."""
-    if so is None:
-        return
     if so.choice is not None and not so.choice:
         raise InvalidRequest("Choice '[]' cannot be an empty list", param=param)
     for kind in ("grammar", "json", "structural_tag"):
@@ -143,16 +163,19 @@ def _from_format(fmt: ResponseFormat) -> tuple[str, Any]:
     return "structural_tag", json.dumps(tag)
 
 
+def _forces_a_call(req: ChatCompletionRequest) -> bool:
+    return bool(req.tools) and req.tool_choice not in (None, "none", "auto")
+
+
 def _forced_tools(req: ChatCompletionRequest) -> StructuredOutputs | None:
-    """The constraint of a forced tool call (None when no call is forced)."""
-    choice, tools = req.tool_choice, req.tools or []
-    if not tools or choice is None or choice in ("none", "auto"):
+    """The constraint of a forced tool call (None when no call is forced, or for a named
+    tool not among the tools: parse_context names it)."""
+    if not _forces_a_call(req):
         return None
-    if not isinstance(choice, str):  # named: its parameters object
-        (tool,) = [t for t in tools if t.function.name == choice.function.name] or [None]
-        if tool is None:
-            return None  # parse_context names the missing tool
-        return StructuredOutputs(json=_params(tool.function.parameters))
+    choice, tools = req.tool_choice, req.tools or []
+    if isinstance(choice, NamedToolChoice):  # its parameters object
+        tool = next((t for t in tools if t.function.name == choice.function.name), None)
+        return None if tool is None else StructuredOutputs(json=_params(tool.function.parameters))
     defs: dict[str, Any] = {}
     options = []
     for tool in tools:
