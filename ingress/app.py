@@ -47,7 +47,6 @@ from tokenway.errors import (
     TokenwayError,
     error_body,
 )
-from tokenway.registry import EngineRegistry
 from tokenway.wire import ErrorInfo
 
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -57,7 +56,6 @@ _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class IngressContext:
     nc: NATS
     router: OutputRouter
-    registry: EngineRegistry
     ledger: LedgerReader
     catalog: Catalog
     request_timeout: float
@@ -180,7 +178,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             "draining": ctx.draining.is_set(),
             "nats": ctx.nc.is_connected,
             "streams": await streams_present(),
-            "engines": len(ctx.registry.alive()),
+            "engines": len(ctx.catalog.registry.alive()),
         }
         live = checks["nats"] and checks["streams"] and checks["engines"] > 0
         ok = live and not checks["draining"]

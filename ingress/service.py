@@ -91,7 +91,6 @@ class IngressService:
         ctx = IngressContext(
             nc=nc,
             router=router,
-            registry=registry,
             ledger=LedgerReader(nc.jetstream(), self.settings.request_timeout),
             catalog=Catalog(self.models, registry),
             request_timeout=self.settings.request_timeout,
