@@ -166,8 +166,7 @@ class Owned:
         text), the budgets shrink by what was committed, and derender resumes from each
         choice's committed state. False when nothing is left to generate (the budget is
         spent: the end is derendered without an engine). Raises `RelayRefused` for what
-        a new attempt cannot continue faithfully: with n > 1, choices that already
-        diverged would need one engine sequence each.
+        a new attempt cannot continue faithfully once output was sent (`refuse_continuing`).
         """
         assert self.broken is not None
         if any(c.committed for c in self.choices):
