@@ -84,8 +84,23 @@ class Logged(logging.Handler):
             self.event.set()
 
 
+# The bundled model directory every test's data dir links to (set once per session): a
+# tokenizer is read once per process and directory, and a test stack need not read its own.
+_shared_models: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_models(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _shared_models.append(tmp_path_factory.mktemp("models"))
+
+
 def make_settings(data_dir: Path, **overrides: object) -> Settings:
-    """Fast engine timing and short TTLs; everything else as shipped."""
+    """Fast engine timing and short TTLs; everything else as shipped. The data dir's
+    `models` is the session's."""
+    models = Path(data_dir) / "models"
+    if _shared_models and not models.exists():
+        models.parent.mkdir(parents=True, exist_ok=True)
+        models.symlink_to(_shared_models[0], target_is_directory=True)
     values: dict[str, object] = {
         "data_dir": str(data_dir),
         "port": 0,

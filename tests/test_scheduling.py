@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import nats
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -19,6 +20,8 @@ from tokenizers import Tokenizer
 from engines.bridge import Bridge
 from engines.sim import SimConfig, SimEngine
 from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tokenway import bus
+from tokenway import headers as h
 from tokenway.config import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -101,7 +104,10 @@ async def test_without_a_pd_pair_a_union_engine_serves(nats_url: str, tmp_path: 
 async def test_an_engine_error_reaches_the_client_as_an_error(
     nats_url: str, tmp_path: Path
 ) -> None:
-    async with pipeline(nats_url, tmp_path, [sim("bad-3", fail_first=5)]) as (stack, _):
+    async with pipeline(nats_url, tmp_path, [sim("bad-3", fail_first=5)], breaker_threshold=10) as (
+        stack,
+        _,
+    ):
         with pytest.raises(openai.APIStatusError) as info:
             await client(stack).completions.create(model=model(stack), prompt="x", max_tokens=5)
         assert info.value.status_code == 502
@@ -155,6 +161,42 @@ async def test_a_hundred_cancelled_streams_leave_nothing_behind(stack: Stack) ->
     per_request = {"ScheduleService._own", "ScheduleService._derender_and_commit", "Bridge._run"}
     left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ in per_request]
     assert not left, left
+
+
+async def test_a_cancelled_request_delivered_again_is_not_run_again(stack: Stack) -> None:
+    """JetStream delivers a request again when its owner's ack came late (a loop busy past
+    the ack wait): once its client has left, no delivery may run it again for nobody."""
+    schedule = stack.by_name["schedule"][0]
+    nc, rid = await nats.connect(stack.settings.nats), ""
+    try:
+        seen = await nc.subscribe(bus.sched_subject(stack.model))
+        body = {"prompt": "An endless tale", "max_tokens": 100_000, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                async for _ in resp.aiter_bytes():
+                    break
+        first = await seen.next_msg(timeout=10)
+        rid = first.headers[h.RID]
+        async with asyncio.timeout(30):
+            await schedule.empty.wait()
+        js = nc.jetstream()
+        again = {**first.headers, h.MSG_ID: f"{rid}:delivered-again"}
+        ack = await js.publish(first.subject, first.data, headers=again)
+        consumer = bus.sched_consumer(stack.settings, stack.model).durable
+        async with asyncio.timeout(30):  # until the worker has taken its decision on it
+            while True:
+                info = await js.consumer_info(bus.SCHED_STREAM, consumer)
+                if rid in schedule.requests:
+                    break
+                if info.delivered.stream_seq >= ack.seq and info.num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.05)
+        assert rid not in schedule.requests
+    finally:
+        if rid:  # a request run again must not outlive the test
+            await nc.publish(bus.cancel_subject(rid), b"")
+        await nc.close()
 
 
 async def test_shared_prefix_requests_stick_to_one_engine_while_load_allows(

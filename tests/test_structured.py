@@ -4,9 +4,11 @@ decodes under it, so what comes back parses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,6 +18,8 @@ from pydantic import BaseModel
 
 from tests.conftest import Stack
 from tests.test_errors import assert_error
+from tests.test_multi_prompt import leftovers_gone, post_stream, sse, texts
+from tests.test_scheduling import model, pipeline, sim
 from tokenway.wire import EngineWork
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -186,3 +190,50 @@ async def test_a_constraint_asked_for_wrongly_is_a_400_naming_it(
         resp = await http.post(f"{stack.url}/v1/chat/completions", json={
             "model": stack.model, "messages": CHAT, "max_tokens": 5, **extra})  # fmt: skip
     assert assert_error(resp, 400, says)["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("ask", "why"),
+    [({"structured_outputs": {"json": {"type": "array", "items": {"type": "integer"},
+                                        "minItems": 60}}},
+      "a request with structured outputs cannot be relayed after output was sent: the engine "
+      "would start its grammar over mid-document"),
+     ({"n": 2}, "a request with n=2 cannot be relayed after output was sent")],
+    ids=["structured", "n=2"],
+)  # fmt: skip
+async def test_an_engine_failing_after_output_of_a_constrained_request_ends_it_with_the_reason(
+    nats_url: str, tmp_path: Path, ask: dict, why: str
+) -> None:
+    """A new engine would start the grammar over mid-document (or could not continue two
+    diverged choices): the stream ends with an error event saying so, never relayed."""
+    engines = [dataclasses.replace(sim("fails-later", fail_after=30), itl=0.005)]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (engine,)):
+        body = {"model": model(stack), "prompt": "Numbers:", "max_tokens": 400, "stream": True,
+                "ignore_eos": True, **ask}  # fmt: skip
+        raw, _ = await post_stream(stack.url, body)
+        *chunks, last = sse(raw)
+        assert last["error"]["message"] == (
+            f"engine fails-later: RuntimeError: simulated failure after 30 tokens; {why}"
+        )
+        assert raw.count("data: [DONE]") == 1
+        assert engine.started == 1  # not started again on any engine
+        sent = texts(raw)
+        assert chunks and all(sent.values())
+        if "structured_outputs" in ask:  # one document begun, never a second one
+            assert sent[0].startswith("[") and sent[0].count("[") == 1
+        await leftovers_gone(stack)
+
+
+async def test_an_engine_failing_before_output_of_a_constrained_request_is_retried(
+    nats_url: str, tmp_path: Path
+) -> None:
+    engines = [sim("fails-at-once", fail_first=1)]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (engine,)):
+        schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 5}
+        body = {"model": model(stack), "prompt": "Numbers:", "max_tokens": 100, "stream": True,
+                "structured_outputs": {"json": schema}}  # fmt: skip
+        raw, _ = await post_stream(stack.url, body)
+        assert not any("error" in doc for doc in sse(raw))
+        doc = json.loads(texts(raw)[0])
+        assert isinstance(doc, list) and all(isinstance(i, int) for i in doc)
+        assert engine.started == 2

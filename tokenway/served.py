@@ -60,7 +60,8 @@ def served_models(s: Settings) -> list[ServedModel]:
 
 
 def _load(s: Settings, name: str, directory: str | None) -> ServedModel:
-    path = Path(directory).expanduser() if directory else default_model_dir(s.data_path)
+    # resolved: the directory reached through any link is one model, read once per process
+    path = (Path(directory).expanduser() if directory else default_model_dir(s.data_path)).resolve()
     return ServedModel(name, load_model_info(path, s.max_model_len), bundled=directory is None)
 
 

@@ -381,16 +381,17 @@ class ScheduleService:
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = bus.rid_of(msg.subject)
+        # Remembered even when owned here: a late ack lets JetStream deliver it again, and
+        # that delivery must not run it for nobody.
+        self._cancelled[rid] = None
+        if len(self._cancelled) > _CANCEL_MEMORY:
+            self._cancelled.popitem(last=False)
         if self.fanout is not None and self.fanout.cancel(rid):
             return
         r = self.requests.get(rid)
         if r is not None:
             log.info("request %s cancelled", rid)
             r.cancel()
-            return
-        self._cancelled[rid] = None
-        if len(self._cancelled) > _CANCEL_MEMORY:
-            self._cancelled.popitem(last=False)
 
     def _engine_gone(self, engine_id: str) -> None:
         if self.dispatcher is not None:
