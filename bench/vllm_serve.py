@@ -93,11 +93,9 @@ def server_command(
 
 
 def vllm_env() -> dict[str, str]:
-    """This environment without our venv's paths, offline, without usage reports; forced
-    tool calls constrained to the tools' JSON schema, as tokenway constrains them."""
+    """This environment without our venv's paths, offline, without usage reports."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VLLM_ENFORCE_STRICT_TOOL_CALLING="0")  # fmt: skip
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     return env
 
 

@@ -12,13 +12,15 @@ free reasoning and its end marker come first.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 
 from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
-from tokenway.constraints import Unsupported, grammar
+from tokenway.constraints import grammar
+from tokenway.tag_grammar import Unsupported
 from tokenway.wire import StructuredOutputs
 
 # Pieces a document is filled and closed with, in the order they are tried.
@@ -27,41 +29,47 @@ _CLOSE = ('"', "}", "]", ")", '"}', '"]', "}]", "0", "true", ",")
 PATIENCE = 24  # tokens of a document before closing tokens are tried first
 REASONING = 12  # tokens of free reasoning before a constrained answer, where it is open
 
+_TOKEN_REF = re.compile(r"<\[(\d+)\]>")  # a Lark grammar's reference to one token
 _lock = threading.Lock()
-_tokenizers: dict[int, tuple[Tokenizer, LLTokenizer]] = {}
+_tokenizers: dict[int, tuple[Tokenizer, LLTokenizer, dict[str, int]]] = {}
 
 
-def ll_tokenizer(tokenizer: Tokenizer, eos: int) -> LLTokenizer:
-    """llguidance's view of the vocabulary, built once per tokenizer (about a second)."""
+def ll_tokenizer(tokenizer: Tokenizer, eos: int) -> tuple[LLTokenizer, dict[str, int]]:
+    """llguidance's view of the vocabulary, and its added tokens by their text: built once
+    per tokenizer (about a second)."""
     with _lock:
         held = _tokenizers.get(id(tokenizer))
         if held is None or held[0] is not tokenizer:
+            added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
             held = _tokenizers[id(tokenizer)] = (
-                tokenizer, LLTokenizer(tokenizer.to_str(), eos_token=eos)
+                tokenizer, LLTokenizer(tokenizer.to_str(), eos_token=eos), added
             )  # fmt: skip
-        return held[1]
+        return held[1], held[2]
 
 
 async def matcher(tokenizer: Tokenizer, eos: int, so: StructuredOutputs) -> Guide:
     """What decodes under `so` (built off the loop: the vocabulary and the grammar both
     take a while); ValueError for a constraint this engine cannot decode."""
+    vocab, added = await asyncio.to_thread(ll_tokenizer, tokenizer, eos)
     try:
-        text = grammar(so)
-    except Unsupported:
-        raise ValueError("the simulated engine does not decode structural tags") from None
-    vocab = await asyncio.to_thread(ll_tokenizer, tokenizer, eos)
+        text = grammar(so, added)
+    except Unsupported as exc:
+        raise ValueError(f"the simulated engine cannot decode this constraint: {exc}") from None
     m = await asyncio.to_thread(LLMatcher, vocab, text)
     if m.is_error():
         raise ValueError(f"the constraint does not compile: {m.get_error()}")
-    return Guide(m, vocab, eos)
+    # The added tokens a structural tag asks for, the ones that close its structure first.
+    marks = list(dict.fromkeys(int(i) for i in reversed(_TOKEN_REF.findall(text))))
+    return Guide(m, vocab, eos, marks)
 
 
 class Guide:
     """Turns the toy model's (token, wants_stop) pairs into ones the grammar allows."""
 
-    def __init__(self, m: LLMatcher, vocab: LLTokenizer, eos: int) -> None:
+    def __init__(self, m: LLMatcher, vocab: LLTokenizer, eos: int, marks: list[int]) -> None:
         self.m = m
         self.eos = eos
+        self.marks = marks  # a structural tag's tokens, tried before closing pieces
         single = [vocab.tokenize_str(piece) for piece in (*_FILL, *_CLOSE)]
         ids = [t[0] if len(t) == 1 else -1 for t in single]
         self.fill = [t for t in ids[: len(_FILL)] if t >= 0]
@@ -95,7 +103,8 @@ class Guide:
         closing = self.made >= PATIENCE
         if not closing and self.m.validate_tokens([own]) == 1:
             return own
-        order = [self.eos, *self.close, *self.fill] if closing else [*self.fill, *self.close]
+        order = [self.eos, *self.marks, *self.close, *self.fill] if closing else [
+            *self.fill, *self.close]  # fmt: skip
         for tid in order:
             if (tid != self.eos or self.m.is_accepting()) and self.m.validate_tokens([tid]):
                 return tid

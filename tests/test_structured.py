@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -16,11 +16,13 @@ import pytest
 import pytest_asyncio
 from pydantic import BaseModel
 
+from engines.sim import SimEngine
 from tests.conftest import Stack
 from tests.test_errors import assert_error
 from tests.test_multi_prompt import leftovers_gone, post_stream, sse, texts
 from tests.test_scheduling import model, pipeline, sim
 from tokenway.wire import EngineWork
+from workers.derender import tools
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -50,10 +52,25 @@ async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
-def work_of(stack: Stack, response_id: str) -> EngineWork:
-    """What the engine was asked to run for the response (its id ends in the request's)."""
+def strict(tool: dict) -> dict:
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+def tag_of(stack: Stack, response_id: str) -> dict:
+    """The structural tag's format the engine was held to for the response."""
+    so = work_of(stack, response_id).sampling_params.structured_outputs
+    assert so is not None and so.structural_tag is not None, so
+    tag = json.loads(so.structural_tag)
+    assert tag["type"] == "structural_tag"
+    return tag["format"]
+
+
+def work_of(stack: Stack, response_id: str, engines: Sequence[SimEngine] = ()) -> EngineWork:
+    """What the engine was asked to run for the response (its id ends in the request's);
+    `engines`: where the stack's own bridges are not the ones that ran it."""
     rid = response_id.split("-", 1)[1]
-    (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received if w.rid == rid]
+    engines = engines or [b.engine for b in stack.by_name["engine"]]
+    (work,) = [w for e in engines for w in e.received if w.rid == rid]
     return work
 
 
@@ -107,32 +124,72 @@ async def test_choice_regex_and_json_object_on_both_routes(
 
 
 async def test_a_required_tool_call_always_parses(client: openai.AsyncOpenAI, stack: Stack) -> None:
+    """The bundled model's tool parser has a structural tag: the engine is held to its call
+    syntax, strict tools' arguments to their schemas, and the parser reads the calls."""
     done = await client.chat.completions.create(
-        model=stack.model, messages=CHAT, max_tokens=200, tools=[WEATHER, TIME],
+        model=stack.model, messages=CHAT, max_tokens=200, tools=[strict(WEATHER), TIME],
         tool_choice="required",
     )  # fmt: skip
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
     for call in choice.message.tool_calls:
-        args = json.loads(call.function.arguments)
-        assert call.function.name in ("get_weather", "get_time") and isinstance(args, dict)
-    schema = work_of(stack, done.id).sampling_params.structured_outputs.json  # type: ignore[union-attr]
-    assert schema["type"] == "array" and schema["minItems"] == 1
-    names = [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]]
-    assert names == [["get_weather"], ["get_time"]]
+        args = json.loads(call.function.arguments)  # get_time's: any JSON (not strict)
+        assert call.function.name in ("get_weather", "get_time"), call
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "days"} and isinstance(args["days"], int)
+    fmt = tag_of(stack, done.id)
+    assert fmt["type"] == "tag" and fmt["begin"] == tools.DS_CALLS_BEGIN
+    calls = fmt["content"]["tags"]
+    begins = [f"{tools.DS_CALL_BEGIN}{name}{tools.DS_SEP}" for name in ("get_weather", "get_time")]
+    assert [c["begin"] for c in calls] == begins
+    assert [c["content"]["json_schema"] for c in calls] == [WEATHER["function"]["parameters"], True]
 
 
 async def test_a_named_tool_gets_its_arguments(client: openai.AsyncOpenAI, stack: Stack) -> None:
     done = await client.chat.completions.create(
-        model=stack.model, messages=CHAT, max_tokens=200, tools=[WEATHER, TIME],
+        model=stack.model, messages=CHAT, max_tokens=200, tools=[strict(WEATHER), TIME],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )  # fmt: skip
     (call,) = done.choices[0].message.tool_calls or []
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and set(args) == {"city", "days"}
     assert isinstance(args["days"], int) and done.choices[0].finish_reason == "stop"
-    so = work_of(stack, done.id).sampling_params.structured_outputs
-    assert so is not None and so.json == WEATHER["function"]["parameters"]
+    fmt = tag_of(stack, done.id)
+    assert fmt["begin"] == f"{tools.DS_CALLS_BEGIN}{tools.DS_CALL_BEGIN}get_weather{tools.DS_SEP}"
+    assert fmt["content"]["json_schema"] == WEATHER["function"]["parameters"]
+
+
+async def test_without_strict_tool_calling_forced_calls_are_json_of_the_tools_schemas(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """As vLLM with VLLM_ENFORCE_STRICT_TOOL_CALLING=0: "required" is a JSON list of
+    name/parameters objects, a named tool its parameters object."""
+    async with pipeline(nats_url, tmp_path, [sim("json-calls")], strict_tool_calling=False) as (
+        stack, engines,
+    ):  # fmt: skip
+        async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-") as client:
+            done = await client.chat.completions.create(
+                model=model(stack), messages=CHAT, max_tokens=200, tools=[WEATHER, TIME],
+                tool_choice="required",
+            )  # fmt: skip
+            named = await client.chat.completions.create(
+                model=model(stack), messages=CHAT, max_tokens=200, tools=[WEATHER, TIME],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            )  # fmt: skip
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            assert isinstance(json.loads(call.function.arguments), dict)
+        schema = work_of(stack, done.id, engines).sampling_params.structured_outputs.json  # type: ignore[union-attr]
+        assert schema["type"] == "array" and schema["minItems"] == 1
+        names = [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]]
+        assert names == [["get_weather"], ["get_time"]]
+        (call,) = named.choices[0].message.tool_calls or []
+        assert call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city", "days"}
+        so = work_of(stack, named.id, engines).sampling_params.structured_outputs
+        assert so is not None and so.json == WEATHER["function"]["parameters"]
 
 
 async def test_with_reasoning_open_the_grammar_starts_after_it(
@@ -172,15 +229,19 @@ async def test_with_reasoning_open_the_grammar_starts_after_it(
         ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs",
          "not both"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "'json_schema' field"),
-        ({"tools": [{"type": "function", "function": {"name": "f",
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
           "parameters": {"type": "bogus"}}}], "tool_choice": "required"},
-         "tools", "json is not valid"),
+         "tools", "structural_tag is not valid"),
+        ({"structured_outputs": {"structural_tag": json.dumps(
+          {"type": "structural_tag", "format": {"type": "tag", "begin": "{"}})}},
+         "structured_outputs", "structural_tag is not valid: a tag format needs 'end'"),
         ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"},
           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
          "tool_choice", "not both"),
     ],
     ids=["unknown-format", "bad-regex", "bad-regex-text-format", "not-a-schema", "two-kinds",
          "no-kind", "no-choices", "guided-and-structured", "schema-missing", "bad-tool-schema",
+         "half-a-tag",
          "tools-and-constraint"],
 )  # fmt: skip
 async def test_a_constraint_asked_for_wrongly_is_a_400_naming_it(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 from nats.aio.client import Client
 
-from tokenway import bus, spans
+from tokenway import asyncapi, bus, spans
 from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
@@ -80,7 +80,7 @@ def _stages(
     if name == "schedule":
         from workers.schedule.service import ScheduleService
 
-        return [ScheduleService(s, m.name, m.info.path, obf[m.name]) for m in models]
+        return [ScheduleService(s, m.name, m.info, obf[m.name]) for m in models]
     if name == "derender":
         from workers.derender.service import DerenderService
 
@@ -459,6 +459,18 @@ def _parsers(p: argparse.ArgumentParser) -> None:
         default=None,
         help='parse tool calls for tool_choice "auto" (bundled model: on)',
     )
+    g.add_argument(
+        "--strict-tool-calling", action=argparse.BooleanOptionalAction, default=None,
+        help="constrain tool calls to the tool parser's own syntax with a structural tag, as "
+        "vLLM does by default (on); off: a forced call to the tools' JSON schema, as vLLM "
+        "with VLLM_ENFORCE_STRICT_TOOL_CALLING=0",
+    )  # fmt: skip
+    g.add_argument(
+        "--tool-strict-level", choices=["auto", "function", "parameter"],
+        help="as vLLM's: auto (default) constrains calls where tool_choice forces one or a "
+        "tool is strict; function also every auto call's envelope; parameter also every "
+        "tool's arguments to its schema",
+    )  # fmt: skip
 
 
 def _render(p: argparse.ArgumentParser) -> None:
@@ -806,6 +818,10 @@ def parser() -> argparse.ArgumentParser:
     auth.add_argument("dir", help="where to write them (seeds are kept if present)")
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
+    sub.add_parser(
+        "asyncapi",
+        help="print the bus's contract for direct publishers: an AsyncAPI 3.0 document (JSON)",
+    )
     return root
 
 
@@ -821,6 +837,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(flags)
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
+        return
+    if args.command == "asyncapi":
+        print(json.dumps(asyncapi.document(), indent=2))
         return
     if args.command == "nats-auth":
         users = NatsUsers.prepare(Path(args.dir).expanduser())

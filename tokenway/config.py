@@ -74,6 +74,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool | None = None
+    # tool calls constrained to the tool parser's own syntax (a structural tag), as vLLM does
+    # by default (its VLLM_ENFORCE_STRICT_TOOL_CALLING); off: forced calls to the tools' JSON
+    # schema. vLLM's --tool-strict-level: which arguments follow their tool's schema.
+    strict_tool_calling: bool = True
+    tool_strict_level: Literal["auto", "function", "parameter"] = "auto"
     # who renders: "local" (the model directory's tokenizer) or "vllm" (a vLLM render server at
     # render_url, falling back to the local tokenizer when it fails)
     render_backend: Literal["local", "vllm"] = "local"

@@ -2,26 +2,27 @@
 it before anything is queued, and the simulated engine decodes under it.
 
 llguidance takes JSON schemas, regular expressions and Lark grammars (GBNF converted), needs
-no torch, and is one of vLLM's own backends. Structural tags (xgrammar's format) are passed
-to engines as they came, unchecked here; vLLM checks them itself.
+no torch, and is one of vLLM's own backends. Structural tags (xgrammar's format) become Lark
+grammars (`tokenway.tag_grammar`); one with a format kind that has no Lark counterpart goes
+to engines unchecked, and vLLM checks it itself.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from tokenway import tag_grammar
+from tokenway.tag_grammar import Unsupported
 from tokenway.wire import StructuredOutputs
 
 
-class Unsupported(ValueError):
-    """A constraint llguidance does not take (a structural tag)."""
-
-
-def grammar(so: StructuredOutputs) -> str:
-    """The llguidance grammar of `so`'s one constraint."""
+def grammar(so: StructuredOutputs, tokens: Mapping[str, int] | None = None) -> str:
+    """The llguidance grammar of `so`'s one constraint (`tokens`: the vocabulary's added
+    tokens, which a structural tag's text may spell)."""
     if so.json is not None:
         return LLMatcher.grammar_from_json_schema(so.json)
     if so.json_object:
@@ -33,7 +34,12 @@ def grammar(so: StructuredOutputs) -> str:
     if so.grammar is not None:
         lark = gbnf_to_lark(so.grammar) if "::=" in so.grammar else so.grammar
         return LLMatcher.grammar_from_lark(lark)
-    raise Unsupported("structural tags are not decoded here")
+    assert so.structural_tag is not None
+    try:
+        tag = json.loads(so.structural_tag)
+    except ValueError:
+        raise ValueError("the structural tag is not JSON") from None
+    return LLMatcher.grammar_from_lark(tag_grammar.lark(tag, tokens))
 
 
 def problem(so: StructuredOutputs) -> str | None:

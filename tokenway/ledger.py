@@ -257,9 +257,12 @@ class Identity:
     tenant: str = ""  # "" where the ingress asks for no key
     limits: Limits | None = None  # the tenant's, where it has any
     trace: str = ""  # its W3C `traceparent`, passed on to the engine
+    wait: bool = False  # a full queue downstream is waited out, not the request's 429
 
     def headers(self) -> dict[str, str]:
         hdrs = {h.MSG_ID: self.rid, h.RID: self.rid, h.REPLY: self.reply}
+        if self.wait:
+            hdrs[h.WAIT] = "1"
         if self.trace:
             hdrs[h.TRACEPARENT] = self.trace
         if self.deadline is not None:
@@ -278,4 +281,4 @@ class Identity:
         deadline, limits = hdrs.get(h.DEADLINE), hdrs.get(h.LIMITS)
         return cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
                    hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None,
-                   hdrs.get(h.TRACEPARENT, ""))  # fmt: skip
+                   hdrs.get(h.TRACEPARENT, ""), hdrs.get(h.WAIT) == "1")  # fmt: skip

@@ -94,6 +94,8 @@ def parser_flags(s: Settings, model: ServedModel) -> ParserFlags:
         reasoning_parser=s.reasoning_parser or base.reasoning_parser,
         tool_call_parser=s.tool_call_parser or base.tool_call_parser,
         enable_auto_tool_choice=base.enable_auto_tool_choice if auto is None else auto,
+        strict_tool_calling=s.strict_tool_calling,
+        tool_strict_level=s.tool_strict_level,
     )
     try:
         flags.check()

@@ -91,6 +91,9 @@ class ParseContext(Struct, kw_only=True, omit_defaults=True):
     tool_choice: ToolChoice = "none"
     tool_name: str | None = None  # the forced function for tool_choice "named"
     parallel_tool_calls: bool = True
+    # a forced call ("named", "required") comes in `tool_parser`'s own syntax (a structural
+    # tag constrained it), not as JSON: that parser reads it
+    native_calls: bool = False
 
 
 class OutputContext(Struct, kw_only=True, omit_defaults=True):

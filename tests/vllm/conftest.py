@@ -29,6 +29,8 @@ MODEL_ENV = "TOKENWAY_TEST_VLLM_MODEL"
 LOG_ENV = "TOKENWAY_TEST_VLLM_LOG"
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 32768  # the tiny model's positions: a long request takes minutes here
+TOOL_PARSER = "deepseek_v31"  # the tiny model has DeepSeek's tokenizer
+TOOL_PARSING = ["--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER]
 
 
 def _configured() -> tuple[Path, Path] | None:
@@ -66,13 +68,13 @@ def _require_vllm() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model,
-    with a tool parser, so that it constrains forced tool calls as tokenway does (the JSON
-    schema of the tools: `VLLM_ENFORCE_STRICT_TOOL_CALLING=0`, `bench.vllm_serve.vllm_env`)."""
+    with the tool parser tokenway's stack is given (`TOOL_PARSING`): both hold tool calls to
+    its structural tag."""
     python, model = _require_vllm()
     port = free_port()
     log = Path(os.environ.get(LOG_ENV) or tmp_path_factory.mktemp("vllm") / "server.log")
     command = server_command(python, model, port, SERVED_NAME, MAX_MODEL_LEN, True)
-    command += ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31"]
+    command += TOOL_PARSING
     with launched(command, port, model, log) as server:
         yield server
 
@@ -89,6 +91,7 @@ def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vll
         "--max-model-len", str(MAX_MODEL_LEN),
         "--host", "127.0.0.1",
         "--port", str(port),
+        *TOOL_PARSING,
     ]  # fmt: skip
     log = _log_path(tmp_path_factory, "render")
     with launched(command, port, model, log) as server:
@@ -120,6 +123,8 @@ async def vllm_stack(
         tmp_path_factory.mktemp("vllm-data"),
         model_dir=str(vllm_server.model_dir),
         served_model_name=SERVED_NAME,
+        tool_call_parser=TOOL_PARSER,
+        enable_auto_tool_choice=True,
         vllm_url=vllm_server.url,
         engine_id="vllm-tier",
         # Not the suite's 3 s: here a CPU-bound vLLM shares two cores with NATS and every

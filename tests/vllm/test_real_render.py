@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import make_settings
-from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer
+from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, TOOL_PARSER, VllmServer
 from tokenway.errors import InvalidRequest
 from tokenway.model import load_model_info
 from tokenway.wire import Api, RenderRequest
@@ -32,6 +32,21 @@ from workers.render.core import Renderer
 from workers.render.parse import ParserFlags
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}},
+]  # fmt: skip
+TOOL_ASKS: list[dict[str, Any]] = [
+    {"tool_choice": "required"},
+    {"tool_choice": "required", "parallel_tool_calls": False},
+    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"tool_choice": "auto"},  # get_time is strict: its calls are held to the tag
+    {"tool_choice": "auto", "response_format": {"type": "json_object"}},  # calls or JSON
+]
+PARSING = ParserFlags(tool_call_parser=TOOL_PARSER, enable_auto_tool_choice=True)
 
 BODIES: list[tuple[Api, dict[str, Any]]] = [
     ("chat", {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 20}),
@@ -62,6 +77,9 @@ BODIES: list[tuple[Api, dict[str, Any]]] = [
     ("completion", {"prompt": "A code:", "max_tokens": 6,
                     "structured_outputs": {"regex": "[A-Z]{3}"}}),
     ("completion", {"prompt": "{", "max_tokens": 6, "response_format": {"type": "json_object"}}),
+    # tool calls held to the tool parser's structural tag, as vLLM builds it
+    *[("chat", {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, **ask})
+      for ask in TOOL_ASKS],
 ]  # fmt: skip
 
 
@@ -73,13 +91,13 @@ def request(api: Api, body: dict[str, Any]) -> RenderRequest:
 @pytest.fixture(scope="module")
 def local(vllm_render_server: VllmServer) -> Renderer:
     info = load_model_info(vllm_render_server.model_dir, MAX_MODEL_LEN)
-    return Renderer(info, SERVED_NAME)
+    return Renderer(info, SERVED_NAME, PARSING)
 
 
 def backend_for(server: VllmServer, tmp: Any) -> VllmBackend:
     settings = make_settings(tmp, render_backend="vllm", render_url=server.url)
     info = load_model_info(server.model_dir, MAX_MODEL_LEN)
-    backend = render_backend(settings, info, SERVED_NAME, ParserFlags())
+    backend = render_backend(settings, info, SERVED_NAME, PARSING)
     assert isinstance(backend, VllmBackend)
     return backend
 

@@ -28,7 +28,7 @@ import msgspec
 from msgspec import Meta
 
 from tokenway.errors import InvalidRequest
-from tokenway.wire import ParseContext
+from tokenway.wire import ParseContext, ToolChoice
 
 PARSERS: tuple[str, ...] = ("deepseek_v31", "hermes")
 
@@ -124,7 +124,7 @@ def call_id(response_id: str, index: int) -> str:
 
 def start(ctx: ParseContext) -> ToolState | None:
     """The first state, or None when this request's output is not parsed for calls."""
-    choice = ctx.tool_choice
+    choice = _reading(ctx)
     if choice == "none":
         return None
     if choice == "named":
@@ -149,7 +149,7 @@ def step(
     """Parse the next piece of output text: (content delta, call deltas, next state)."""
     s = msgspec.structs.replace(state)
     out = _Out()
-    choice = ctx.tool_choice
+    choice = _reading(ctx)
     if choice == "named":
         if text:
             if not s.announced:
@@ -175,7 +175,7 @@ def finish(
     """The end of output: release what was held (a tail that turned out not to be a marker)."""
     s = msgspec.structs.replace(state)
     out = _Out()
-    if ctx.tool_choice == "named":
+    if _reading(ctx) == "named":
         if not s.announced:  # a forced call is always reported, even on empty output
             _announce(s, out, ctx.tool_name or "")
             _args(s, out, "{}")
@@ -256,8 +256,15 @@ class _Out:
         return out
 
 
+def _reading(ctx: ParseContext) -> ToolChoice:
+    """How the output is read: a forced call in the tool parser's syntax as "auto" reads."""
+    return "auto" if ctx.native_calls else ctx.tool_choice
+
+
 def _forced(ctx: ParseContext) -> bool:
-    return ctx.tool_choice in ("named", "required")
+    """Whether calls are JSON a forced call was constrained to (its first delta carries the
+    arguments so far, as vLLM's JSON path sends it)."""
+    return _reading(ctx) in ("named", "required")
 
 
 @dataclass(frozen=True, slots=True)

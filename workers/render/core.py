@@ -40,6 +40,7 @@ from workers.render.parse import ParserFlags, parse_context
 from workers.render.sampling import (
     budget,
     keep_output_fields,
+    output_options,
     reject_unsupported,
     requested_max_tokens,
     sampling_params,
@@ -109,7 +110,7 @@ class RequestBuilder:
         reject_unsupported(req)
         if isinstance(req, CompletionRequest):
             completion_prompts(req)
-        return Parsed(req, structured.constraint(req))
+        return Parsed(req, structured.constraint(req, self.flags.tool_tags()))
 
     def build(
         self,
@@ -129,11 +130,6 @@ class RequestBuilder:
             raise InvalidRequest(
                 "the prompt is empty after rendering", param="messages" if chat else "prompt"
             )
-        parse = (
-            parse_context(req, ids, self.flags, vocab)
-            if isinstance(req, ChatCompletionRequest)
-            else None
-        )
         max_tokens = self._budget(ids, req)
         several = None
         if more:  # several prompts: each its own budget, as vLLM gives each its own
@@ -141,6 +137,11 @@ class RequestBuilder:
         params = sampling_params(req, max_tokens, parsed.constraint)
         if remote is not None:
             params = keep_output_fields(remote, params)
+        parse = (
+            parse_context(req, ids, self.flags, vocab, params.structured_outputs)
+            if isinstance(req, ChatCompletionRequest)
+            else None
+        )
         opts = req.stream_options
         context = OutputContext(
             api=request.api,
@@ -154,13 +155,7 @@ class RequestBuilder:
             continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
             echo=isinstance(req, CompletionRequest) and bool(req.echo),
             return_token_ids=bool(req.return_token_ids),
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            stop=params.stop,
-            min_tokens=params.min_tokens,
-            n=params.n,
-            logprobs=params.logprobs,
+            **output_options(params),
             parse=parse,
         )
         return GenerateRequest(

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 from tokenway.errors import InvalidRequest
 from tokenway.protocol import ChatCompletionRequest, NamedToolChoice
-from tokenway.wire import ParseContext
+from tokenway.wire import ParseContext, StructuredOutputs
 from workers.derender import reasoning, tools
+from workers.render import tool_tags
+from workers.render.structured import ToolTags
+from workers.render.tool_tags import StrictLevel
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,17 @@ class ParserFlags:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING (on by default) and --tool-strict-level
+    strict_tool_calling: bool = True
+    tool_strict_level: StrictLevel = "auto"
+
+    def tool_tags(self) -> ToolTags | None:
+        """How tool calls are constrained: in the tool parser's syntax (a structural tag),
+        or None for the tools' JSON schema."""
+        parser = self.tool_call_parser
+        if parser not in tool_tags.PARSERS or not self.strict_tool_calling:
+            return None
+        return ToolTags(parser, self.tool_strict_level)
 
     def check(self) -> None:
         """Refuse unknown parser names at start-up, not on the first request."""
@@ -71,14 +85,26 @@ def _tool_choice(req: ChatCompletionRequest, flags: ParserFlags) -> ParseContext
     return ParseContext(tool_choice=choice, parallel_tool_calls=parallel)
 
 
+def _read_as_sent(plan: ParseContext, flags: ParserFlags, sent: StructuredOutputs | None) -> None:
+    """A forced call the engine is held to a structural tag for comes in the tool parser's
+    syntax, which that parser reads (whoever built the tag: render, or a render server)."""
+    tagged = sent is not None and sent.structural_tag is not None
+    parser = flags.tool_call_parser
+    if plan.tool_choice in ("named", "required") and tagged and parser in tool_tags.PARSERS:
+        plan.tool_parser, plan.native_calls = parser, True
+
+
 def parse_context(
     req: ChatCompletionRequest,
     prompt_ids: Sequence[int],
     flags: ParserFlags,
     vocab: Mapping[str, int],
+    sent: StructuredOutputs | None = None,
 ) -> ParseContext | None:
-    """The parse plan, or None when derender has nothing to parse (plain content)."""
+    """The parse plan, or None when derender has nothing to parse (plain content). `sent`:
+    the constraint the engine gets."""
     plan = _tool_choice(req, flags)
+    _read_as_sent(plan, flags, sent)
     plan.include_reasoning = req.include_reasoning
     if flags.reasoning_parser:
         plan.reasoning_parser = flags.reasoning_parser

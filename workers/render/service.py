@@ -19,6 +19,7 @@ from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    Overloaded,
     RateLimited,
     TokenwayError,
     internal,
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder(RenderRequest)
 _encoder = msgspec.msgpack.Encoder()
+_ROOM_BACKOFF, _MAX_ROOM_BACKOFF = 0.05, 2.0  # seconds between tries at a full queue
 
 
 class RenderService:
@@ -110,7 +112,7 @@ class RenderService:
             if who.limits:
                 await self._admit(who, generate)
             try:
-                await self._forward(js, who, generate)
+                await self._forward_when_room(js, msg, who, generate)
             except BaseException:
                 if who.limits:  # it never ran: its slot is free again
                     await self._tenants().release(who.tenant, who.rid)
@@ -147,6 +149,25 @@ class RenderService:
 
     async def _fail(self, who: ledger.Identity, info: ErrorInfo) -> None:
         await ledger.publish_error(self.nc, who.reply, who.rid, 1, info, tenant=who.tenant)
+
+    async def _forward_when_room(
+        self, js: JetStreamContext, msg: Msg, who: ledger.Identity, generate: GenerateRequest
+    ) -> None:
+        """Forward; a request that asks to wait (`Tw-Wait`, a batch job's) waits out a full
+        schedule queue, holding its render message (and this worker's slot) meanwhile, so
+        the pressure reaches the render queue and the job's own publishes."""
+        wait = _ROOM_BACKOFF
+        while True:
+            try:
+                return await self._forward(js, who, generate)
+            except Overloaded:
+                if not who.wait or (who.deadline is not None and time.time() > who.deadline):
+                    raise
+            if wait == _ROOM_BACKOFF:
+                log.info("request %s waits for room in the schedule queue", who.rid)
+            await msg.in_progress()
+            await asyncio.sleep(wait)  # the schedulers drain their queue meanwhile
+            wait = min(wait * 2, _MAX_ROOM_BACKOFF)
 
     async def _forward(
         self,

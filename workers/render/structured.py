@@ -6,10 +6,13 @@ parameters carry (`StructuredOutputs`), by vLLM 0.33's rules:
   silently is a wrong answer, so here they still constrain);
 - `response_format` (`json_object`, `json_schema`, `structural_tag`) sets its kind over
   the same kind there, keeping the options; a second kind is an error, as is none;
-- a forced tool (`tool_choice` "required" or named) replaces all of it with the tools'
-  JSON schema, as vLLM does for tool parsers that build no structural tag: "required" asks
-  for a JSON list of `{"name", "parameters"}` objects, one of the tools each; a named tool
-  for its parameters object. Derender parses exactly these forms.
+- with a tool parser that has a structural tag and strict tool calling on (vLLM's
+  default), tool calls are constrained to that parser's own syntax (`tool_tags`) and
+  derender's tool parser reads them as it reads "auto" calls;
+- otherwise a forced tool (`tool_choice` "required" or named) replaces all of it with the
+  tools' JSON schema, as vLLM does without a structural tag: "required" asks for a JSON
+  list of `{"name", "parameters"}` objects, one of the tools each; a named tool for its
+  parameters object. Derender parses exactly these forms.
 
 Each constraint is then checked (vLLM's request checks, and whether it compiles), so that
 what an engine could not decode is refused before anything is tokenized.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -32,17 +36,30 @@ from tokenway.protocol import (
     ResponseFormat,
 )
 from tokenway.wire import StructuredOutputs
+from workers.render import tool_tags
+from workers.render.tool_tags import StrictLevel
 
 _KINDS = "json, regex, choice, grammar, json_object or structural_tag"
 
 
-def constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+def constraint(
+    req: ChatCompletionRequest | CompletionRequest, tags: ToolTags | None = None
+) -> StructuredOutputs | None:
     """The request's constraint, checked, or None; `InvalidRequest` naming the parameter
-    that asks for it wrongly."""
-    so = _constraint(req)
+    that asks for it wrongly. With `tags`, a tool-calling request gets the structural tag
+    of the tool parser's syntax (`tool_tags`) instead of the tools' JSON schema."""
+    so = _constraint(req, tags)
     if so is not None:
         _check(so, _asked_by(req))
     return so
+
+
+@dataclass(frozen=True)
+class ToolTags:
+    """Structural tags for tool calls: the parser whose syntax they spell, and how strict."""
+
+    parser: str
+    level: StrictLevel = "auto"
 
 
 def _asked_by(req: ChatCompletionRequest | CompletionRequest) -> str:
@@ -53,17 +70,31 @@ def _asked_by(req: ChatCompletionRequest | CompletionRequest) -> str:
     return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
 
 
-def _constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
-    so = req.structured_outputs
-    if isinstance(req, ChatCompletionRequest):
+def _constraint(
+    req: ChatCompletionRequest | CompletionRequest, tags: ToolTags | None
+) -> StructuredOutputs | None:
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        so = req.structured_outputs
         named = isinstance(req.tool_choice, NamedToolChoice)
         if named and so is not None and {"json", "regex", "choice"} & set(so.kinds()):
             raise InvalidRequest(
                 "You can only either use constraints for structured outputs or tools, not both.",
                 param="tool_choice",
             )
-        if (tools := _forced_tools(req)) is not None:
+        if tags is None and (tools := _forced_tools(req)) is not None:
             return tools
+    own = _own(req)
+    if chat and tags is not None:
+        tagged = tool_tags.structural_tag(req, tags.parser, tags.level, own)
+        if tagged is not None:
+            return tagged
+    return own
+
+
+def _own(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+    """The constraint the request asks for itself (tools apart)."""
+    so = req.structured_outputs
     guided = _guided(req)
     if guided is not None:
         if so is not None:

@@ -16,7 +16,6 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from pathlib import Path
 
 import msgspec
 import nats.errors
@@ -35,12 +34,14 @@ from tokenway.errors import (
     DeadlineExceeded,
     EngineFailed,
     InvalidRequest,
+    ModelNotFound,
     StageTimeout,
     StageUnavailable,
     Unavailable,
     internal,
     too_big_for_the_bus,
 )
+from tokenway.model import ModelInfo
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.sse import frame
@@ -57,7 +58,7 @@ from tokenway.wire import (
 )
 from tokenway.worker import consume
 from workers.derender.backend import derender_backend, is_large
-from workers.schedule import metrics
+from workers.schedule import direct, metrics
 from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
@@ -88,11 +89,13 @@ class ScheduleService:
         self,
         settings: Settings,
         model: str,
-        model_dir: Path,
+        info: ModelInfo,
         obfuscation: Permutation | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
+        self.model_info = info
+        self._clip = settings.context_budget == "on"
         self.observed = metrics.Observed(model)
         self.obfuscation = obfuscation
         self.owner_id = f"s{secrets.token_hex(4)}"
@@ -114,7 +117,7 @@ class ScheduleService:
         # Derendering in this process (the default placement): a backend refused here (a
         # ValueError) refuses the stage before it starts.
         self._backend = (
-            derender_backend(settings, model_dir)
+            derender_backend(settings, info.path)
             if settings.derender_placement == "owner"
             else None
         )
@@ -232,10 +235,16 @@ class ScheduleService:
                 await self._book.release(who.tenant, rid)
             await msg.ack()
             return
+        refused = None
+        if direct.is_direct(request):  # vLLM's token-only body: no output context yet
+            try:
+                request = direct.completed(request, self.model, self.model_info, self._clip)
+            except (InvalidRequest, ModelNotFound) as exc:
+                refused = exc.info()
         deadline = who.deadline
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
-        if request.prompts and self.fanout is not None:  # one sub-request per prompt
+        if request.prompts and self.fanout is not None and refused is None:  # one per prompt
             await self.fanout.take(msg, who, deadline, request)
             return
         span = spans.start("schedule", who.trace or None, request_id=rid, model=self.model,
@@ -246,6 +255,8 @@ class ScheduleService:
                   trace=span.traceparent() or who.trace, span=span)  # fmt: skip
         self.requests[rid] = r
         self.empty.clear()
+        if refused is not None:  # its error event goes out on the way out, nothing runs
+            r.fail(refused)
         self._group.create_task(self._own(r))
 
     async def _own(self, r: Owned) -> None:

@@ -281,6 +281,19 @@ def test_forced_calls_carry_arguments_in_their_first_delta() -> None:
     ]
 
 
+def test_a_forced_call_in_the_parsers_syntax_is_read_as_auto_reads_it() -> None:
+    """A structural tag held the engine to DeepSeek's markers: the parser reads them, with
+    auto's deltas, and a named call still reports "stop" (nothing made up on empty output)."""
+    for choice in (NAMED, REQUIRED):
+        native = msgspec.structs.replace(choice, tool_parser="deepseek_v31", native_calls=True)
+        text = deepseek_text("", [WEATHER])
+        r = run(native, [text])
+        assert parsed(r) == [WEATHER] and r.content == ""
+        assert msgspec.to_builtins(r.steps[0])[0]["function"] == {"name": "get_weather"}
+        assert tools.rewrites_finish(native, True) is (choice is REQUIRED)
+        assert parsed(run(native, [])) == []
+
+
 def test_named_tool_is_reported_even_for_empty_output() -> None:
     assert parsed(run(NAMED, [])) == [("get_weather", {})]
 

@@ -4,6 +4,7 @@ local rendering, and a 400/422 is the request's own error, neither retried nor r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 MODEL = "deepseek-v4"
 HELLO = [{"role": "user", "content": "Hello!"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -101,16 +103,34 @@ async def test_the_parse_plan_from_server_tokens_is_the_local_one(
     # Reasoning starts where the rendered prompt's last marker says: found without the local
     # tokenizer; tool choice comes from the body.
     fake.reset()
-    backend = backend_for(model_dir, fake.url, DEFAULT_PARSERS)
-    local = Renderer(load_model_info(model_dir), MODEL, DEFAULT_PARSERS)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    flags = dataclasses.replace(DEFAULT_PARSERS, strict_tool_calling=False)  # as the fake's
+    backend = backend_for(model_dir, fake.url, flags)
+    local = Renderer(load_model_info(model_dir), MODEL, flags)
     try:
         for kwargs in ({"thinking": True}, {"thinking": False}):
-            body = {"chat_template_kwargs": kwargs, "tools": [tool], "tool_choice": "required"}
+            body = {"chat_template_kwargs": kwargs, "tools": [TOOL], "tool_choice": "required"}
             generate = await backend.render(request(**body))
             assert generate == local.render(request(**body))
             assert generate.context.parse is not None
         assert not backend.local_loaded
+    finally:
+        await backend.aclose()
+
+
+async def test_a_forced_call_is_read_as_the_render_server_constrained_it(
+    fake: FakeVllmRender, model_dir: Path
+) -> None:
+    """The fake renders as vLLM's render server does without a tool parser: a forced call
+    held to the tools' JSON schema, which derender reads as JSON, whatever tokenway's own
+    flags would have built."""
+    fake.reset()
+    backend = backend_for(model_dir, fake.url, DEFAULT_PARSERS)
+    try:
+        generate = await backend.render(request(tools=[TOOL], tool_choice="required"))
+        so = generate.sampling_params.structured_outputs
+        assert so is not None and so.json is not None and so.structural_tag is None
+        parse = generate.context.parse
+        assert parse is not None and parse.tool_choice == "required" and not parse.native_calls
     finally:
         await backend.aclose()
 

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.conftest import make_settings
+from tokenway.model import load_model_info
 from tokenway.wire import GenerateRequest, OutputContext, TokenDelta
 from workers.derender.backend import LocalBackend
 from workers.schedule.owned import Owned
@@ -21,7 +22,7 @@ async def test_output_held_back_waits_for_the_engine_instead_of_being_derendered
 ) -> None:
     """The first byte of a four-byte character shows nothing: the token waits for the next
     one. Asking derender again before the engine sends more would spin on it."""
-    owner = ScheduleService(make_settings(tmp_path), "m", model_dir)
+    owner = ScheduleService(make_settings(tmp_path), "m", load_model_info(model_dir))
     owner.derenderer = LocalBackend(model_dir)
     ctx = OutputContext(api="completion", response_id="cmpl-1", model="m", stream=True)
     r = Owned(rid="r1", reply="i1", request=GenerateRequest(request_id="r1", token_ids=[1],

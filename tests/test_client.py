@@ -1,0 +1,117 @@
+"""`tokenway.client` against the real pipeline: OpenAI bodies and token-only requests,
+results read live or later, many at once under backpressure, an id never run twice, and
+the examples as a user runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from tests.conftest import Logged, Stack, make_settings, nats_server, start_stack
+from tests.streams import until
+from tokenway import bus
+from tokenway.client import Client, RequestFailed
+from tokenway.wire import GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ["schedule", "derender", "sim"]
+T = TypeVar("T")
+
+
+def chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Fact #{i}?"}], "max_tokens": 6}
+
+
+def engine_runs(stack: Stack, rid: str) -> int:
+    return sum(w.rid == rid for b in stack.by_name["engine"] for w in b.engine.received)
+
+
+async def test_an_openai_body_and_a_token_request_run_and_read_back_later(stack: Stack) -> None:
+    async with await Client.connect(stack.settings.nats, stack.model) as tw:
+        done = await tw.run(chat(1))
+        assert done["object"] == "chat.completion" and done["choices"][0]["message"]["content"]
+        params = SamplingParams(max_tokens=5, logprobs=0, seed=2)
+        tokens = await tw.run(
+            GenerateRequest(request_id="", token_ids=[6366, 33], sampling_params=params,
+                            return_token_ids=True), rid="tok-1",
+        )  # fmt: skip
+        (choice,) = tokens["choices"]
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 5
+        rid = await tw.submit({"prompt": "Later", "max_tokens": 3})
+        reply = tw.reply
+    # another process, later: the same names find the stored output
+    async with await Client.connect(stack.settings.nats, stack.model, reply=reply) as later:
+        assert (await later.result(rid))["usage"]["completion_tokens"] == 3
+        assert (await later.result("tok-1"))["choices"] == tokens["choices"]
+        with pytest.raises(RequestFailed) as failed:
+            await later.run({"messages": [], "max_tokens": 3})
+    assert failed.value.status == 400
+
+
+async def test_many_at_once_each_run_once_even_submitted_again(stack: Stack) -> None:
+    named = [(f"many-{i}", chat(i)) for i in range(12)]
+    async with await Client.connect(stack.settings.nats, stack.model) as tw:
+        first = {rid: r async for rid, r in tw.submit_many(named, concurrency=4)}
+        again = {rid: r async for rid, r in tw.submit_many(named, concurrency=4)}
+    assert sorted(first) == sorted(rid for rid, _ in named) and again == first
+    assert all(isinstance(r, dict) for r in first.values())
+    assert all(engine_runs(stack, rid) == 1 for rid, _ in named)
+
+
+async def test_a_full_queue_is_waited_out_not_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One message fits each queue: the client waits at the render queue, render at the
+    schedule queue, and every request is answered once the schedulers start."""
+    caplog.set_level(logging.INFO, logger="workers.render.service")
+    held = Logged("waits for room in the schedule queue")
+    logging.getLogger("workers.render.service").addHandler(held)
+    stacks = []
+    try:
+        async with nats_server(tmp_path / "nats") as server:
+            settings = make_settings(tmp_path / "d", queue_max_msgs=1, nats=server.url)
+            nc = await bus.connect(server.url, "provision", settings)
+            await bus.provision_streams(nc.jetstream(), settings)
+            await nc.close()
+            async with await Client.connect(server.url, "deepseek-v4") as tw:
+                bodies = [chat(i) for i in range(4)]
+                waiting = asyncio.create_task(_collect(tw.submit_many(bodies)))
+                await until(tw.waited, lambda: tw.waits > 0)
+                stacks.append(await start_stack(server.url, settings, ["render"]))
+                async with asyncio.timeout(30):
+                    await held.event.wait()  # the schedule queue is full: render holds on
+                stacks.append(await start_stack(server.url, settings, STAGES))
+                results = await asyncio.wait_for(waiting, 60)
+            for stack in stacks:
+                await stack.close()
+    finally:
+        logging.getLogger("workers.render.service").removeHandler(held)
+    assert len(results) == 4 and all(isinstance(r, dict) for _, r in results), results
+
+
+async def _collect(results: AsyncIterator[T]) -> list[T]:
+    return [item async for item in results]
+
+
+@pytest.mark.parametrize("example", ["rl_tokens.py", "batch_many.py"])
+async def test_the_examples_run_as_their_docstrings_say(stack: Stack, example: str) -> None:
+    args = ["--nats", stack.settings.nats, "--model", stack.model]
+    if example == "batch_many.py":
+        args += ["--count", "6", "--job", f"example-{os.getpid()}"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "examples" / example), *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert len(lines) == (4 if example == "rl_tokens.py" else 6), out

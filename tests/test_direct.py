@@ -1,0 +1,113 @@
+"""A batch or RL job publishing vLLM's token-only generate body straight to
+`tw.sched.<model>`, with no tokenway output context: the answer is whole (id, model,
+created, usage), every vLLM field the body sets is honoured, and what render would refuse
+is refused before any engine runs it."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import msgspec
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from tests.conftest import Stack
+from tokenway import bus, ledger
+from tokenway import headers as h
+from tokenway.wire import TERMINAL_KINDS, GenerateRequest, SamplingParams, StreamOptions
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = [6366, 33, 1040, 285]
+
+
+async def publish(stack: Stack, request: GenerateRequest) -> list[Msg]:
+    """Publish as a direct client does; every output message up to the terminal one."""
+    reply = f"job{secrets.token_hex(3)}"
+    nc = await nats.connect(stack.settings.nats)
+    try:
+        js = nc.jetstream()
+        out = await js.subscribe(bus.out_subject(reply, request.request_id),
+                                 stream=bus.OUT_STREAM, ordered_consumer=True)  # fmt: skip
+        await js.publish(bus.sched_subject(stack.model), msgspec.msgpack.encode(request),
+                         headers=ledger.Identity(request.request_id, reply).headers())  # fmt: skip
+        got = [await out.next_msg(timeout=30)]
+        while got[-1].headers.get(h.KIND, h.KIND_CHUNK) not in TERMINAL_KINDS:
+            got.append(await out.next_msg(timeout=30))
+        return got
+    finally:
+        await nc.close()
+
+
+def body(**params: object) -> GenerateRequest:
+    given = {"max_tokens": 8, "seed": 3, "ignore_eos": True, **params}
+    sampling = msgspec.convert(given, SamplingParams)
+    return GenerateRequest(request_id=secrets.token_hex(8), token_ids=PROMPT,
+                           sampling_params=sampling)  # fmt: skip
+
+
+def received(stack: Stack, rid: str) -> int:
+    return sum(w.rid == rid for b in stack.by_name["engine"] for w in b.engine.received)
+
+
+async def test_a_token_only_body_gets_a_whole_response_with_ids_and_logprobs(
+    stack: Stack,
+) -> None:
+    request = msgspec.structs.replace(body(n=2, logprobs=1), return_token_ids=True)
+    (msg,) = await publish(stack, request)
+    assert msg.headers[h.KIND] == h.KIND_RESPONSE
+    doc = json.loads(msg.data)
+    assert doc["id"] == f"cmpl-{request.request_id}" and doc["object"] == "text_completion"
+    assert doc["model"] == stack.model and doc["created"] > 0
+    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
+    assert [c["index"] for c in doc["choices"]] == [0, 1]
+    for choice in doc["choices"]:
+        ids, lp = choice["token_ids"], choice["logprobs"]
+        assert len(ids) == 8 and len(lp["token_logprobs"]) == 8
+        assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"])  # the top one, the sampled
+        assert choice["finish_reason"] == "length"
+
+
+async def test_its_stop_strings_and_stream_options_are_honoured(stack: Stack) -> None:
+    (whole,) = await publish(stack, body(max_tokens=30))
+    text = json.loads(whole.data)["choices"][0]["text"]
+    stop = text[len(text) // 2 :][:3]
+    before = text[: text.index(stop)]
+    (stopped,) = await publish(stack, body(max_tokens=30, stop=[stop]))
+    choice = json.loads(stopped.data)["choices"][0]
+    assert choice["text"] == before and choice["finish_reason"] == "stop"
+    streamed = msgspec.structs.replace(
+        body(max_tokens=30), stream=True, stream_options=StreamOptions(include_usage=True)
+    )
+    msgs = await publish(stack, streamed)
+    assert {m.headers.get(h.KIND, h.KIND_CHUNK) for m in msgs[:-1]} == {h.KIND_CHUNK}
+    assert msgs[-1].headers[h.KIND] == h.KIND_END
+    docs = [json.loads(e[len("data: ") :]) for m in msgs for e in m.data.decode().split("\n\n")
+            if e.startswith("data: {")]  # fmt: skip
+    assert "".join(c["text"] for d in docs for c in d["choices"]) == text
+    assert docs[-1]["usage"]["prompt_tokens"] == 4 and not docs[-1]["choices"]
+    assert {d["id"] for d in docs} == {f"cmpl-{streamed.request_id}"}
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "param", "says"),
+    [
+        ({"token_ids": [6366, 10**6]}, 400, "token_ids", "outside the vocabulary"),
+        ({"model": "another"}, 404, "model", "does not exist"),
+        ({"sampling_params": SamplingParams(n=0)}, 400, "sampling_params.n", "at least 1"),
+        ({"sampling_params": SamplingParams(max_tokens=10**7)}, 400,
+         "sampling_params.max_tokens", "maximum context length"),
+    ],
+    ids=["vocabulary", "model", "n", "budget"],
+)  # fmt: skip
+async def test_what_render_would_refuse_is_an_error_event_before_any_engine_runs(
+    stack: Stack, change: dict, status: int, param: str, says: str
+) -> None:
+    request = msgspec.structs.replace(body(), **change)
+    (msg,) = await publish(stack, request)
+    assert msg.headers[h.KIND] == h.KIND_ERROR and msg.headers[h.STATUS] == str(status)
+    error = json.loads(msg.data)["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert received(stack, request.request_id) == 0

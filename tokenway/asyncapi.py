@@ -1,0 +1,255 @@
+"""The bus's contract as an AsyncAPI 3.0 document (`tokenway asyncapi` prints it).
+
+Addresses come from `tokenway.bus`'s subject functions and streams, payload schemas from the
+msgspec structs of `tokenway.wire` (their JSON Schema), so the document cannot drift from
+what the stages publish. Each channel says which stream keeps it (none: core NATS, gone if
+nobody listens), who sends and who receives, the headers, and the encoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokenway import __version__, bus
+from tokenway import headers as h
+from tokenway.wire import (
+    DeadLetter,
+    Delivery,
+    DerenderCall,
+    DerenderReply,
+    EngineAbort,
+    EngineInfo,
+    EngineWork,
+    ErrorInfo,
+    GenerateRequest,
+    OwnerInfo,
+    RenderRequest,
+    TokenizeAnswer,
+    TokenizeCall,
+    TokenStep,
+)
+
+MSGPACK, JSON, SSE = "application/msgpack", "application/json", "text/event-stream"
+
+# Header → what it says, for the messages that carry it.
+REQUEST_HEADERS = {
+    h.RID: "The request id (also its `Nats-Msg-Id`: JetStream drops a resubmission within "
+    "the stream's two-minute duplicate window).",
+    h.REPLY: "Where the output goes: the ledger subject is `tw.out.<Tw-Reply>.<Tw-Rid>`.",
+    h.MSG_ID: "The request id, for JetStream's de-duplication.",
+    h.DEADLINE: "Optional: epoch seconds after which the request ends with a 504.",
+    h.TENANT: "The API key's tenant (set by the ingress).",
+    h.LIMITS: "The tenant's limits (set by the ingress).",
+    h.WAIT: 'Optional, "1": a full queue downstream is waited out instead of a 429.',
+    h.TRACEPARENT: "Optional W3C trace context, passed on to the engine.",
+}
+OUTPUT_HEADERS = {
+    h.SEQ: "The message's place in the request's output: 1, 2, … with no gap.",
+    h.KIND: f"`{h.KIND_CHUNK}` (also when absent) and `{h.KIND_END}`: SSE `data:` events of "
+    f"a stream; `{h.KIND_RESPONSE}`: a whole JSON response; `{h.KIND_ERROR}`: an OpenAI "
+    "error body. The last three end the output.",
+    h.STATUS: "Of an error: its HTTP status.",
+    h.ATTEMPT: "The engine attempt that produced it (relays count up).",
+    h.STREAM_STATE: "Derender's state after this message (base64url), for resuming.",
+    h.TOKENS: "The output token IDs the message holds, comma separated.",
+    h.TOKEN_COUNT: "Of a whole response: how many output tokens it holds.",
+    h.MSG_ID: "`<rid>:<seq>`, for JetStream's de-duplication.",
+    h.TENANT: "The tenant whose request it is (`GET /v1/streams` serves only that tenant).",
+}
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One subject pattern of the bus, as the document describes it."""
+
+    name: str
+    address: str  # with {parameters}
+    description: str
+    payload: type | None  # a wire struct; None: an empty body or opaque bytes
+    content_type: str = MSGPACK
+    stream: str | None = None  # the JetStream stream that keeps it; None: core NATS
+    senders: tuple[str, ...] = ()
+    receivers: tuple[str, ...] = ()
+    headers: dict[str, str] = field(default_factory=dict)
+    reply: type | None = None  # a core request's answer, on the NATS reply subject
+    more: tuple[type, ...] = ()  # other payloads the channel carries
+
+
+def _address(subject: Any, *names: str) -> str:
+    """A subject function's pattern: called with placeholder tokens, read back as
+    `{parameters}` (the functions turn any name into a valid token)."""
+    marks = [f"PARAM{i}X" for i in range(len(names))]
+    address = subject(*marks)
+    for mark, name in zip(marks, names, strict=True):
+        address = address.replace(mark, "{" + name + "}")
+    return address
+
+
+def channels() -> list[Channel]:
+    ingress, direct = "ingress", "direct clients (`tokenway.client`)"
+    return [
+        Channel("render", _address(bus.render_subject, "model"),
+                "OpenAI request bodies, one per request, for render to template and tokenize.",
+                RenderRequest, stream=bus.RENDER_STREAM, senders=(ingress, direct),
+                receivers=("render",), headers=REQUEST_HEADERS),
+        Channel("schedule", _address(bus.sched_subject, "model"),
+                "Tokenized requests for their owner: vLLM's token-only generate body plus "
+                "tokenway's output context. A body without one (`context.response_id` "
+                "empty) gets it from the schedule stage, or an error event.",
+                GenerateRequest, stream=bus.SCHED_STREAM, senders=("render", direct),
+                receivers=("schedule",), headers=REQUEST_HEADERS),
+        Channel("output", _address(bus.out_subject, "reply", "rid"),
+                "A request's ledger: its committed output, in `Tw-Seq` order, kept for "
+                "`TW_OUT`'s retention. Read it with an ordered consumer from the first "
+                "message, live or later; it ends with an end, a response or an error.",
+                None, content_type=SSE, stream=bus.OUT_STREAM, senders=("schedule",),
+                receivers=(ingress, direct), headers=OUTPUT_HEADERS),
+        Channel("delivery", _address(bus.sse_subject, "reply"),
+                "What the ledger's writer just stored for a reply, live: a lost one shows as "
+                "a gap in `Tw-Seq`, which the reader reads back from the ledger.",
+                Delivery, senders=("schedule",), receivers=(ingress,)),
+        Channel("tokens", _address(bus.tok_subject, "owner"),
+                "Everything one engine step made for one owner.", TokenStep,
+                senders=("engine bridge",), receivers=("schedule",)),
+        Channel("engine", _address(bus.engine_subject, "engine", "verb"),
+                "Work for an engine (`generate`: `EngineWork`) and aborts of it (`abort`: "
+                "`EngineAbort`).", EngineWork, senders=("schedule",),
+                receivers=("engine bridge",), more=(EngineAbort,)),
+        Channel("orphan", _address(bus.orphan_subject, "rid"),
+                "A new owner's word to every bridge: drop the request's work for the old one.",
+                EngineAbort, senders=("schedule",), receivers=("engine bridge",)),
+        Channel("cancel", _address(bus.cancel_subject, "rid"),
+                "The client left: its owner stops the request. An empty body.", None,
+                content_type="application/octet-stream", senders=(ingress, direct),
+                receivers=("schedule",)),
+        Channel("derender", _address(bus.derender_subject, "model"),
+                "Token deltas to turn into OpenAI output (`--derender-placement pool`).",
+                DerenderCall, senders=("schedule",), receivers=("derender",),
+                reply=DerenderReply),
+        Channel("tokenize", _address(bus.tokenize_subject, "model"),
+                "`/tokenize` and `/detokenize`, answered by a render worker.", TokenizeCall,
+                senders=(ingress,), receivers=("render",), reply=TokenizeAnswer),
+        Channel("owners", bus.OWNERS_SUBJECT,
+                "`tokenway status`: every owner answers with what it holds. An empty body.",
+                None, content_type="application/octet-stream", senders=("ops",),
+                receivers=("schedule",), reply=OwnerInfo),
+        Channel("dead-letters", _address(bus.dlq_subject, "stage"),
+                "Messages no worker could process, with the reason and where they came from.",
+                DeadLetter, content_type=JSON, stream=bus.DLQ_STREAM,
+                senders=("every stage", "dead-letter mover"), receivers=("ops",)),
+        Channel("engine-registry", bus.ENGINES_KEYS.replace(">", "{engine}"),
+                f"The `{bus.ENGINES_BUCKET}` key-value bucket: each engine's heartbeat.",
+                EngineInfo, stream=bus.ENGINES_STREAM, senders=("engine bridge",),
+                receivers=(ingress, "schedule")),
+    ]  # fmt: skip
+
+
+_STRUCTS: tuple[type, ...] = (ErrorInfo,)  # referenced by the descriptions, not a channel's
+
+
+def document() -> dict[str, Any]:
+    """The AsyncAPI 3.0 document of the bus."""
+    chans = channels()
+    types = [t for c in chans for t in (c.payload, c.reply, *c.more) if t is not None]
+    _, schemas = msgspec.json.schema_components(
+        [*dict.fromkeys(types), *_STRUCTS], schema_hook=_any,
+        ref_template="#/components/schemas/{name}",
+    )  # fmt: skip
+    messages: dict[str, Any] = {}
+    doc_channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    for c in chans:
+        messages[c.name] = _message(c.name, c.payload, c.content_type, c.headers, c.description)
+        carried = [c.name]
+        for other in c.more:
+            carried.append(f"{c.name}-{other.__name__}")
+            messages[carried[-1]] = _message(carried[-1], other, c.content_type, c.headers,
+                                             other.__doc__ or other.__name__)  # fmt: skip
+        entry: dict[str, Any] = {
+            "address": c.address,
+            "description": c.description + _kept(c.stream),
+            "messages": {m: {"$ref": f"#/components/messages/{m}"} for m in carried},
+        }
+        params = [p.strip("{}") for p in c.address.split(".") if p.startswith("{")]
+        if params:
+            entry["parameters"] = {p: {"description": f"the {p}"} for p in params}
+        doc_channels[c.name] = entry
+        _operations(operations, c.name, c.senders, c.receivers)
+        if c.reply is not None:  # a core request: the answer goes to the asker's inbox
+            answer = f"{c.name}-reply"
+            messages[answer] = _message(answer, c.reply, MSGPACK, {}, f"The {c.name} answer.")
+            doc_channels[answer] = {
+                "address": None,
+                "description": f"The answer to a {c.name} request, on the NATS reply subject "
+                "the request names (the asker's inbox, `_INBOX.<role>.…`).",
+                "messages": {answer: {"$ref": f"#/components/messages/{answer}"}},
+            }
+            _operations(operations, answer, c.receivers, c.senders)
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "tokenway bus",
+            "version": __version__,
+            "description": (
+                "The NATS subjects tokenway's stages and direct clients speak. Payloads are "
+                "msgpack of the schemas below (tokenway/wire.py) unless a message says "
+                "otherwise. A request goes to `tw.render.<model>` (an OpenAI body) or "
+                "`tw.sched.<model>` (token IDs) with `Tw-Rid` and `Tw-Reply`; its output is "
+                "its ledger `tw.out.<reply>.<rid>`. A full queue refuses the publish "
+                "(JetStream's maximum-messages error): wait and publish again."
+            ),
+        },
+        "defaultContentType": MSGPACK,
+        "servers": {"nats": {"host": "localhost:4222", "protocol": "nats"}},
+        "channels": doc_channels,
+        "operations": operations,
+        "components": {"messages": messages, "schemas": schemas},
+    }
+
+
+def _operations(
+    into: dict[str, Any], channel: str, senders: tuple[str, ...], receivers: tuple[str, ...]
+) -> None:
+    ref = {"$ref": f"#/channels/{channel}"}
+    for action, who in (("send", senders), ("receive", receivers)):
+        into[f"{action}-{channel}"] = {"action": action, "channel": ref,
+                                       "summary": f"{', '.join(who)} {action}"}  # fmt: skip
+
+
+def _any(kind: type) -> dict[str, Any]:
+    """`object` (free JSON, e.g. `kv_transfer_params`' values) is any value."""
+    if kind is object:
+        return {"description": "any value"}
+    raise NotImplementedError(kind)
+
+
+def _kept(stream: str | None) -> str:
+    if stream is None:
+        return " Core NATS: not stored, lost when nobody listens."
+    return f" Kept in the JetStream stream `{stream}`."
+
+
+def _message(
+    name: str, payload: type | None, content_type: str, headers: dict[str, str], about: str
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"name": name, "contentType": content_type, "summary": about}
+    if payload is not None:
+        message["payload"] = {"$ref": f"#/components/schemas/{payload.__name__}"}
+    else:
+        message["payload"] = {"type": "string", "description": _opaque(content_type)}
+    if headers:
+        message["headers"] = {
+            "type": "object",
+            "properties": {k: {"type": "string", "description": v} for k, v in headers.items()},
+        }
+    return message
+
+
+def _opaque(content_type: str) -> str:
+    if content_type == SSE:
+        return ("Stream chunks as SSE `data: <JSON>` events (chunk, end); a whole response "
+                "or an error as one JSON document.")  # fmt: skip
+    return "Empty."

@@ -1,0 +1,222 @@
+"""Publishing straight to the bus: a Python client for batch and RL jobs.
+
+    async with await Client.connect("nats://127.0.0.1:4222", model="deepseek-v4") as tw:
+        done = await tw.run({"prompt": "Once upon a time", "max_tokens": 16})
+        tokens = await tw.run(GenerateRequest(request_id="r1", token_ids=[6366, 33],
+                                              sampling_params=SamplingParams(logprobs=1)))
+        async for rid, result in tw.submit_many(bodies, concurrency=64):
+            ...
+
+A request is an OpenAI body (a dict or an encoded JSON body: `messages` make it a chat
+completion, else a completion), rendered like an HTTP request, or a `GenerateRequest`:
+vLLM's token-only body, which skips render (the schedule stage fills in its output
+context). Its output is the request's ledger on `TW_OUT`, `tw.out.<reply>.<rid>`: read
+live, or later within the stream's retention, by anyone who knows the two names. `reply`
+names the job (one per client unless given); the request id is the caller's or a fresh
+one.
+
+A full queue (the bounded `TW_RENDER`/`TW_SCHED` streams refuse new messages) is waited
+out and retried, never an error to the caller: here for the queue published to, and at
+render for the schedule queue behind it (the `Tw-Wait` header asks it to). A request id
+is run once: JetStream drops a resubmission within its two-minute duplicate window, and
+`submit` sees a ledger already begun for the id and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.errors import APIError, NotFoundError
+
+from tokenway import bus, ledger
+from tokenway import headers as h
+from tokenway.aio import Signal
+from tokenway.wire import TERMINAL_KINDS, Api, GenerateRequest, RenderRequest
+
+Request = dict[str, Any] | bytes | GenerateRequest
+
+_BACKOFF, _MAX_BACKOFF = 0.05, 2.0  # seconds between tries while a queue is full
+
+
+class RequestFailed(Exception):
+    """The request ended in an error event: its HTTP status and OpenAI error object."""
+
+    def __init__(self, status: int, error: dict[str, Any]) -> None:
+        super().__init__(f"{status}: {error.get('message', error)}")
+        self.status = status
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Output:
+    """One message of a request's output, as its ledger holds it."""
+
+    kind: str  # `h.KIND_CHUNK`, `KIND_END`, `KIND_RESPONSE` or `KIND_ERROR`
+    body: bytes  # stream chunks as SSE `data: …` events, else one JSON document
+    seq: int  # its place in the request's output, from 1
+    status: int = 200
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in TERMINAL_KINDS
+
+    def documents(self) -> list[dict[str, Any]]:
+        """The JSON documents it carries (stream chunks: each event's)."""
+        if self.kind in (h.KIND_RESPONSE, h.KIND_ERROR):
+            return [json.loads(self.body)]
+        events = self.body.decode().split("\n\n")
+        return [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
+
+
+class Client:
+    """Submit requests to tokenway's bus and read their output (see the module's text)."""
+
+    def __init__(self, nc: NATS, model: str, reply: str | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.model = model
+        self.reply = reply or f"job{secrets.token_hex(6)}"
+        self.waits = 0  # publishes that found the queue full (or NATS away) and waited
+        self.waited = Signal()  # fired at each
+
+    @classmethod
+    async def connect(
+        cls, servers: str | list[str], model: str, reply: str | None = None, **options: Any
+    ) -> Client:
+        """Connect to NATS (`options`: nats-py's, e.g. `user_credentials`, `tls`)."""
+        return cls(await nats.connect(servers, **options), model, reply)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.nc.close()
+
+    async def submit(self, request: Request, rid: str | None = None) -> str:
+        """Queue the request; its id. A full queue is waited out; an id whose output has
+        begun is not published again."""
+        if isinstance(request, GenerateRequest):
+            rid = rid or request.request_id
+            subject = bus.sched_subject(request.model or self.model)
+            payload = msgspec.msgpack.encode(msgspec.structs.replace(request, request_id=rid))
+        else:
+            raw = request if isinstance(request, bytes) else json.dumps(request).encode()
+            body = json.loads(raw)
+            api: Api = "chat" if "messages" in body else "completion"
+            rid = rid or secrets.token_hex(12)
+            subject = bus.render_subject(body.get("model") or self.model)
+            payload = msgspec.msgpack.encode(
+                RenderRequest(api=api, request_id=rid, body=raw, created=int(time.time()))
+            )
+        if await self._begun(rid):
+            return rid
+        headers = ledger.Identity(rid, self.reply, wait=True).headers()
+        wait = _BACKOFF
+        while True:
+            try:
+                await self.js.publish(subject, payload, headers=headers)
+                return rid
+            except nats.errors.Error as exc:
+                full = isinstance(exc, APIError) and bus.is_stream_full(exc)
+                if not (full or bus.transient(exc)):
+                    raise
+            self.waits += 1
+            self.waited.fire()
+            await asyncio.sleep(wait)  # the queue drains as workers take from it
+            wait = min(wait * 2, _MAX_BACKOFF)
+
+    async def outputs(self, rid: str, timeout: float | None = None) -> AsyncIterator[Output]:
+        """The request's output from its first message to its end, live or stored
+        (`timeout`: seconds to wait for each next message; None waits as long as it takes)."""
+        sub = await self.js.subscribe(
+            bus.out_subject(self.reply, rid), stream=bus.OUT_STREAM, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )  # fmt: skip
+        seen = 0
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=timeout or 1e9)
+                hdrs = msg.headers or {}
+                seq = int(hdrs.get(h.SEQ, seen + 1))
+                if seq <= seen:
+                    continue  # stored twice: one place in the output is one message
+                seen = seq
+                out = Output(kind=hdrs.get(h.KIND, h.KIND_CHUNK), body=msg.data, seq=seq,
+                             status=int(hdrs.get(h.STATUS, 200)))  # fmt: skip
+                yield out
+                if out.terminal:
+                    return
+        finally:
+            await sub.unsubscribe()
+
+    async def result(self, rid: str, timeout: float | None = None) -> dict[str, Any]:
+        """The whole response of a request that did not stream; `RequestFailed` for an
+        error event, ValueError for a streamed request (read its `outputs`)."""
+        async for out in self.outputs(rid, timeout):
+            if out.kind == h.KIND_ERROR:
+                doc = out.documents()[0]
+                raise RequestFailed(out.status, doc.get("error", doc))
+            if out.kind == h.KIND_RESPONSE:
+                return out.documents()[0]
+            if out.terminal:
+                raise ValueError(f"request {rid} streamed its output: read it with outputs()")
+        raise AssertionError("unreachable: outputs() ends with a terminal message")
+
+    async def run(self, request: Request, rid: str | None = None) -> dict[str, Any]:
+        """Submit and wait for the whole response."""
+        return await self.result(await self.submit(request, rid))
+
+    async def cancel(self, rid: str) -> None:
+        """Tell the request's owner to stop it (nothing more is generated for it)."""
+        await self.nc.publish(bus.cancel_subject(rid), b"")
+        await self.nc.flush()
+
+    async def submit_many(
+        self, requests: Iterable[Request | tuple[str, Request]], concurrency: int = 64
+    ) -> AsyncIterator[tuple[str, dict[str, Any] | RequestFailed]]:
+        """Run every request, at most `concurrency` at a time; each one's id and response
+        (or its `RequestFailed`) as it finishes. Give `(rid, request)` pairs to name them:
+        running the same ids again runs nothing twice."""
+        done: asyncio.Queue[tuple[str, dict[str, Any] | RequestFailed]] = asyncio.Queue()
+
+        async def one(rid: str | None, request: Request) -> None:
+            rid = await self.submit(request, rid)
+            try:
+                await done.put((rid, await self.result(rid)))
+            except RequestFailed as exc:
+                await done.put((rid, exc))
+
+        async with asyncio.TaskGroup() as group:
+            running = 0
+            for item in requests:
+                if running >= concurrency:  # a finished one makes room for the next
+                    yield await done.get()
+                    running -= 1
+                rid, request = item if isinstance(item, tuple) else (None, item)
+                group.create_task(one(rid, request))
+                running += 1
+            for _ in range(running):
+                yield await done.get()
+
+    async def _begun(self, rid: str) -> bool:
+        """Whether the request's ledger holds output already (it ran, or runs)."""
+        try:
+            await self.js.get_last_msg(bus.OUT_STREAM, bus.out_subject(self.reply, rid))
+        except NotFoundError:
+            return False
+        return True
