@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeys, Unauthorized
+from ingress.batches import add_routes as batch_routes
 from ingress.completions import (
     CLIENT_REQUEST_ID,
     EVENT_IDS_HEADER,
@@ -40,6 +41,7 @@ from ingress.models import Catalog
 from ingress.openapi import with_completions
 from ingress.router import OutputRouter, SseWriter
 from tokenway import bus
+from tokenway.batch_store import BatchStore
 from tokenway.errors import (
     InvalidRequest,
     MethodNotAllowed,
@@ -64,6 +66,8 @@ class IngressContext:
     max_request_bytes: int
     body_timeout: float
     keys: ApiKeys
+    batch_store: Callable[[], Awaitable[BatchStore]]
+    file_max_bytes: int
     cors: Cors | None = None
 
 
@@ -150,6 +154,8 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         finally:
             metrics.active.dec()
             await source.close()
+
+    batch_routes(app, ctx.batch_store, ctx.file_max_bytes)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -12,6 +12,7 @@ import uvicorn
 
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
+from ingress.batches import Store
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
 from ingress.models import Catalog
@@ -99,6 +100,8 @@ class IngressService:
             max_request_bytes=self.settings.max_request_bytes,
             body_timeout=self.settings.body_timeout,
             keys=self.keys,
+            batch_store=Store(nc, self.settings),
+            file_max_bytes=self.settings.file_max_bytes,
             cors=self.cors,
         )
         config = uvicorn.Config(

@@ -199,7 +199,7 @@ async def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Asyn
     """The whole pipeline, as `tokenway up` runs it, against the session's NATS server."""
     settings = make_settings(tmp_path_factory.mktemp("data"))
     s = await start_stack(
-        nats_url, settings, ["ingress", "render", "schedule", "derender", "dlq", "sim"]
+        nats_url, settings, ["ingress", "render", "schedule", "derender", "dlq", "batch", "sim"]
     )
     yield s
     await s.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import e2e, ledger_writer, owner_memory
+from bench import batch_interference, e2e, ledger_writer, owner_memory
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -92,3 +92,16 @@ async def test_tiny_ledger_writer_benchmark_stores_on_both_framings() -> None:
     """`run` raises when a publish is not stored; both framings report a cost."""
     result = await ledger_writer.run(streams=3, rounds=2)
     assert set(result) == {"hpub", "nats-py"} and all(v > 0 for v in result.values())
+
+
+@in_session_loop
+@pytest.mark.timeout(90)
+async def test_tiny_batch_interference_benchmark_reports_both_runs() -> None:
+    cfg = e2e.BenchConfig(concurrency=CONCURRENCY, max_tokens=MAX_TOKENS, warmup=2)
+    report = await batch_interference.run(cfg, lines=40, line_tokens=8, concurrency=8)
+    for side in ("alone", "with_batch"):
+        assert report[side]["errors"] == 0, report[side]["first_error"]
+        assert report[side]["output_tokens"] == CONCURRENCY * MAX_TOKENS
+    assert report["batch"]["lines_answered"] >= 4 and report["batch"]["lines_per_s"] > 0
+    assert set(report["ttft_ratio"]) == {"p50", "p99"}
+    assert "ttft p50" in batch_interference.table(report)

@@ -36,6 +36,15 @@ ROUTES = {
     ("GET", "/health"): [POSITIVE],
     ("GET", "/ready"): [POSITIVE],
     ("GET", "/metrics"): [POSITIVE],
+    ("POST", "/v1/files"): [POSITIVE, NEGATIVE],
+    ("GET", "/v1/files"): [POSITIVE],
+    ("GET", "/v1/files/{file_id}"): [POSITIVE],  # ids, like model ids, are any string
+    ("GET", "/v1/files/{file_id}/content"): [POSITIVE],
+    ("DELETE", "/v1/files/{file_id}"): [POSITIVE],
+    ("POST", "/v1/batches"): [POSITIVE, NEGATIVE],
+    ("GET", "/v1/batches"): [POSITIVE],
+    ("GET", "/v1/batches/{batch_id}"): [POSITIVE],
+    ("POST", "/v1/batches/{batch_id}/cancel"): [POSITIVE],
 }
 
 

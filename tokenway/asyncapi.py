@@ -43,7 +43,8 @@ REQUEST_HEADERS = {
     h.DEADLINE: "Optional: epoch seconds after which the request ends with a 504.",
     h.TENANT: "The API key's tenant (set by the ingress).",
     h.LIMITS: "The tenant's limits (set by the ingress).",
-    h.WAIT: 'Optional, "1": a full queue downstream is waited out instead of a 429.',
+    h.BATCH: 'Optional, "1": a batch job\'s request: full queues downstream are waited out '
+    "instead of a 429, and owners start interactive requests first.",
     h.TRACEPARENT: "Optional W3C trace context, passed on to the engine.",
 }
 OUTPUT_HEADERS = {

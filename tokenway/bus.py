@@ -27,6 +27,7 @@ from nats.js import api as jsapi
 from nats.js.api import PubAck
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from tokenway.config import Settings
@@ -47,6 +48,12 @@ ENGINES_KEYS = f"$KV.{ENGINES_BUCKET}.>"  # where a bucket write is published
 TENANTS_BUCKET = "tw-tenants"  # each limited tenant's usage (`tokenway.tenancy`)
 TENANTS_STREAM = f"KV_{TENANTS_BUCKET}"
 TENANTS_KEYS = f"$KV.{TENANTS_BUCKET}.>"
+FILES_BUCKET = "tw-files"  # Batch API files (an object store: `tokenway.batch_store`)
+FILES_STREAM = f"OBJ_{FILES_BUCKET}"
+FILES_SUBJECTS = f"$O.{FILES_BUCKET}.>"
+BATCHES_BUCKET = "tw-batches"  # Batch API batches, one record each
+BATCHES_STREAM = f"KV_{BATCHES_BUCKET}"
+BATCHES_KEYS = f"$KV.{BATCHES_BUCKET}.>"
 JS_API = "$JS.API"
 ANY = None  # in a subject function: every model (a wildcard), as permissions name them
 
@@ -419,10 +426,12 @@ async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> No
 
 
 async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
-    """Create or update every stream and both buckets; safe to call from every process."""
+    """Create or update every stream and bucket; safe to call from every process."""
     for spec in streams(s):
         await _ensure_stream(js, spec.config)
     await tenants_kv(js, s)
+    await files_store(js, s)
+    await batches_kv(js, s)
     return await engines_kv(js, s)
 
 
@@ -470,6 +479,25 @@ async def tenants_kv(js: JetStreamContext, s: Settings) -> KeyValue:
         storage=jsapi.StorageType.FILE,  # a restart forgets no lease or spent budget
         replicas=s.replicas,
         direct=True,
+    ))  # fmt: skip
+
+
+async def files_store(js: JetStreamContext, s: Settings) -> ObjectStore:
+    """The Batch API's files (`tokenway.batch_store`), bounded (`TOKENWAY_FILES_MAX_BYTES`)."""
+    try:
+        return await js.object_store(FILES_BUCKET)
+    except BucketNotFoundError:
+        config = jsapi.ObjectStoreConfig(
+            max_bytes=s.files_max_bytes, storage=jsapi.StorageType.FILE, replicas=s.replicas
+        )
+        return await js.create_object_store(FILES_BUCKET, config=config)
+
+
+async def batches_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    """The Batch API's batches, one record each, changed compare-and-set."""
+    return await _bucket(js, jsapi.KeyValueConfig(
+        bucket=BATCHES_BUCKET, history=1, max_bytes=256 << 20,
+        storage=jsapi.StorageType.FILE, replicas=s.replicas,
     ))  # fmt: skip
 
 

@@ -99,6 +99,10 @@ def _stages(
         from tokenway.dlq import DlqMover
 
         return [DlqMover(s)]
+    if name == "batch":
+        from workers.batch.service import BatchRunner
+
+        return [BatchRunner(s, models[0].name)]  # a line naming no model gets the first
     raise ValueError(f"no stage {name!r}")
 
 
@@ -142,7 +146,7 @@ def up_stages(s: Settings) -> list[str]:
     engines = ["vllm"] if s.vllm_url else []
     if not s.vllm_url and s.sim_engines != 0:
         engines.append("sim")
-    return ["ingress", "render", "schedule", *pool, "dlq", *engines]
+    return ["ingress", "render", "schedule", *pool, "dlq", "batch", *engines]
 
 
 async def serve(
@@ -622,6 +626,31 @@ def _obfuscation(p: argparse.ArgumentParser) -> None:
     )
 
 
+def batch_parser() -> argparse.ArgumentParser:
+    """`tokenway batch`: the runner stage, and the Batch API from a shell."""
+    from tokenway import batch_cli
+
+    batch = argparse.ArgumentParser(
+        prog="tokenway batch", description="The Batch API: run, submit, status, results, cancel."
+    )
+    batch.set_defaults(command="batch")
+    verbs = batch.add_subparsers(dest="verb", required=True)
+    run = verbs.add_parser("run", help="run the batch runner: batches, line by line")
+    _common(run)
+    run.add_argument("--batch-concurrency", type=int,
+                     help="lines in flight at once, over all its batches (256)")  # fmt: skip
+    run.add_argument("--batch-lease", type=float,
+                     help="seconds a batch stays held unrenewed before another runner takes it "
+                     "(30)")  # fmt: skip
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--nats", help="NATS server URL (required)")
+        _nats_credentials(p)
+
+    batch_cli.add_verbs(verbs, common)
+    return batch
+
+
 def dlq_parser() -> argparse.ArgumentParser:
     """`tokenway dlq`: a parser of its own, because its flags are arguments, not settings."""
     dlq = argparse.ArgumentParser(
@@ -691,6 +720,16 @@ async def _status(args: argparse.Namespace, settings: Settings) -> None:
     finally:
         await nc.close()
     print(msgspec.json.encode(status).decode() if args.json else format_status(status))
+
+
+async def _batch(args: argparse.Namespace, settings: Settings) -> int:
+    from tokenway import batch_cli
+
+    nc = await _command_connection(settings, "tokenway-batch")
+    try:
+        return await batch_cli.command(args, settings, nc)
+    finally:
+        await nc.close()
 
 
 async def _dlq(args: argparse.Namespace, settings: Settings) -> int:
@@ -798,8 +837,12 @@ def parser() -> argparse.ArgumentParser:
         "vllm", help="bridge to vLLM token-only servers (vllm serve ... --enable-scale-out)"
     )
     _common(vllm), _vllm(vllm), _obfuscation(vllm)
-    # Listed for --help only: main() hands `dlq ...` to dlq_parser().
+    # Listed for --help only: main() hands `dlq ...` to dlq_parser(), `batch ...` to
+    # batch_parser().
     sub.add_parser("dlq", add_help=False, help="dead letters: ls, show, replay, purge, move")
+    sub.add_parser(
+        "batch", add_help=False, help="the Batch API: run (the runner), submit, status, results"
+    )
     prov = sub.add_parser(
         "provision", help="create or update the streams and the engine registry, then exit"
     )
@@ -829,7 +872,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # We only use transformers' tokenizers; its "PyTorch was not found" advice is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = dlq_parser().parse_args(argv[1:]) if argv[:1] == ["dlq"] else parser().parse_args(argv)
+    own = {"dlq": dlq_parser, "batch": batch_parser}.get(argv[0] if argv else "")
+    args = own().parse_args(argv[1:]) if own else parser().parse_args(argv)
     flags = {k.replace("-", "_"): v for k, v in vars(args).items()}
     for name in ("vllm_url", "api_key", "allowed_origins", "models"):  # repeatable: one setting
         if isinstance(flags.get(name), list):
@@ -860,6 +904,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"tokenway {args.command}: no NATS server to join; pass --nats nats://host:4222 "
             "(or set TOKENWAY_NATS), or run `tokenway up`, which embeds one"
         )
+    if args.command == "batch":
+        if args.verb == "run":
+            _run(settings, ["batch"])
+        else:
+            raise SystemExit(asyncio.run(_batch(args, settings)))
+        return
     if args.command == "status":
         asyncio.run(_status(args, settings))
     elif args.command == "provision":

@@ -17,7 +17,7 @@ one.
 
 A full queue (the bounded `TW_RENDER`/`TW_SCHED` streams refuse new messages) is waited
 out and retried, never an error to the caller: here for the queue published to, and at
-render for the schedule queue behind it (the `Tw-Wait` header asks it to). A request id
+render for the schedule queue behind it (the `Tw-Batch` header asks it to). A request id
 is run once: JetStream drops a resubmission within its two-minute duplicate window, and
 `submit` sees a ledger already begun for the id and publishes nothing.
 """
@@ -125,7 +125,7 @@ class Client:
             )
         if await self._begun(rid):
             return rid
-        headers = ledger.Identity(rid, self.reply, wait=True).headers()
+        headers = ledger.Identity(rid, self.reply, batch=True).headers()
         wait = _BACKOFF
         while True:
             try:

@@ -125,6 +125,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     queue_max_bytes: PositiveInt = 1 << 30
     queue_max_age: PositiveFloat = 3600.0
     out_max_age: Annotated[float, Meta(ge=3600)] = 3600.0
+    # the Batch API: files kept (all, and one), and each runner's lines in flight
+    files_max_bytes: PositiveInt = 4 << 30
+    file_max_bytes: PositiveInt = 200 << 20
+    batch_concurrency: PositiveInt = 256
+    batch_lease: PositiveFloat = 30.0  # a runner's hold on a batch, renewed while it runs
     out_max_bytes: PositiveInt = 1 << 30
     dlq_max_age: PositiveFloat = 7 * 86400.0
     dlq_max_bytes: PositiveInt = 1 << 30

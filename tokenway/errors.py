@@ -62,6 +62,11 @@ def check_model(asked: str | None, *served: str) -> None:
         )
 
 
+class Conflict(TokenwayError):
+    status = 409
+    type = "ConflictError"
+
+
 class MethodNotAllowed(TokenwayError):
     status = 405
     type = "MethodNotAllowed"

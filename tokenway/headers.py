@@ -19,7 +19,7 @@ STATUS = "Tw-Status"
 TENANT = "Tw-Tenant"  # the API key's tenant, set by the ingress
 LIMITS = "Tw-Limits"  # that tenant's limits (`tokenway.tenancy.Limits`), set by the ingress
 RETRY_AFTER = "Tw-Retry-After"  # of a 429 error: seconds until the client may try again
-WAIT = "Tw-Wait"  # "1": a full queue downstream is waited out, not a 429 (batch jobs)
+BATCH = "Tw-Batch"  # "1": a batch job's request: it waits out full queues and yields to others
 TRACEPARENT = "traceparent"  # W3C Trace Context, from the client (or the ingress) to the engine
 
 # Optimistic concurrency: stored only if the subject's last message has this sequence.

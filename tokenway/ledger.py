@@ -257,12 +257,14 @@ class Identity:
     tenant: str = ""  # "" where the ingress asks for no key
     limits: Limits | None = None  # the tenant's, where it has any
     trace: str = ""  # its W3C `traceparent`, passed on to the engine
-    wait: bool = False  # a full queue downstream is waited out, not the request's 429
+    # a batch job's: a full queue downstream is waited out (not its 429), and an owner's
+    # line puts it behind interactive requests
+    batch: bool = False
 
     def headers(self) -> dict[str, str]:
         hdrs = {h.MSG_ID: self.rid, h.RID: self.rid, h.REPLY: self.reply}
-        if self.wait:
-            hdrs[h.WAIT] = "1"
+        if self.batch:
+            hdrs[h.BATCH] = "1"
         if self.trace:
             hdrs[h.TRACEPARENT] = self.trace
         if self.deadline is not None:
@@ -281,4 +283,4 @@ class Identity:
         deadline, limits = hdrs.get(h.DEADLINE), hdrs.get(h.LIMITS)
         return cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
                    hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None,
-                   hdrs.get(h.TRACEPARENT, ""), hdrs.get(h.WAIT) == "1")  # fmt: skip
+                   hdrs.get(h.TRACEPARENT, ""), hdrs.get(h.BATCH) == "1")  # fmt: skip

@@ -17,7 +17,8 @@ from tokenway import bus
 
 # Every tokenway stream; their names and limits are no secret to any role.
 _STREAMS = (bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM,
-            bus.ADVISORY_STREAM, bus.ENGINES_STREAM, bus.TENANTS_STREAM)  # fmt: skip
+            bus.ADVISORY_STREAM, bus.ENGINES_STREAM, bus.TENANTS_STREAM, bus.FILES_STREAM,
+            bus.BATCHES_STREAM)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,19 @@ _REGISTRY = _reads(bus.ENGINES_STREAM)  # watches the engine registry
 # Tenants' usage: read a record, write it back compare-and-set (`tokenway.tenant_book`).
 _TENANTS = (bus.TENANTS_KEYS, _api("DIRECT.GET", bus.TENANTS_STREAM, ">"))
 _LEDGER_WRITE = (bus.out_subject("*", "*"), bus.sse_subject("*"), _gets(bus.OUT_STREAM))
+# The Batch API's files and batches (`tokenway.batch_store`): objects are written in chunks
+# and read through ordered consumers; a batch record is read, watched, written back.
+_BATCH_STORE = (
+    bus.FILES_SUBJECTS, *_reads(bus.FILES_STREAM), _gets(bus.FILES_STREAM),
+    _api("STREAM.PURGE", bus.FILES_STREAM),
+    bus.BATCHES_KEYS, *_reads(bus.BATCHES_STREAM), _gets(bus.BATCHES_STREAM),
+)  # fmt: skip
+# What the batch runner does as a direct client (`tokenway.client`): queue its lines
+# (OpenAI bodies), read their ledgers, cancel them.
+_DIRECT = (
+    bus.render_subject(bus.ANY), bus.cancel_subject(), *_reads(bus.OUT_STREAM),
+    _gets(bus.OUT_STREAM),
+)  # fmt: skip
 
 
 def roles() -> list[Role]:
@@ -91,9 +105,16 @@ def roles() -> list[Role]:
                 *_reads(bus.OUT_STREAM),
                 _gets(bus.OUT_STREAM),
                 *_REGISTRY,
+                *_BATCH_STORE,  # the Files and Batch APIs
                 *_INFO,
             ),
             subscribe=(bus.sse_subject("*"),),
+        ),
+        Role(
+            "batch",
+            "the batch runner: runs the Batch API's batches line by line as a direct client",
+            publish=(*_DIRECT, *_BATCH_STORE, *_INFO),
+            subscribe=(),
         ),
         Role(
             "render",

@@ -21,12 +21,12 @@ def test_defaults_apply_when_nothing_is_set() -> None:
 def test_up_runs_a_simulated_engine_unless_told_of_real_ones_or_none() -> None:
     from tokenway.cli import up_stages
 
-    stages = ["ingress", "render", "schedule", "dlq"]
+    stages = ["ingress", "render", "schedule", "dlq", "batch"]
     assert up_stages(load_settings({}, {})) == [*stages, "sim"]
     assert up_stages(load_settings({"sim_engines": 0}, {})) == stages
     assert up_stages(load_settings({"vllm_url": "http://gpu:8000"}, {})) == [*stages, "vllm"]
     pool = load_settings({"derender_placement": "pool", "sim_engines": 2}, {})
-    assert up_stages(pool) == ["ingress", "render", "schedule", "derender", "dlq", "sim"]
+    assert up_stages(pool) == ["ingress", "render", "schedule", "derender", "dlq", "batch", "sim"]
 
 
 def test_an_env_var_overrides_the_default() -> None:

@@ -153,15 +153,15 @@ class RenderService:
     async def _forward_when_room(
         self, js: JetStreamContext, msg: Msg, who: ledger.Identity, generate: GenerateRequest
     ) -> None:
-        """Forward; a request that asks to wait (`Tw-Wait`, a batch job's) waits out a full
-        schedule queue, holding its render message (and this worker's slot) meanwhile, so
-        the pressure reaches the render queue and the job's own publishes."""
+        """Forward; a batch job's request (`Tw-Batch`) waits out a full schedule queue,
+        holding its render message (and this worker's slot) meanwhile, so the pressure
+        reaches the render queue and the job's own publishes."""
         wait = _ROOM_BACKOFF
         while True:
             try:
                 return await self._forward(js, who, generate)
             except Overloaded:
-                if not who.wait or (who.deadline is not None and time.time() > who.deadline):
+                if not who.batch or (who.deadline is not None and time.time() > who.deadline):
                     raise
             if wait == _ROOM_BACKOFF:
                 log.info("request %s waits for room in the schedule queue", who.rid)

@@ -227,7 +227,7 @@ class Dispatcher:
 
     async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
         """The request's plan once it is its turn and an engine has room."""
-        place = self.line.join(r.tenant, r.request.priority, max(r.params.n, 1))
+        place = self.line.join(r.tenant, r.request.priority, max(r.params.n, 1), r.batch)
         self.waiting.inc()
         self.turn.fire()
         alone_since: float | None = None  # since when no engine of the model is alive

@@ -1,10 +1,12 @@
 """An owner's waiting line (pure): whose request starts next when an engine has room.
 
-Tenants take turns: the request whose tenant runs the fewest sequences through this owner
-goes first, then lower `priority` (vLLM's convention, a tenant's own order of its requests),
-then arrival. A tenant flooding with requests its limits allow thus waits behind each
-request of a calmer one instead of in front of it, and `priority` cannot buy a place ahead
-of another tenant. Without API keys every request is one tenant's: priority, then arrival.
+Interactive requests go before a batch job's (`Tw-Batch`): a batch fills what interactive
+traffic leaves. Within each class, tenants take turns: the request whose tenant runs the
+fewest sequences through this owner goes first, then lower `priority` (vLLM's convention, a
+tenant's own order of its requests), then arrival. A tenant flooding with requests its
+limits allow thus waits behind each request of a calmer one instead of in front of it, and
+`priority` cannot buy a place ahead of another tenant. Without API keys every request is
+one tenant's: priority, then arrival.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Place:
     priority: int
     seqs: int  # the sequences it will run (its n)
     arrival: int = 0
+    batch: bool = False  # a batch job's: after every interactive request
 
 
 @dataclass
@@ -32,8 +35,8 @@ class Line:
     _first: Place | None = None
     _stale: bool = False
 
-    def join(self, tenant: str, priority: int, seqs: int) -> Place:
-        place = Place(tenant, priority, seqs, next(self._arrivals))
+    def join(self, tenant: str, priority: int, seqs: int, batch: bool = False) -> Place:
+        place = Place(tenant, priority, seqs, next(self._arrivals), batch)
         self._places.append(place)
         self._stale = True
         return place
@@ -49,8 +52,8 @@ class Line:
             self._stale = False
         return self._first
 
-    def _rank(self, place: Place) -> tuple[int, int, int]:
-        return self.running[place.tenant], place.priority, place.arrival
+    def _rank(self, place: Place) -> tuple[bool, int, int, int]:
+        return place.batch, self.running[place.tenant], place.priority, place.arrival
 
     def __len__(self) -> int:
         """Requests waiting for their turn."""

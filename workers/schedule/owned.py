@@ -87,6 +87,7 @@ class Owned:
     msg: Any  # the TW_SCHED message held un-acked while we own the request
     tenant: str = ""  # whose API key it came with: its ledger messages say so
     leased: bool = False  # it holds one of its tenant's slots (`tokenway.tenancy`) until it ends
+    batch: bool = False  # a batch job's (`Tw-Batch`): it starts after interactive requests
     engine: str | None = None
     attempt: int = 0
     next_delta: int = 0  # the per-attempt seq expected next from the engine

@@ -250,7 +250,7 @@ class ScheduleService:
         span = spans.start("schedule", who.trace or None, request_id=rid, model=self.model,
                            owner=self.owner_id)  # fmt: skip
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant, leased=bool(who.limits),
+                  tenant=who.tenant, leased=bool(who.limits), batch=who.batch,
                   arrived=msg.metadata.timestamp.timestamp(),
                   trace=span.traceparent() or who.trace, span=span)  # fmt: skip
         self.requests[rid] = r

@@ -1,4 +1,5 @@
-"""An owner's waiting line: tenants take turns, then priority, then arrival."""
+"""An owner's waiting line: interactive before batch, then tenants take turns, then
+priority, then arrival."""
 
 from __future__ import annotations
 
@@ -63,3 +64,13 @@ def test_whose_turn_follows_every_start_and_stop() -> None:
     assert line.first() is b
     line.stopped("a", 2)  # both idle now: arrival decides
     assert line.first() is a
+
+
+def test_a_batch_jobs_requests_wait_behind_every_interactive_one() -> None:
+    line = Line()
+    batch = [line.join("", -5, 1, batch=True) for _ in range(3)]  # first, and prioritised
+    line.started("busy", 9)
+    interactive = line.join("busy", 10, 1)  # its tenant runs the most, and it came last
+    assert line.first() is interactive
+    line.leave(interactive)
+    assert line.first() is batch[0]

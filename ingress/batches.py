@@ -1,0 +1,220 @@
+"""The OpenAI Files and Batch APIs on JetStream: `POST /v1/files` keeps a batch input file in
+the `tw-files` object store, `POST /v1/batches` records a batch for the batch runners
+(`workers.batch`), and the rest reads them back, in OpenAI's shapes, so the `openai` SDK's
+`files` and `batches` calls work unchanged. Files and batches are their tenant's: another
+tenant's are as absent as ones that never were."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from nats.aio.client import Client as NATS
+from starlette.datastructures import UploadFile
+
+from tokenway import batches
+from tokenway.batch_store import BatchStore, NotFound
+from tokenway.batches import ENDED, Batch, BatchRefused, FileObject, Record
+from tokenway.config import Settings
+from tokenway.errors import (
+    Conflict,
+    InvalidRequest,
+    ModelNotFound,
+    TokenwayError,
+    TooLarge,
+    error_body,
+)
+
+_json = msgspec.json.Encoder()
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what file and batch ids are made of
+_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": ["batch"]}},
+}}}}}  # fmt: skip
+_CREATE = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+    "properties": {"input_file_id": {"type": "string"},
+                   "endpoint": {"type": "string", "enum": list(batches.ENDPOINTS)},
+                   "completion_window": {"type": "string", "enum": list(batches.WINDOWS)},
+                   "metadata": {"type": "object",
+                                "additionalProperties": {"type": "string"}}},
+}}}}}  # fmt: skip
+
+
+def _ok(doc: object) -> Response:
+    return Response(_json.encode(doc), media_type="application/json")
+
+
+def _page(items: Sequence[FileObject | Batch], has_more: bool) -> Response:
+    """OpenAI's list shape."""
+    first, last = (items[0].id, items[-1].id) if items else (None, None)
+    return _ok({"object": "list", "data": items, "has_more": has_more, "first_id": first,
+                "last_id": last})  # fmt: skip
+
+
+def _error(exc: TokenwayError) -> Response:
+    return Response(error_body(exc.info()), status_code=exc.status, media_type="application/json")
+
+
+async def _lookup(what: str, ident: str, answer: Callable[[], Awaitable[Response]]) -> Response:
+    """`answer`, or the 404 of an id that is malformed or names nothing of the tenant's."""
+    if not _ID.fullmatch(ident):
+        return _error(_missing(what, ident))
+    try:
+        return await answer()
+    except NotFound:
+        return _error(_missing(what, ident))
+
+
+def _missing(what: str, ident: str) -> TokenwayError:
+    return ModelNotFound(f"No such {what}: {ident[:80]!r}", param="id", code=f"{what}_not_found")
+
+
+class Store:
+    """The batch store, bound on first use (a deployment that never batches never makes it)."""
+
+    def __init__(self, nc: NATS, settings: Settings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self._store: BatchStore | None = None
+        self._binding = asyncio.Lock()
+
+    async def __call__(self) -> BatchStore:
+        async with self._binding:
+            if self._store is None:
+                self._store = await BatchStore.bind(self.nc.jetstream(), self.settings)
+            return self._store
+
+
+def add_routes(
+    app: FastAPI, store: Callable[[], Awaitable[BatchStore]], file_max_bytes: int
+) -> None:
+    def tenant(request: Request) -> str:
+        return request.scope["state"]["tenant"]
+
+    @app.post("/v1/files", openapi_extra=_UPLOAD)
+    async def upload(request: Request) -> Response:
+        limit = file_max_bytes
+        if int(request.headers.get("content-length") or 0) > limit + (64 << 10):
+            return _error(TooLarge(f"a file may hold at most {limit} bytes", param="file"))
+        try:
+            form = await request.form(max_files=1, max_fields=4)
+        except Exception as exc:  # the multipart parser's refusals of a malformed body
+            return _error(InvalidRequest(f"the body is not a multipart form: {exc}"))
+        try:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose != "batch":
+                return _error(InvalidRequest("purpose must be 'batch' (the files kept here are "
+                                             "batch input files)", param="purpose"))  # fmt: skip
+            if not isinstance(upload, UploadFile):
+                return _error(InvalidRequest("the form needs a file", param="file"))
+            data = await upload.read(limit + 1)
+            if len(data) > limit:
+                return _error(TooLarge(f"a file may hold at most {limit} bytes", param="file"))
+            meta = batches.file_object(batches.new_id("file").replace("_", "-", 1), data,
+                                       upload.filename or "upload.jsonl", "batch")  # fmt: skip
+        finally:
+            await form.close()
+        return _ok(await (await store()).put_file(meta, data, tenant(request)))
+
+    @app.get("/v1/files")
+    async def list_files(request: Request) -> Response:
+        found = await (await store()).list_files(tenant(request))
+        listed = [f for f in found if f.purpose != "batch_part"]
+        return _page(listed, has_more=False)
+
+    @app.get("/v1/files/{file_id}")
+    async def file(file_id: str, request: Request) -> Response:
+        async def read() -> Response:
+            return _ok(await (await store()).file(file_id, tenant(request)))
+
+        return await _lookup("file", file_id, read)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def content(file_id: str, request: Request) -> Response:
+        async def read() -> Response:
+            data = await (await store()).content(file_id, tenant(request))
+            return Response(data, media_type="application/octet-stream")
+
+        return await _lookup("file", file_id, read)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, request: Request) -> Response:
+        async def delete() -> Response:
+            await (await store()).delete_file(file_id, tenant(request))
+            return _ok({"id": file_id, "object": "file", "deleted": True})
+
+        return await _lookup("file", file_id, delete)
+
+    @app.post("/v1/batches", openapi_extra=_CREATE)
+    async def create(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(InvalidRequest("the body is not JSON"))
+        if not isinstance(body, dict):
+            return _error(InvalidRequest("the body must be a JSON object"))
+        fields = {k: body.get(k) for k in ("input_file_id", "endpoint", "completion_window")}
+        for name, value in fields.items():
+            if not isinstance(value, str):
+                return _error(InvalidRequest(f"{name} must be a string", param=name))
+        meta = body.get("metadata")
+        try:
+            batch = batches.new_batch(fields["input_file_id"], fields["endpoint"],
+                                      fields["completion_window"], meta)  # fmt: skip
+        except BatchRefused as exc:
+            return _error(InvalidRequest(str(exc), param=exc.param))
+        kept = await store()
+        if not _ID.fullmatch(batch.input_file_id):
+            return _error(_missing("file", batch.input_file_id))
+        try:
+            given = await kept.file(batch.input_file_id, tenant(request))
+        except NotFound:
+            return _error(_missing("file", batch.input_file_id))
+        if given.purpose != "batch":
+            return _error(InvalidRequest("the input file is not a batch file",
+                                         param="input_file_id"))  # fmt: skip
+        await kept.create(Record(batch=batch, tenant=tenant(request)))
+        return _ok(batch)
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request) -> Response:
+        try:
+            limit = min(max(int(request.query_params.get("limit", 20)), 1), 100)
+        except ValueError:
+            return _error(InvalidRequest("limit must be a number", param="limit"))
+        after = request.query_params.get("after")
+        mine = [r.batch for r in await (await store()).records() if r.tenant == tenant(request)]
+        mine.reverse()  # newest first, as OpenAI lists them
+        if after is not None:
+            at = next((i for i, b in enumerate(mine) if b.id == after), None)
+            mine = mine[at + 1 :] if at is not None else []
+        page = mine[:limit]
+        return _page(page, has_more=len(mine) > limit)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def batch(batch_id: str, request: Request) -> Response:
+        async def read() -> Response:
+            return _ok((await (await store()).get(batch_id, tenant(request))).batch)
+
+        return await _lookup("batch", batch_id, read)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str, request: Request) -> Response:
+        async def stop() -> Response:
+            kept = await store()
+            record = await kept.get(batch_id, tenant(request))
+            if record.batch.status in ENDED:
+                return _error(Conflict(f"Cannot cancel a batch with status "
+                                       f"{record.batch.status}", param="batch_id"))  # fmt: skip
+            changed = await kept.change(batch_id, lambda r: batches.cancelled(r, time.time()))
+            return _ok(changed.batch)
+
+        return await _lookup("batch", batch_id, stop)

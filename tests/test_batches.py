@@ -1,0 +1,188 @@
+"""The OpenAI Batch API through the `openai` SDK's own `files` and `batches` calls, on the
+whole pipeline with its batch runner: every line answered once, in OpenAI's shapes, errors
+in the error file, a bad file failing the batch, a cancel stopping it, and another tenant
+seeing none of it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tests.test_cli import logged, spawn, stop
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def chat_line(i: int, **body: object) -> dict:
+    return {"custom_id": f"q-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": f"Fact {i}?"}], "max_tokens": 5,
+                     **body}}  # fmt: skip
+
+
+async def finished(
+    client: openai.AsyncOpenAI, batch_id: str, timeout: float = 60
+) -> openai.types.Batch:
+    """The batch once it ended (the runner's progress shows in its counts meanwhile)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            batch = await client.batches.retrieve(batch_id)
+            if batch.status in ("completed", "failed", "cancelled", "expired"):
+                return batch
+            await asyncio.sleep(0.2)  # another process's progress: polled as a client does
+
+
+async def answered(client: openai.AsyncOpenAI, batch_id: str) -> int:
+    return (await client.batches.retrieve(batch_id)).request_counts.completed
+
+
+async def run(client: openai.AsyncOpenAI, lines: list[dict]) -> openai.types.Batch:
+    file = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    assert file.purpose == "batch" and file.bytes == len(jsonl(lines))
+    batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h", metadata={"job": "t"})  # fmt: skip
+    assert batch.status == "validating" and batch.metadata == {"job": "t"}
+    return await finished(client, batch.id)
+
+
+async def lines_of(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in (await client.files.content(file_id)).content.splitlines()]
+
+
+async def test_every_line_is_answered_once_in_openais_shapes(client: openai.AsyncOpenAI) -> None:
+    lines = [chat_line(i) for i in range(250)]  # three parts of output
+    lines[7] = chat_line(7, max_tokens=-1)  # refused by render: the error file
+    batch = await run(client, lines)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 250
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (249, 1)
+    out = await lines_of(client, batch.output_file_id)
+    errors = await lines_of(client, batch.error_file_id)
+    assert [o["custom_id"] for o in out] == [f"q-{i}" for i in range(250) if i != 7]
+    assert len({o["id"] for o in out}) == 249
+    response = out[0]["response"]
+    assert response["status_code"] == 200 and response["body"]["object"] == "chat.completion"
+    assert response["body"]["choices"][0]["message"]["content"]
+    (error,) = errors
+    assert error["custom_id"] == "q-7" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "max_tokens"
+    listed = await client.batches.list()
+    assert batch.id in [b.id for b in listed.data]
+    files = {f.id: f.purpose for f in (await client.files.list()).data}
+    assert files[batch.input_file_id] == "batch" and files[batch.output_file_id] == "batch_output"
+
+
+async def test_a_bad_input_file_fails_the_batch_with_each_lines_error(
+    client: openai.AsyncOpenAI,
+) -> None:
+    lines = [chat_line(0), {**chat_line(1), "url": "/v1/completions"}, chat_line(0)]
+    batch = await run(client, lines)
+    assert batch.status == "failed" and batch.errors is not None
+    found = [(e.code, e.line) for e in batch.errors.data or []]
+    assert found == [("mismatched_url", 2), ("duplicate_custom_id", 3)]
+
+
+async def test_a_cancelled_batch_stops_its_lines_in_flight(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    lines = [chat_line(i, max_tokens=100_000, ignore_eos=True) for i in range(6)]
+    file = await client.files.create(file=("c.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")  # fmt: skip
+    schedule = stack.by_name["schedule"][0]
+    async with asyncio.timeout(30):
+        while len(schedule.requests) < 6:  # noqa: ASYNC110 - the runner's lines, owned
+            await asyncio.sleep(0.05)
+    cancelling = await client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
+    ended = await finished(client, batch.id)
+    assert ended.status == "cancelled" and ended.cancelled_at
+    assert ended.request_counts.completed == 0 and ended.output_file_id is None
+    async with asyncio.timeout(30):
+        await schedule.empty.wait()  # every line in flight was cancelled at its owner
+    with pytest.raises(openai.ConflictError):
+        await client.batches.cancel(batch.id)
+
+
+async def test_files_and_batches_are_refused_clearly(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        await client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    with pytest.raises(openai.NotFoundError):
+        await client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                                    completion_window="24h")  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        await client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        await client.files.content("file-nope")
+
+
+async def test_a_runner_killed_midway_leaves_every_line_answered_once(tmp_path: Path) -> None:
+    """1,000 lines; the runner process is SIGKILLed with some answered, another takes the
+    batch over when the lease lapses: 1,000 answers, each line run once by the engine."""
+    env = {"TOKENWAY_BATCH_LEASE": "2", "TOKENWAY_BATCH_CONCURRENCY": "20"}
+    async with nats_server(tmp_path / "nats") as server:
+        settings = make_settings(tmp_path / "d", sim_output_len=60)
+        stack = await start_stack(server.url, settings, ["ingress", "render", "schedule",
+                                                         "derender", "sim"])  # fmt: skip
+        runners = []
+        try:
+            runners.append(await spawn("batch", "run", "--nats", server.url, env=env))
+            await logged(runners[0], b"running batches")
+            client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+            lines = [chat_line(i, max_tokens=40, ignore_eos=True) for i in range(1000)]
+            file = await client.files.create(file=("k.jsonl", io.BytesIO(jsonl(lines))),
+                                             purpose="batch")  # fmt: skip
+            batch = await client.batches.create(input_file_id=file.id, completion_window="24h",
+                                                endpoint="/v1/chat/completions")  # fmt: skip
+            async with asyncio.timeout(60):
+                while await answered(client, batch.id) < 150:  # noqa: ASYNC110 - another process
+                    await asyncio.sleep(0.1)
+            runners[0].kill()
+            await runners[0].wait()
+            runners.append(await spawn("batch", "run", "--nats", server.url, env=env))
+            ended = await finished(client, batch.id, timeout=120)
+            assert ended.status == "completed", ended
+            out = await lines_of(client, ended.output_file_id)
+            assert [o["custom_id"] for o in out] == [f"q-{i}" for i in range(1000)]
+            runs = Counter(w.rid for b in stack.by_name["engine"] for w in b.engine.received)
+            assert len(runs) == 1000 and set(runs.values()) == {1}
+        finally:
+            for proc in runners:
+                await stop(proc)
+            await stack.close()
+
+
+async def test_the_shell_submits_waits_and_prints_the_results(stack: Stack, tmp_path: Path) -> None:
+    path = tmp_path / "shell.jsonl"
+    path.write_bytes(jsonl([chat_line(i) for i in range(5)]))
+    nats_flag = ("--nats", stack.settings.nats)
+    proc = await spawn("batch", "submit", str(path), "--wait", *nats_flag)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    batch_id = out.decode().strip()
+    assert "completed" in err.decode() and "5/5" in err.decode()  # the progress line
+    proc = await spawn("batch", "results", batch_id, *nats_flag)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert [json.loads(x)["custom_id"] for x in out.splitlines()] == [f"q-{i}" for i in range(5)]
+    proc = await spawn("batch", "cancel", batch_id, *nats_flag)
+    _, err = await proc.communicate()
+    assert proc.returncode == 1 and "completed already" in err.decode()

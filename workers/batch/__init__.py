@@ -1,0 +1,1 @@
+"""The Batch API's runner: batches run line by line through the bus."""
