@@ -37,7 +37,7 @@ async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack
     assert doc["dead_letters"]["render"] >= 1 and doc["missing"] == []
     code, text, err = await status(stack.settings.nats)
     assert code == 0, err
-    for heading in ("engines", "queues", "dead letters", "streams"):
+    for heading in ("engines", "queues", "dead letters", "batches", "streams"):
         assert f"\n{heading}\n" in f"\n{text}"
     assert "render-deepseek-v4" in text and "TW_OUT" in text
 
@@ -60,6 +60,30 @@ async def test_status_shows_what_each_owner_holds(stack: Stack) -> None:
     assert len(holding) == 1 and holding[0]["running"] == 1, owners
     assert holding[0]["model"] == stack.model and holding[0]["tenants"] == {"": 1}
     assert "\nowners\n" in text and f"{holding[0]['id']}" in text
+
+
+async def test_status_shows_the_batches_that_run(stack: Stack) -> None:
+    line = {"custom_id": "long", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "On and on", "max_tokens": 100_000, "ignore_eos": True}}  # fmt: skip
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        up = await http.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("s.jsonl", json.dumps(line).encode())})  # fmt: skip
+        made = await http.post("/v1/batches", json={
+            "input_file_id": up.json()["id"], "endpoint": "/v1/completions",
+            "completion_window": "24h"})  # fmt: skip
+        batch_id = made.json()["id"]
+        try:
+            async with asyncio.timeout(30):  # until its one line runs
+                while not stack.by_name["schedule"][0].requests:  # noqa: ASYNC110 - the runner's
+                    await asyncio.sleep(0.05)
+            code, out, err = await status(stack.settings.nats, "--json")
+            _, text, _ = await status(stack.settings.nats)
+        finally:
+            await http.post(f"/v1/batches/{batch_id}/cancel")
+    assert code == 0, err
+    (run,) = [b for b in json.loads(out)["batches"] if b["id"] == batch_id]
+    assert run["status"] == "in_progress" and run["total"] == 1 and run["runner"]
+    assert "\nbatches\n" in text and batch_id in text
 
 
 async def test_status_without_nats_says_how() -> None:

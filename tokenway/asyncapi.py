@@ -15,6 +15,8 @@ import msgspec
 
 from tokenway import __version__, bus
 from tokenway import headers as h
+from tokenway.batches import Record
+from tokenway.tenancy import Usage
 from tokenway.wire import (
     DeadLetter,
     Delivery,
@@ -145,6 +147,22 @@ def channels() -> list[Channel]:
                 f"The `{bus.ENGINES_BUCKET}` key-value bucket: each engine's heartbeat.",
                 EngineInfo, stream=bus.ENGINES_STREAM, senders=("engine bridge",),
                 receivers=(ingress, "schedule")),
+        Channel("tenants", bus.TENANTS_KEYS.replace(">", "{tenant}"),
+                f"The `{bus.TENANTS_BUCKET}` key-value bucket: each limited tenant's usage "
+                "(its rate and its requests' slots), written compare-and-set.", Usage,
+                stream=bus.TENANTS_STREAM, senders=("render", "schedule"),
+                receivers=("render", "schedule")),
+        Channel("batches", bus.BATCHES_KEYS.replace(">", "{batch}"),
+                f"The `{bus.BATCHES_BUCKET}` key-value bucket: each Batch API batch (OpenAI's "
+                "batch object, its tenant, its runner's lease), written compare-and-set.",
+                Record, content_type=JSON, stream=bus.BATCHES_STREAM,
+                senders=(ingress, "batch runner"), receivers=(ingress, "batch runner")),
+        Channel("files", bus.FILES_SUBJECTS.replace(">", "{part}"),
+                f"The `{bus.FILES_BUCKET}` object store: Batch API files (input, output, "
+                "error), in JetStream's object-store layout; each object's description holds "
+                "its OpenAI file object and tenant.", None,
+                content_type="application/octet-stream", stream=bus.FILES_STREAM,
+                senders=(ingress, "batch runner"), receivers=(ingress, "batch runner")),
     ]  # fmt: skip
 
 
@@ -253,4 +271,4 @@ def _opaque(content_type: str) -> str:
     if content_type == SSE:
         return ("Stream chunks as SSE `data: <JSON>` events (chunk, end); a whole response "
                 "or an error as one JSON document.")  # fmt: skip
-    return "Empty."
+    return "Bytes: empty, or an object's chunk."

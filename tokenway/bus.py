@@ -363,14 +363,23 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.errors.MaxPayloadError)
 
 
-def _retrying(within: float) -> AsyncRetrying:
-    """While a call's failure is `transient`, for up to `within` seconds, backing off."""
+def _retrying(within: float, retried: Callable[[BaseException], bool] = transient) -> AsyncRetrying:
+    """While a call's failure is `retried` (`transient`), for up to `within` seconds,
+    backing off."""
     return AsyncRetrying(
         stop=stop_after_delay(within),
         wait=wait_exponential(multiplier=0.05, max=1.0),
-        retry=retry_if_exception(transient),
+        retry=retry_if_exception(retried),
         reraise=True,
     )
+
+
+_NO_PLACEMENT = 10005  # "no suitable peers for placement": a cluster peer is away for now
+
+
+def _placeable(exc: BaseException) -> bool:
+    """Transient, or a replicated stream a cluster cannot place while a peer restarts."""
+    return transient(exc) or (isinstance(exc, APIError) and exc.err_code == _NO_PLACEMENT)
 
 
 async def publish_stored(
@@ -426,13 +435,18 @@ async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> No
 
 
 async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
-    """Create or update every stream and bucket; safe to call from every process."""
-    for spec in streams(s):
-        await _ensure_stream(js, spec.config)
-    await tenants_kv(js, s)
-    await files_store(js, s)
-    await batches_kv(js, s)
-    return await engines_kv(js, s)
+    """Create or update every stream and bucket; safe to call from every process. A cluster
+    that cannot place a replica yet (a peer restarting) is waited for, up to the connect
+    timeout."""
+    async for attempt in _retrying(s.connect_timeout, _placeable):
+        with attempt:
+            for spec in streams(s):
+                await _ensure_stream(js, spec.config)
+            await tenants_kv(js, s)
+            await files_store(js, s)
+            await batches_kv(js, s)
+            return await engines_kv(js, s)
+    raise AssertionError("unreachable: tenacity reraises")
 
 
 async def check_streams(js: JetStreamContext, s: Settings) -> None:

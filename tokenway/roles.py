@@ -190,6 +190,8 @@ def roles() -> list[Role]:
                 *_REGISTRY,
                 _gets(bus.ENGINES_STREAM),
                 _api("DIRECT.GET", bus.ENGINES_STREAM, ">"),
+                *_reads(bus.BATCHES_STREAM),  # `tokenway status`: the batches
+                _gets(bus.BATCHES_STREAM),
                 _gets(bus.DLQ_STREAM),
                 _api("STREAM.PURGE", bus.DLQ_STREAM),
                 bus.dlq_subject(">"),  # replay markers

@@ -1,5 +1,5 @@
 """`tokenway status`: the deployment as NATS holds it — engines, queues, owned requests,
-dead letters and stream sizes — read, never changed (the `ops` role may run it)."""
+dead letters, batches and stream sizes — read, never changed (the `ops` role may run it)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
 
 from tokenway import bus
+from tokenway.batches import ENDED, Record
 from tokenway.config import Settings
 from tokenway.wire import EngineInfo, OwnerInfo
 
 _engine = msgspec.msgpack.Decoder(EngineInfo)
 _owner = msgspec.msgpack.Decoder(OwnerInfo)
+_record = msgspec.json.Decoder(Record)
 _QUEUES = (bus.RENDER_STREAM, bus.SCHED_STREAM)
 
 
@@ -48,11 +50,22 @@ class Stream(Struct, kw_only=True):
     consumers: list[Consumer]
 
 
+class BatchRun(Struct, kw_only=True):
+    id: str
+    status: str
+    total: int
+    completed: int
+    failed: int
+    runner: str  # the runner holding it ("" between runners)
+
+
 class Status(Struct, kw_only=True):
     engines: list[Engine]
     owners: list[OwnerInfo]  # the schedule workers that answered
     streams: list[Stream]
     dead_letters: dict[str, int]  # by stage
+    batches: list[BatchRun]  # the Batch API's batches not ended
+    batches_ended: int
     missing: list[str]  # streams or the registry not there (not provisioned?)
 
 
@@ -82,9 +95,36 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
         for subject, count in (info.state.subjects or {}).items():
             stage = subject.removeprefix(bus.dlq_subject(""))
             letters[stage] = letters.get(stage, 0) + count
+    runs, ended = await _batches(js)
     return Status(engines=await _engines(js, settings.engine_ttl, missing),
                   owners=await _owners(nc), streams=streams, dead_letters=letters,
-                  missing=missing)  # fmt: skip
+                  batches=runs, batches_ended=ended, missing=missing)  # fmt: skip
+
+
+async def _batches(js: JetStreamContext) -> tuple[list[BatchRun], int]:
+    """The batches not ended, and how many have (none: no batch was ever made)."""
+    try:
+        kv = await js.key_value(bus.BATCHES_BUCKET)
+        keys = await kv.keys()
+    except (BucketNotFoundError, NoKeysError):
+        return [], 0
+    runs, ended = [], 0
+    for key in sorted(keys):
+        try:
+            entry = await kv.get(key)
+        except NotFoundError:
+            continue
+        if not entry.value:
+            continue
+        record = _record.decode(entry.value)
+        b = record.batch
+        if b.status in ENDED:
+            ended += 1
+            continue
+        c = b.request_counts
+        runs.append(BatchRun(id=b.id, status=b.status, total=c.total, completed=c.completed,
+                             failed=c.failed, runner=record.runner))  # fmt: skip
+    return runs, ended
 
 
 async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[OwnerInfo]:
@@ -173,6 +213,12 @@ def format_status(s: Status) -> str:
     lines += [f"  {stage:<10} {count}" for stage, count in sorted(s.dead_letters.items())]
     if not s.dead_letters:
         lines.append("  none")
+    lines.append("batches")
+    for b in s.batches:
+        held = f"runner {b.runner}" if b.runner else "no runner"
+        lines.append(f"  {b.id:<30} {b.status:<12} {b.completed + b.failed:>6}/{b.total:<6} "
+                     f"answered  {b.failed:>5} failed  ({held})")  # fmt: skip
+    lines.append(f"  {s.batches_ended} ended" if s.batches or s.batches_ended else "  none")
     lines.append("streams")
     for st in s.streams:
         cap = "unbounded" if st.max_bytes < 0 else _size(st.max_bytes)
