@@ -27,6 +27,7 @@ import httpx
 
 from bench.e2e import (
     BenchConfig,
+    Pipeline,
     arg_parser,
     bench_config,
     open_clients,
@@ -69,6 +70,20 @@ async def answered(http: httpx.AsyncClient, url: str, batch_id: str) -> int:
     return (await batch_state(http, url, batch_id))["request_counts"]["completed"]
 
 
+async def measured(
+    cfg: BenchConfig, pipeline: Pipeline, clients: list[httpx.AsyncClient]
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """One interactive load's summary, and the cores each process used meanwhile (this
+    one, the load's clients, as `bench`)."""
+    before, began, mine = pipeline.cpu(), time.perf_counter(), time.process_time()
+    load = await run_load(cfg, pipeline, clients)
+    wall = time.perf_counter() - began
+    after = pipeline.cpu()
+    cores = {name: (after[name] - before[name]) / wall for name in after}
+    cores["bench"] = (time.process_time() - mine) / wall
+    return summarize(load.traces), cores
+
+
 async def run(cfg: BenchConfig, lines: int, line_tokens: int, concurrency: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="tw-bench-batch-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
@@ -80,14 +95,14 @@ async def run(cfg: BenchConfig, lines: int, line_tokens: int, concurrency: int) 
             http = await stack.enter_async_context(httpx.AsyncClient(timeout=60.0))
             clients = await open_clients(stack, max(cfg.concurrency, cfg.warmup))
             await warm_up(cfg, pipeline, clients)
-            alone = summarize((await run_load(cfg, pipeline, clients)).traces)
+            alone, cores_alone = await measured(cfg, pipeline, clients)
 
             batch_id = await start_batch(http, pipeline.url, batch_file(lines, line_tokens))
             began = time.monotonic()
             running = min(concurrency, lines) // 2  # answered: the batch is in full swing
             while await answered(http, pipeline.url, batch_id) < running:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)  # another process's progress: polled
-            during = summarize((await run_load(cfg, pipeline, clients)).traces)
+            during, cores_during = await measured(cfg, pipeline, clients)
             state = await batch_state(http, pipeline.url, batch_id)
             await http.post(f"{pipeline.url}/v1/batches/{batch_id}/cancel")
             elapsed = time.monotonic() - began
@@ -101,6 +116,7 @@ async def run(cfg: BenchConfig, lines: int, line_tokens: int, concurrency: int) 
         "with_batch": during,
         "batch": {"lines_answered": done, "lines_per_s": done / elapsed if elapsed else 0.0},
         "ttft_ratio": ratios,
+        "cores": {"alone": cores_alone, "with_batch": cores_during},
     }
 
 
@@ -112,6 +128,8 @@ def table(r: dict[str, Any]) -> str:
             rows.append(f"{metric[:-3] + ' ' + q + ' (ms)':24}{a:12.1f}{b:12.1f}"
                         f"{(b / a if a else 0):8.2f}")  # fmt: skip
     rows.append(f"{'errors':24}{r['alone']['errors']:12}{r['with_batch']['errors']:12}")
+    for name, used in r["cores"]["alone"].items():
+        rows.append(f"{'cores ' + name:24}{used:12.2f}{r['cores']['with_batch'][name]:12.2f}")
     rows.append(f"batch: {r['batch']['lines_answered']} lines answered, "
                 f"{r['batch']['lines_per_s']:.1f} lines/s")  # fmt: skip
     return "\n".join(rows)

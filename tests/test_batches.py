@@ -11,12 +11,15 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import httpx
+import nats
 import openai
 import pytest
 import pytest_asyncio
 
 from tests.conftest import Stack, make_settings, nats_server, start_stack
 from tests.test_cli import logged, spawn, stop
+from tokenway.client import Client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -186,3 +189,43 @@ async def test_the_shell_submits_waits_and_prints_the_results(stack: Stack, tmp_
     proc = await spawn("batch", "cancel", batch_id, *nats_flag)
     _, err = await proc.communicate()
     assert proc.returncode == 1 and "completed already" in err.decode()
+
+
+async def test_an_interactive_request_goes_before_queued_batch_lines(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """An engine of one sequence, an owner that pulls only what fits, and six batch lines
+    queued before an interactive request: the interactive one runs as soon as the line in
+    the engine ends. It once waited in the schedule queue behind all six, first in, first
+    out, where an owner's line could not rank it."""
+    settings = make_settings(tmp_path, sim_max_seqs=1, sim_itl=0.005, owner_lookahead=0,
+                             served_model_name="lanes")  # fmt: skip
+    lanes = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
+                                                              "sim"])  # fmt: skip
+    nc = await nats.connect(stack.settings.nats)
+    queued = await nc.subscribe("tw.sched.>")  # each rendered request
+    body = {"model": "lanes", "messages": [{"role": "user", "content": "Go on."}],
+            "max_tokens": 100, "ignore_eos": True}  # fmt: skip
+    ended: list[str] = []
+    job = Client(nc, "lanes")
+
+    async def line(rid: str) -> None:
+        await job.result(rid, timeout=60)
+        ended.append("batch")
+
+    try:
+        rids = [await job.submit(body) for _ in range(6)]
+        lines = [asyncio.create_task(line(rid)) for rid in rids]
+        seen = 0
+        while seen < len(rids):  # every line rendered and queued for the owner
+            seen += (await queued.next_msg(timeout=30)).subject.startswith("tw.sched.lanes")
+        async with httpx.AsyncClient(base_url=lanes.url, timeout=60) as http:
+            resp = await http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        ended.append("interactive")
+        await asyncio.gather(*lines)
+        # The line running when it came, and at most the one that started as it was queued.
+        assert ended.index("interactive") <= 2, ended
+    finally:
+        await nc.close()
+        await lanes.close()

@@ -9,6 +9,7 @@ nobody listens), who sends and who receives, the headers, and the encoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -102,6 +103,15 @@ def channels() -> list[Channel]:
                 "Tokenized requests for their owner: vLLM's token-only generate body plus "
                 "tokenway's output context. A body without one (`context.response_id` "
                 "empty) gets it from the schedule stage, or an error event.",
+                GenerateRequest, stream=bus.SCHED_STREAM, senders=("render", direct),
+                receivers=("schedule",), headers=REQUEST_HEADERS),
+        Channel("render-batch", _address(partial(bus.render_subject, batch=True), "model"),
+                "A batch job's request bodies (`Tw-Batch: 1`), which render takes only "
+                "while `render` has none waiting.", RenderRequest, stream=bus.RENDER_STREAM,
+                senders=(direct,), receivers=("render",), headers=REQUEST_HEADERS),
+        Channel("schedule-batch", _address(partial(bus.sched_subject, batch=True), "model"),
+                "A batch job's tokenized requests, which an owner takes only while "
+                "`schedule` has none waiting and only as many as its engines can start.",
                 GenerateRequest, stream=bus.SCHED_STREAM, senders=("render", direct),
                 receivers=("schedule",), headers=REQUEST_HEADERS),
         Channel("output", _address(bus.out_subject, "reply", "rid"),

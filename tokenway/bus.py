@@ -68,12 +68,18 @@ def token(name: str) -> str:
     return _UNSAFE.sub("_", name) or "_"
 
 
-def render_subject(model: str | None) -> str:
-    return f"tw.render.{'*' if model is ANY else token(model)}"
+def _lane(stage: str, model: str | None, batch: bool) -> str:
+    """A queue's subject: interactive requests on `tw.<stage>.<model>`, a batch job's on
+    `tw.<stage>.<model>.batch`, which its stage takes from only while the first is empty."""
+    return f"tw.{stage}.{'*' if model is ANY else token(model)}{'.batch' if batch else ''}"
 
 
-def sched_subject(model: str | None) -> str:
-    return f"tw.sched.{'*' if model is ANY else token(model)}"
+def render_subject(model: str | None, batch: bool = False) -> str:
+    return _lane("render", model, batch)
+
+
+def sched_subject(model: str | None, batch: bool = False) -> str:
+    return _lane("sched", model, batch)
 
 
 def out_subject(reply: str, rid: str) -> str:
@@ -230,11 +236,16 @@ def streams(s: Settings) -> list[StreamSpec]:
     ]
 
 
-def render_consumer(s: Settings, model: str) -> ConsumerSpec:
+def _durable(stage: str, model: str, batch: bool) -> str:
+    """`render-<model>`, `batch-render-<model>`: no model's name makes one the other's."""
+    return f"{'batch-' if batch else ''}{stage}-{token(model)}"
+
+
+def render_consumer(s: Settings, model: str, batch: bool = False) -> ConsumerSpec:
     return ConsumerSpec(
         stream=RENDER_STREAM,
-        durable=f"render-{token(model)}",
-        filter_subject=render_subject(model),
+        durable=_durable("render", model, batch),
+        filter_subject=render_subject(model, batch),
         handler="workers.render.service",
         ack_wait=s.ack_wait,
         max_deliver=s.max_deliver,
@@ -242,11 +253,11 @@ def render_consumer(s: Settings, model: str) -> ConsumerSpec:
     )
 
 
-def sched_consumer(s: Settings, model: str) -> ConsumerSpec:
+def sched_consumer(s: Settings, model: str, batch: bool = False) -> ConsumerSpec:
     return ConsumerSpec(
         stream=SCHED_STREAM,
-        durable=f"schedule-{token(model)}",
-        filter_subject=sched_subject(model),
+        durable=_durable("schedule", model, batch),
+        filter_subject=sched_subject(model, batch),
         handler="workers.schedule.service",
         ack_wait=s.owner_ack_wait,
         max_deliver=s.max_deliver,

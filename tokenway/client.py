@@ -112,14 +112,14 @@ class Client:
         begun is not published again."""
         if isinstance(request, GenerateRequest):
             rid = rid or request.request_id
-            subject = bus.sched_subject(request.model or self.model)
+            subject = bus.sched_subject(request.model or self.model, batch=True)
             payload = msgspec.msgpack.encode(msgspec.structs.replace(request, request_id=rid))
         else:
             raw = request if isinstance(request, bytes) else json.dumps(request).encode()
             body = json.loads(raw)
             api: Api = "chat" if "messages" in body else "completion"
             rid = rid or secrets.token_hex(12)
-            subject = bus.render_subject(body.get("model") or self.model)
+            subject = bus.render_subject(body.get("model") or self.model, batch=True)
             payload = msgspec.msgpack.encode(
                 RenderRequest(api=api, request_id=rid, body=raw, created=int(time.time()))
             )

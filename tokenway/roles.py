@@ -11,6 +11,7 @@ streams and consumers. `tokenway nats-auth` writes these as a nats-server config
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenway import bus
@@ -48,6 +49,11 @@ def _consumes(stream: str) -> tuple[str, ...]:
     )
 
 
+def _lanes(subject: Callable[[str | None, bool], str]) -> tuple[str, str]:
+    """A queue's two lanes: interactive requests and a batch job's."""
+    return subject(bus.ANY, False), subject(bus.ANY, True)
+
+
 def _reads(stream: str) -> tuple[str, ...]:
     """Reads `stream` through short-lived consumers of its own (ordered or pull)."""
     return (
@@ -81,7 +87,7 @@ _BATCH_STORE = (
 # What the batch runner does as a direct client (`tokenway.client`): queue its lines
 # (OpenAI bodies), read their ledgers, cancel them.
 _DIRECT = (
-    bus.render_subject(bus.ANY), bus.cancel_subject(), *_reads(bus.OUT_STREAM),
+    bus.render_subject(bus.ANY, batch=True), bus.cancel_subject(), *_reads(bus.OUT_STREAM),
     _gets(bus.OUT_STREAM),
 )  # fmt: skip
 
@@ -121,7 +127,7 @@ def roles() -> list[Role]:
             "tokenizes queued requests and queues them for the schedulers; answers /tokenize",
             publish=(
                 *_consumes(bus.RENDER_STREAM),
-                bus.sched_subject(bus.ANY),
+                *_lanes(bus.sched_subject),
                 *_LEDGER_WRITE,
                 bus.dlq_subject("render"),
                 *_TENANTS,
@@ -137,7 +143,7 @@ def roles() -> list[Role]:
                 *_consumes(bus.SCHED_STREAM),
                 *_LEDGER_WRITE,
                 _gets(bus.SCHED_STREAM),
-                bus.sched_subject(bus.ANY),  # a multi-prompt request's prompts
+                *_lanes(bus.sched_subject),  # a multi-prompt request's prompts
                 bus.engine_subject("*", "*"),
                 bus.orphan_subject(),
                 bus.cancel_subject(),
@@ -195,8 +201,8 @@ def roles() -> list[Role]:
                 _gets(bus.DLQ_STREAM),
                 _api("STREAM.PURGE", bus.DLQ_STREAM),
                 bus.dlq_subject(">"),  # replay markers
-                bus.render_subject(bus.ANY),
-                bus.sched_subject(bus.ANY),  # replays
+                *_lanes(bus.render_subject),
+                *_lanes(bus.sched_subject),  # replays
                 bus.OWNERS_SUBJECT,
                 *_INFO,
             ),

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -48,6 +49,15 @@ async def enqueue(
         raise
 
 
+@dataclass(frozen=True)
+class Behind:
+    """A stage's second queue (the batch lane): fetched from only while the first has
+    nothing waiting, at most `most()` of its messages in hand at once."""
+
+    spec: bus.ConsumerSpec
+    most: Callable[[], int]
+
+
 async def consume(
     js: JetStreamContext,
     spec: bus.ConsumerSpec,
@@ -56,6 +66,7 @@ async def consume(
     batch: Callable[[], int] = lambda: 32,
     freed: Signal | None = None,
     idle_timeout: float = 0.5,
+    behind: Behind | None = None,
 ) -> None:
     """Fetch from the stage's shared durable consumer until `stop`; a fetch timeout is idle.
 
@@ -64,44 +75,99 @@ async def consume(
     Messages are handled side by side, as tasks: one message's publish round trips overlap
     the next one's work, and a slow one (a huge prompt to tokenize) holds up nothing fetched
     after it. At most `batch()` are in hand at once; `stop` waits for them.
+
+    A `behind` queue shares that capacity: its messages are fetched only while the first
+    queue has none waiting, so they never delay the first one's by more than what is in hand.
     """
-    sub = await _subscribe(js, spec, stop, idle_timeout)
-    if sub is None:
-        return  # stopped before NATS let us subscribe
-    failing = False  # logged once when fetching starts to fail, once when it works again
-    handling: set[asyncio.Task[None]] = set()
-    settled = Signal()  # a message was handled: there may be room to fetch
-
-    def settle(task: asyncio.Task[None]) -> None:
-        handling.discard(task)
-        settled.fire()
-
+    first = _Queue(spec)
+    queues = [first] if behind is None else [first, _Queue(behind.spec, behind.most)]
     async with asyncio.TaskGroup() as group:  # on the way out, waits for what is in hand
+        stage = _Stage(group, handle, batch, freed, idle_timeout, first)
+        async with asyncio.TaskGroup() as drains:
+            for queue in queues:
+                drains.create_task(stage.drain(js, queue, stop))
+
+
+@dataclass
+class _Queue:
+    spec: bus.ConsumerSpec
+    most: Callable[[], int] | None = None  # a queue behind: at most this many in hand
+    in_hand: int = 0
+    waiting: int = 0  # messages it had waiting after its last fetch
+
+
+class _Stage:
+    """What a stage's queues share: its capacity, the handlers in hand, when one settled."""
+
+    def __init__(
+        self,
+        group: asyncio.TaskGroup,
+        handle: Callable[[Msg], Awaitable[None]],
+        batch: Callable[[], int],
+        freed: Signal | None,
+        idle: float,
+        first: _Queue,
+    ) -> None:
+        self.group = group
+        self.handle = handle
+        self.batch = batch
+        self.freed = freed
+        self.idle = idle
+        self.first = first
+        self.handling: set[asyncio.Task[None]] = set()
+        self.settled = Signal()  # a message was handled, or the first queue's backlog changed
+
+    def want(self, queue: _Queue) -> int:
+        room = self.batch() - len(self.handling)
+        if queue.most is None:
+            return room
+        return 0 if self.first.waiting else min(room, queue.most() - queue.in_hand)
+
+    async def drain(self, js: JetStreamContext, queue: _Queue, stop: asyncio.Event) -> None:
+        spec = queue.spec
+        sub = await _subscribe(js, spec, stop, self.idle)
+        if sub is None:
+            return  # stopped before NATS let us subscribe
+        failing = False  # logged once when fetching starts to fail, once when it works again
         while not stop.is_set():
-            waits = [settled.waiter(), *([freed.waiter()] if freed else [])]
-            want = batch() - len(handling)
+            waits = [self.settled.waiter(), *([self.freed.waiter()] if self.freed else [])]
+            want = self.want(queue)
             if want <= 0:
-                await wait_any(stop, *waits, timeout=idle_timeout)
+                await wait_any(stop, *waits, timeout=self.idle)
                 continue
             try:
-                msgs = await _fetch(sub, want, idle_timeout)
+                msgs = await _fetch(sub, want, self.idle)
             except nats.errors.Error as exc:  # NATS away, or the consumer has no leader or is gone
                 if not failing:
                     log.warning("%s cannot fetch (%r); subscribing anew until it can",
                                 spec.handler, exc)  # fmt: skip
                 failing = True
-                await wait_any(stop, timeout=idle_timeout)
+                await wait_any(stop, timeout=self.idle)
                 sub = await _resubscribe(js, spec, sub)
                 continue
             if failing:
                 log.warning("%s fetches again", spec.handler)
                 failing = False
+            waiting = msgs[-1].metadata.num_pending if msgs else 0
+            if waiting != queue.waiting:
+                queue.waiting = waiting
+                self.settled.fire()
             for msg in msgs:
-                task = group.create_task(_guarded(handle, msg, spec.handler))
-                handling.add(task)
-                task.add_done_callback(settle)
-    with contextlib.suppress(nats.errors.Error):
-        await sub.unsubscribe()
+                self._start(queue, msg)
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+    def _start(self, queue: _Queue, msg: Msg) -> None:
+        task = self.group.create_task(_guarded(self.handle, msg, queue.spec.handler))
+        self.handling.add(task)
+        queue.in_hand += 1
+
+        def settle(task: asyncio.Task[None]) -> None:
+            self.handling.discard(task)
+            queue.in_hand -= 1
+            self.settled.fire()
+
+        task.add_done_callback(settle)
 
 
 async def _subscribe(

@@ -37,8 +37,11 @@ def bus_subjects() -> dict[str, str]:
     found = {}
     for name, value in vars(bus).items():
         if name.endswith("_subject") and inspect.isfunction(value):
-            params = inspect.signature(value).parameters
-            found[name] = value(*(f"sample{i}" for i in range(len(params))))
+            params = inspect.signature(value).parameters.values()
+            tokens = [f"sample{i}" for i, p in enumerate(params) if p.default is p.empty]
+            found[name] = value(*tokens)
+            if "batch" in inspect.signature(value).parameters:  # a queue's batch lane
+                found[f"{name}(batch)"] = value(*tokens, batch=True)
         elif name.endswith(("_SUBJECT", "_SUBJECTS", "_KEYS")):  # the buckets' too
             found[name] = value.replace(">", "sample")
     return found

@@ -1,5 +1,6 @@
-"""Render shell: drains `tw.render.<model>`, publishes tokenized requests to `tw.sched.<model>`;
-answers `/tokenize` calls on `tw.tokenize.<model>`."""
+"""Render shell: drains `tw.render.<model>` (and, while that is empty, the batch lane
+`tw.render.<model>.batch`), publishes tokenized requests to the same lane of
+`tw.sched.<model>`; answers `/tokenize` calls on `tw.tokenize.<model>`."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tokenway.errors import (
 from tokenway.model import ModelInfo
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
-from tokenway.worker import consume, enqueue
+from tokenway.worker import Behind, consume, enqueue
 from workers.render import tokenize
 from workers.render.backend import render_backend
 from workers.render.parse import ParserFlags
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 _decoder = msgspec.msgpack.Decoder(RenderRequest)
 _encoder = msgspec.msgpack.Encoder()
 _ROOM_BACKOFF, _MAX_ROOM_BACKOFF = 0.05, 2.0  # seconds between tries at a full queue
+_BATCH_SLOTS = 24  # of the 32 requests a worker has in hand
 
 
 class RenderService:
@@ -62,6 +64,10 @@ class RenderService:
         js = nc.jetstream()
         self.book = TenantBook(await bus.tenants_kv(js, self.settings))
         spec = bus.render_consumer(self.settings, self.model)
+        # A batch job's requests (which may wait out a full schedule queue in hand) take
+        # at most this many of the worker's slots: interactive ones always find some.
+        batch = Behind(bus.render_consumer(self.settings, self.model, batch=True),
+                       lambda: _BATCH_SLOTS)  # fmt: skip
         log.info("render serving %s (%s backend)", self.model, self.settings.render_backend)
         try:
             async with asyncio.TaskGroup() as calls:
@@ -73,7 +79,8 @@ class RenderService:
                 subject = bus.tokenize_subject(self.model)
                 sub = await nc.subscribe(subject, queue=bus.RENDER_QUEUE, cb=on_call)
                 try:
-                    await consume(js, spec, lambda msg: self.handle(js, msg), stop)
+                    await consume(js, spec, lambda msg: self.handle(js, msg), stop,
+                                  behind=batch)  # fmt: skip
                 finally:
                     await sub.drain()  # takes what was received; the group awaits its answers
         finally:
@@ -182,7 +189,7 @@ class RenderService:
         payload = _encoder.encode(generate)
         try:
             await enqueue(
-                js, "schedule", bus.sched_subject(self.model), payload,
+                js, "schedule", bus.sched_subject(self.model, who.batch), payload,
                 who.headers(), self.settings.bus_retry,
             )  # fmt: skip
         except MaxPayloadError as exc:

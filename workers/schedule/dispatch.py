@@ -121,10 +121,11 @@ class Dispatcher:
 
     # -- capacity ---------------------------------------------------------------------------
 
-    def may_pull(self) -> int:
-        """Sequences the owner may pull: what the engines have room for, and
+    def may_pull(self, ahead: bool = True) -> int:
+        """Sequences the owner may pull: what the engines have room for, and (`ahead`)
         `owner_lookahead` more, so that its line has other tenants' turns to give, less
-        what already waits in it."""
+        what already waits in it. A batch job's requests are pulled without looking ahead:
+        in the queue, not the line, they leave interactive ones the next turn."""
         alive = self.registry.alive()
         if not alive:
             # Requests still come in, to wait a while for an engine and then meet the 503
@@ -133,7 +134,8 @@ class Dispatcher:
         # With only incompatible engines, their room still lets requests in, so that each
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
         room = routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
-        return max(room + self.settings.owner_lookahead - self.line.waiting(), 0)
+        ahead_by = self.settings.owner_lookahead if ahead else 0
+        return max(room + ahead_by - self.line.waiting(), 0)
 
     def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
         return [e for e in engines if e.obfuscation == self.fingerprint]

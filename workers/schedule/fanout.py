@@ -86,6 +86,7 @@ class Parent:
         self.reply = who.reply
         self.tenant = who.tenant
         self.trace = who.trace
+        self.batch = who.batch  # its prompts go behind interactive requests too
         self.leased = bool(who.limits)  # holds one of its tenant's slots until it ends
         self.request = request
         self.deadline = deadline
@@ -253,11 +254,11 @@ class FanOut:
 
     async def _publish(self, p: Parent, sub: GenerateRequest) -> int:
         sub_of = ledger.Identity(sub.request_id, self.router.ingress_id, p.deadline, p.tenant,
-                                 trace=p.trace)  # fmt: skip
+                                 trace=p.trace, batch=p.batch)  # fmt: skip
         headers = sub_of.headers()
         try:
             ack = await self.js.publish(
-                bus.sched_subject(self.model), _encoder.encode(sub), headers=headers
+                bus.sched_subject(self.model, p.batch), _encoder.encode(sub), headers=headers
             )
         except APIError as exc:
             if is_stream_full(exc):

@@ -56,7 +56,7 @@ from tokenway.wire import (
     TokenDelta,
     TokenStep,
 )
-from tokenway.worker import consume
+from tokenway.worker import Behind, consume
 from workers.derender.backend import derender_backend, is_large
 from workers.schedule import direct, metrics
 from workers.schedule.derendering import Derenderer, Pool
@@ -158,6 +158,9 @@ class ScheduleService:
             await consume(
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
                 batch=self._capacity, freed=self.dispatcher.freed,
+                behind=Behind(bus.sched_consumer(self.settings, self.model, batch=True),
+                              lambda: self.dispatcher.may_pull(ahead=False) if self.dispatcher
+                              else 0),
             )  # fmt: skip
             await self._shutdown()
             drained.set()
