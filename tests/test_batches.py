@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from tests.conftest import Stack, make_settings, nats_server, start_stack
 from tests.test_cli import logged, spawn, stop
+from tokenway import bus
 from tokenway.client import Client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -203,7 +204,13 @@ async def test_an_interactive_request_goes_before_queued_batch_lines(
     lanes = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
                                                               "sim"])  # fmt: skip
     nc = await nats.connect(stack.settings.nats)
-    queued = await nc.subscribe("tw.sched.>")  # each rendered request
+    queued: asyncio.Queue[object] = asyncio.Queue()  # each rendered request, either lane
+
+    async def seen(msg: object) -> None:
+        await queued.put(msg)
+
+    for batch in (False, True):
+        await nc.subscribe(bus.sched_subject("lanes", batch), cb=seen)
     body = {"model": "lanes", "messages": [{"role": "user", "content": "Go on."}],
             "max_tokens": 100, "ignore_eos": True}  # fmt: skip
     ended: list[str] = []
@@ -216,9 +223,8 @@ async def test_an_interactive_request_goes_before_queued_batch_lines(
     try:
         rids = [await job.submit(body) for _ in range(6)]
         lines = [asyncio.create_task(line(rid)) for rid in rids]
-        seen = 0
-        while seen < len(rids):  # every line rendered and queued for the owner
-            seen += (await queued.next_msg(timeout=30)).subject.startswith("tw.sched.lanes")
+        for _ in rids:  # every line rendered and queued for the owner
+            await asyncio.wait_for(queued.get(), timeout=30)
         async with httpx.AsyncClient(base_url=lanes.url, timeout=60) as http:
             resp = await http.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text

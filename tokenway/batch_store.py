@@ -126,23 +126,32 @@ class BatchStore:
 
     async def records(self) -> list[Record]:
         """Every batch (for runners and listings), oldest first."""
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return []
-        out = []
-        for key in keys:
-            try:
-                out.append((await self._read(key))[0])
-            except NotFound:
-                continue
-        return sorted(out, key=lambda r: (r.batch.created_at, r.batch.id))
+        return await records(self.kv)
 
     async def _read(self, batch_id: str) -> tuple[Record, int]:
+        return await _read(self.kv, batch_id)
+
+
+async def records(kv: KeyValue) -> list[Record]:
+    """Every batch in the `tw-batches` bucket, oldest first (a read: `tokenway status`)."""
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    out = []
+    for key in keys:
         try:
-            entry = await self.kv.get(batch_id)
-        except KeyNotFoundError:
-            raise NotFound(batch_id) from None
-        if not entry.value:
-            raise NotFound(batch_id)
-        return _record.decode(entry.value), entry.revision or 0
+            out.append((await _read(kv, key))[0])
+        except NotFound:
+            continue
+    return sorted(out, key=lambda r: (r.batch.created_at, r.batch.id))
+
+
+async def _read(kv: KeyValue, batch_id: str) -> tuple[Record, int]:
+    try:
+        entry = await kv.get(batch_id)
+    except KeyNotFoundError:
+        raise NotFound(batch_id) from None
+    if not entry.value:
+        raise NotFound(batch_id)
+    return _record.decode(entry.value), entry.revision or 0

@@ -11,14 +11,13 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
 
-from tokenway import bus
-from tokenway.batches import ENDED, Record
+from tokenway import batch_store, bus
+from tokenway.batches import ENDED
 from tokenway.config import Settings
 from tokenway.wire import EngineInfo, OwnerInfo
 
 _engine = msgspec.msgpack.Decoder(EngineInfo)
 _owner = msgspec.msgpack.Decoder(OwnerInfo)
-_record = msgspec.json.Decoder(Record)
 _QUEUES = (bus.RENDER_STREAM, bus.SCHED_STREAM)
 
 
@@ -105,18 +104,10 @@ async def _batches(js: JetStreamContext) -> tuple[list[BatchRun], int]:
     """The batches not ended, and how many have (none: no batch was ever made)."""
     try:
         kv = await js.key_value(bus.BATCHES_BUCKET)
-        keys = await kv.keys()
-    except (BucketNotFoundError, NoKeysError):
+    except BucketNotFoundError:
         return [], 0
     runs, ended = [], 0
-    for key in sorted(keys):
-        try:
-            entry = await kv.get(key)
-        except NotFoundError:
-            continue
-        if not entry.value:
-            continue
-        record = _record.decode(entry.value)
+    for record in await batch_store.records(kv):
         b = record.batch
         if b.status in ENDED:
             ended += 1

@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
+from functools import partial
 
 import msgspec
 import nats.errors
@@ -159,8 +160,7 @@ class ScheduleService:
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
                 batch=self._capacity, freed=self.dispatcher.freed,
                 behind=Behind(bus.sched_consumer(self.settings, self.model, batch=True),
-                              lambda: self.dispatcher.may_pull(ahead=False) if self.dispatcher
-                              else 0),
+                              partial(self.dispatcher.may_pull, ahead=False)),
             )  # fmt: skip
             await self._shutdown()
             drained.set()
