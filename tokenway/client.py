@@ -25,6 +25,7 @@ is run once: JetStream drops a resubmission within its two-minute duplicate wind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -37,6 +38,7 @@ import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
@@ -110,27 +112,33 @@ class Client:
     async def submit(self, request: Request, rid: str | None = None) -> str:
         """Queue the request; its id. A full queue is waited out; an id whose output has
         begun is not published again."""
+        rid, subject, payload = self._prepared(request, rid)
+        if not await self._begun(rid):
+            await self._publish(rid, subject, payload)
+        return rid
+
+    def _prepared(self, request: Request, rid: str | None) -> tuple[str, str, bytes]:
+        """The request's id, the subject it is queued on and its payload."""
         if isinstance(request, GenerateRequest):
             rid = rid or request.request_id
             subject = bus.sched_subject(request.model or self.model, batch=True)
             payload = msgspec.msgpack.encode(msgspec.structs.replace(request, request_id=rid))
-        else:
-            raw = request if isinstance(request, bytes) else json.dumps(request).encode()
-            body = json.loads(raw)
-            api: Api = "chat" if "messages" in body else "completion"
-            rid = rid or secrets.token_hex(12)
-            subject = bus.render_subject(body.get("model") or self.model, batch=True)
-            payload = msgspec.msgpack.encode(
-                RenderRequest(api=api, request_id=rid, body=raw, created=int(time.time()))
-            )
-        if await self._begun(rid):
-            return rid
+            return rid, subject, payload
+        raw = request if isinstance(request, bytes) else json.dumps(request).encode()
+        body = json.loads(raw)
+        api: Api = "chat" if "messages" in body else "completion"
+        rid = rid or secrets.token_hex(12)
+        subject = bus.render_subject(body.get("model") or self.model, batch=True)
+        render = RenderRequest(api=api, request_id=rid, body=raw, created=int(time.time()))
+        return rid, subject, msgspec.msgpack.encode(render)
+
+    async def _publish(self, rid: str, subject: str, payload: bytes) -> None:
         headers = ledger.Identity(rid, self.reply, batch=True).headers()
         wait = _BACKOFF
         while True:
             try:
                 await self.js.publish(subject, payload, headers=headers)
-                return rid
+                return
             except nats.errors.Error as exc:
                 full = isinstance(exc, APIError) and bus.is_stream_full(exc)
                 if not (full or bus.transient(exc)):
@@ -151,13 +159,10 @@ class Client:
         try:
             while True:
                 msg = await sub.next_msg(timeout=timeout or 1e9)
-                hdrs = msg.headers or {}
-                seq = int(hdrs.get(h.SEQ, seen + 1))
-                if seq <= seen:
+                out = _output(msg.headers, msg.data, seen + 1)
+                if out.seq <= seen:
                     continue  # stored twice: one place in the output is one message
-                seen = seq
-                out = Output(kind=hdrs.get(h.KIND, h.KIND_CHUNK), body=msg.data, seq=seq,
-                             status=int(hdrs.get(h.STATUS, 200)))  # fmt: skip
+                seen = out.seq
                 yield out
                 if out.terminal:
                     return
@@ -168,13 +173,10 @@ class Client:
         """The whole response of a request that did not stream; `RequestFailed` for an
         error event, ValueError for a streamed request (read its `outputs`)."""
         async for out in self.outputs(rid, timeout):
-            if out.kind == h.KIND_ERROR:
-                doc = out.documents()[0]
-                raise RequestFailed(out.status, doc.get("error", doc))
-            if out.kind == h.KIND_RESPONSE:
-                return out.documents()[0]
             if out.terminal:
-                raise ValueError(f"request {rid} streamed its output: read it with outputs()")
+                if isinstance(done := outcome(rid, out), RequestFailed):
+                    raise done
+                return done
         raise AssertionError("unreachable: outputs() ends with a terminal message")
 
     async def run(self, request: Request, rid: str | None = None) -> dict[str, Any]:
@@ -187,31 +189,48 @@ class Client:
         await self.nc.flush()
 
     async def submit_many(
-        self, requests: Iterable[Request | tuple[str, Request]], concurrency: int = 64
+        self,
+        requests: Iterable[Request | tuple[str, Request]],
+        concurrency: int = 64,
+        finished: Finished | None = None,
     ) -> AsyncIterator[tuple[str, dict[str, Any] | RequestFailed]]:
         """Run every request, at most `concurrency` at a time; each one's id and response
         (or its `RequestFailed`) as it finishes. Give `(rid, request)` pairs to name them:
-        running the same ids again runs nothing twice."""
+        running the same ids again runs nothing twice (one that ended before is answered
+        from its ledger at once). The results come through one reader of the reply's
+        ledgers (`finished`, else one of its own), not a consumer per request."""
         done: asyncio.Queue[tuple[str, dict[str, Any] | RequestFailed]] = asyncio.Queue()
+        async with contextlib.AsyncExitStack() as stack:
+            reader = finished or await stack.enter_async_context(self.finished())
+            await reader.caught_up()
 
-        async def one(rid: str | None, request: Request) -> None:
-            rid = await self.submit(request, rid)
-            try:
-                await done.put((rid, await self.result(rid)))
-            except RequestFailed as exc:
-                await done.put((rid, exc))
+            async def one(rid: str | None, request: Request) -> None:
+                rid, subject, payload = self._prepared(request, rid)
+                if not reader.began(rid):
+                    await self._publish(rid, subject, payload)
+                await done.put((rid, outcome(rid, await reader.wait(rid))))
 
-        async with asyncio.TaskGroup() as group:
-            running = 0
-            for item in requests:
-                if running >= concurrency:  # a finished one makes room for the next
+            async with asyncio.TaskGroup() as group:
+                running = 0
+                for item in requests:
+                    if running >= concurrency:  # a finished one makes room for the next
+                        yield await done.get()
+                        running -= 1
+                    rid, request = item if isinstance(item, tuple) else (None, item)
+                    group.create_task(one(rid, request))
+                    running += 1
+                for _ in range(running):
                     yield await done.get()
-                    running -= 1
-                rid, request = item if isinstance(item, tuple) else (None, item)
-                group.create_task(one(rid, request))
-                running += 1
-            for _ in range(running):
-                yield await done.get()
+
+    @contextlib.asynccontextmanager
+    async def finished(self) -> AsyncIterator[Finished]:
+        """A reader of how this client's requests ended (`Finished`), open while in use."""
+        reader = Finished(self.js, self.reply)
+        await reader.start()
+        try:
+            yield reader
+        finally:
+            await reader.stop()
 
     async def _begun(self, rid: str) -> bool:
         """Whether the request's ledger holds output already (it ran, or runs)."""
@@ -220,3 +239,92 @@ class Client:
         except NotFoundError:
             return False
         return True
+
+
+class Finished:
+    """How each request under one reply ended, from one ordered consumer of its ledgers:
+    every ledger's last message when it starts (what ran before, say before a takeover),
+    then each one stored since. Many requests' results cost one consumer, not one each."""
+
+    def __init__(self, js: JetStreamContext, reply: str) -> None:
+        self.js = js
+        self.reply = reply
+        self._began: set[str] = set()
+        # ended before anyone waited: the stream sequence of its end, read when asked (the
+        # ledgers of a whole batch need not sit in memory)
+        self._ended: dict[str, int] = {}
+        self._waiting: dict[str, asyncio.Future[Output]] = {}
+        self._current = asyncio.Event()  # what was stored before the start is read
+        self._sub: JetStreamContext.PushSubscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.js.subscribe(
+            bus.out_subject(self.reply, "*"), stream=bus.OUT_STREAM, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, cb=self._on,
+        )  # fmt: skip
+        info = await self._sub.consumer_info()
+        if info.num_pending == 0 and info.delivered.consumer_seq == 0:
+            self._current.set()  # nothing stored: else the backlog's last message says so
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for waiter in self._waiting.values():
+            waiter.cancel()
+
+    async def caught_up(self) -> None:
+        """Wait until what the ledgers held at the start is read."""
+        await self._current.wait()
+
+    def began(self, rid: str) -> bool:
+        """Whether the request's ledger holds output (it ran, or runs); once caught up."""
+        return rid in self._began
+
+    async def take(self, rid: str) -> Output | None:
+        """The request's terminal output, if it ended (it is handed out once)."""
+        seq = self._ended.pop(rid, None)
+        if seq is None:
+            return None
+        msg = await self.js.get_msg(bus.OUT_STREAM, seq)
+        return _output(msg.headers, msg.data or b"")
+
+    async def wait(self, rid: str) -> Output:
+        """The request's terminal output, once it ends."""
+        if (out := await self.take(rid)) is not None:
+            return out
+        waiter = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        try:
+            return await waiter
+        finally:
+            self._waiting.pop(rid, None)
+
+    async def _on(self, msg: Msg) -> None:
+        rid = bus.rid_of(msg.subject)
+        self._began.add(rid)
+        if msg.metadata.num_pending == 0:
+            self._current.set()
+        out = _output(msg.headers, msg.data)
+        if not out.terminal:
+            return
+        waiter = self._waiting.get(rid)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(out)
+        else:
+            self._ended[rid] = msg.metadata.sequence.stream
+
+
+def _output(headers: dict[str, str] | None, body: bytes, seq: int = 1) -> Output:
+    hdrs = headers or {}
+    return Output(kind=hdrs.get(h.KIND, h.KIND_CHUNK), body=body,
+                  seq=int(hdrs.get(h.SEQ, seq)), status=int(hdrs.get(h.STATUS, 200)))  # fmt: skip
+
+
+def outcome(rid: str, out: Output) -> dict[str, Any] | RequestFailed:
+    """A terminal output as the whole response, or the `RequestFailed` of an error event;
+    ValueError for the end of a streamed request."""
+    if out.kind == h.KIND_ERROR:
+        doc = out.documents()[0]
+        return RequestFailed(out.status, doc.get("error", doc))
+    if out.kind == h.KIND_RESPONSE:
+        return out.documents()[0]
+    raise ValueError(f"request {rid} streamed its output: read it with outputs()")

@@ -27,15 +27,13 @@ import time
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import ObjectNotFoundError
 
 from tokenway import batches, bus
-from tokenway import headers as h
 from tokenway.aio import wait_any
 from tokenway.batch_store import BatchStore, NotFound
 from tokenway.batches import ENDED, Errors, Line, Record
-from tokenway.client import Client, RequestFailed
+from tokenway.client import Client, Finished, RequestFailed, outcome
 from tokenway.config import Settings
 
 log = logging.getLogger(__name__)
@@ -66,14 +64,13 @@ class BatchRunner:
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         name = f"tokenway-batch-{self.runner_id}"
         nc = await bus.connect(nats_url, name, self.settings, stop=stop)
-        js = nc.jetstream()
-        store = await BatchStore.bind(js, self.settings)
+        store = await BatchStore.bind(nc.jetstream(), self.settings)
         watcher = await store.kv.watchall()
         log.info("batch runner %s running batches", self.runner_id)
         try:
             while not stop.is_set():
                 for record in await store.records():
-                    self._maybe_take(nc, js, store, record)
+                    self._maybe_take(nc, store, record)
                 # woken by any change of a batch, else in time to take over a lapsed lease
                 update = asyncio.ensure_future(watcher.updates(self.settings.batch_lease / 3))
                 await wait_any(stop, _done(update))
@@ -87,17 +84,17 @@ class BatchRunner:
             await watcher.stop()
             await bus.drain(nc)
 
-    def _maybe_take(self, nc: NATS, js: JetStreamContext, store: BatchStore, r: Record) -> None:
+    def _maybe_take(self, nc: NATS, store: BatchStore, r: Record) -> None:
         bid = r.batch.id
         if bid in self.running or r.batch.status in ENDED:
             return
         if r.runner and r.runner != self.runner_id and r.lease_until > time.time():
             return  # another runner holds it
-        task = asyncio.create_task(self._hold(nc, js, store, bid), name=f"batch-{bid}")
+        task = asyncio.create_task(self._hold(nc, store, bid), name=f"batch-{bid}")
         self.running[bid] = task
         task.add_done_callback(lambda _: self.running.pop(bid, None))
 
-    async def _hold(self, nc: NATS, js: JetStreamContext, store: BatchStore, bid: str) -> None:
+    async def _hold(self, nc: NATS, store: BatchStore, bid: str) -> None:
         """Take the batch (compare-and-set), run it while renewing the lease."""
         now = time.time()
 
@@ -113,7 +110,7 @@ class BatchRunner:
         if record.runner != self.runner_id or record.batch.status in ENDED:
             return
         log.info("batch %s taken (%s)", bid, record.batch.status)
-        work = asyncio.create_task(self._run(nc, js, store, record))
+        work = asyncio.create_task(self._run(nc, store, record))
         finished = _done(work)
         try:
             while not work.done():
@@ -141,7 +138,7 @@ class BatchRunner:
             return None
         return msgspec.structs.replace(r, runner="", lease_until=0.0)
 
-    async def _run(self, nc: NATS, js: JetStreamContext, store: BatchStore, r: Record) -> None:
+    async def _run(self, nc: NATS, store: BatchStore, r: Record) -> None:
         bid = r.batch.id
         try:
             data = await store.content(r.batch.input_file_id, r.tenant)
@@ -156,7 +153,7 @@ class BatchRunner:
                 log.info("batch %s failed validation: %d errors", bid, len(errors))
                 return
         if r.batch.status in ("in_progress", "cancelling"):  # a cancelled one submits nothing
-            await Lines(self, nc, js, store, r, lines).run(r.batch.status == "in_progress")
+            await Lines(self, nc, store, r, lines).run(r.batch.status == "in_progress")
             r = await store.get(bid)
         if r.batch.status in ("finalizing", "cancelling"):
             await self._finalize(store, r, len(lines))
@@ -200,10 +197,10 @@ class BatchRunner:
 class Lines:
     """One runner's run of an in-progress batch's lines."""
 
-    def __init__(self, runner: BatchRunner, nc: NATS, js: JetStreamContext, store: BatchStore,
-                 record: Record, lines: list[Line]) -> None:  # fmt: skip
+    def __init__(
+        self, runner: BatchRunner, nc: NATS, store: BatchStore, record: Record, lines: list[Line]
+    ) -> None:
         self.runner = runner
-        self.js = js
         self.store = store
         self.record = record
         self.lines = lines
@@ -216,19 +213,20 @@ class Lines:
     async def run(self, submit: bool) -> None:
         """Read what ran already; with `submit`, run the rest; write the parts."""
         first = self.parts * PART_LINES
-        for i in range(first, len(self.lines)):  # what ran before a takeover
-            found = await self._answered(i)
-            if found is not None:
-                self.answers[i] = found
-        if submit and not await self._commit():
-            await self._submit(first)
+        index = {batches.line_rid(self.bid, i): i for i in range(first, len(self.lines))}
+        async with self.client.finished() as finished:
+            await finished.caught_up()
+            for rid, i in index.items():  # what ran before a takeover
+                if (out := await finished.take(rid)) is not None:
+                    self.answers[i] = self._answer(i, outcome(rid, out))
+            if submit and not await self._commit():
+                await self._submit(index, finished)
         await self._commit(final=True)
 
-    async def _submit(self, first: int) -> None:
-        index = {batches.line_rid(self.bid, i): i for i in range(first, len(self.lines))
-                 if i not in self.answers}  # fmt: skip
-        todo = [(rid, self.lines[i].body) for rid, i in index.items()]
-        results = self.client.submit_many(todo, self.runner.settings.batch_concurrency)
+    async def _submit(self, index: dict[str, int], finished: Finished) -> None:
+        todo = [(rid, self.lines[i].body) for rid, i in index.items() if i not in self.answers]
+        concurrency = self.runner.settings.batch_concurrency
+        results = self.client.submit_many(todo, concurrency, finished)
 
         async def take() -> None:
             async for rid, result in results:
@@ -258,23 +256,6 @@ class Lines:
         else:
             body, status = result, 200
         return status, batches.output_line(self.bid, i, self.lines[i], status, body)
-
-    async def _answered(self, i: int) -> tuple[int, bytes] | None:
-        """A line's answer, where its ledger holds one already."""
-        subject = bus.out_subject(bus.token(self.bid), batches.line_rid(self.bid, i))
-        try:
-            msg = await self.js.get_last_msg(bus.OUT_STREAM, subject)
-        except NotFoundError:
-            return None
-        hdrs = msg.headers or {}
-        kind = hdrs.get(h.KIND, h.KIND_CHUNK)
-        if kind == h.KIND_RESPONSE:
-            return self._answer(i, msgspec.json.decode(msg.data or b"{}"))
-        if kind == h.KIND_ERROR:
-            doc = msgspec.json.decode(msg.data or b"{}")
-            return self._answer(i, RequestFailed(int(hdrs.get(h.STATUS, 500)),
-                                                 doc.get("error", doc)))  # fmt: skip
-        return None
 
     async def _commit(self, final: bool = False) -> bool:
         """Write every part that is whole; store the counts. True when the batch is to stop
