@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +100,20 @@ class ApiKeys:
         return cls(
             tenants, ALWAYS_OPEN | _open_paths(open_routes), {t: x for t, x in limits.items() if x}
         )
+
+
+def tenants(keys: str | None, key_file: str | None, named: Sequence[str] = ()) -> list[str]:
+    """The tenants the settings' keys belong to, and those `named` (each checked); each
+    may have a client on the bus (`tokenway.roles.client`). ValueError as `ApiKeys.load`."""
+    found = {DEFAULT_TENANT} if keys else set()
+    if key_file is not None:
+        found |= {tenant for tenant, *_ in _read_key_file(key_file)}
+    for name in named:
+        if not TENANT.fullmatch(name):
+            raise ValueError(f"tenant {name!r}: a tenant name is letters, digits, '_' and '-', "
+                             "up to 64, starting with a letter or digit")  # fmt: skip
+        found.add(name)
+    return sorted(found)
 
 
 def _open_paths(open_routes: str) -> frozenset[str]:

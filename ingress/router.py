@@ -157,7 +157,8 @@ class OutputRouter:
 
     def cancel(self, rid: str) -> None:
         """Tell the request's owner the client left (safe to call from a finalizer)."""
-        task = asyncio.get_running_loop().create_task(self.nc.publish(bus.cancel_subject(rid), b""))
+        cancel = self.nc.publish(bus.cancel_subject(self.ingress_id, rid), b"")
+        task = asyncio.get_running_loop().create_task(cancel)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -24,7 +24,8 @@ from tokenway.nats_users import NatsUsers
 from tokenway.natsd import server_binary
 from tokenway.roles import roles
 
-ROLES = [r.name for r in roles()]
+TENANTS = ["acme"]  # a client role on the bus: `client-acme`
+ROLES = [r.name for r in roles(TENANTS)]
 # What an outsider did to an open bus, and the roles whose work it is.
 ATTACKS: dict[str, tuple[str, str, set[str]]] = {
     "read every message": ("sub", ">", set()),
@@ -49,10 +50,32 @@ ATTACKS: dict[str, tuple[str, str, set[str]]] = {
     "race a token delta": ("pub", "tw.tok.o0123", {"engine"}),
     "call an engine": ("pub", "tw.engine.e0123.generate", {"schedule"}),
     "run free inference": ("pub", "tw.sched.deepseek-v4", {"render", "schedule", "ops"}),
-    "cancel another client's request": ("pub", "tw.cancel.r0123", {"ingress", "schedule", "batch"}),
+    "cancel another client's request": (
+        "pub",
+        "tw.cancel.i0123.r0123",
+        {"ingress", "schedule", "batch"},
+    ),
+    "cancel another tenant's request": ("pub", "tw.cancel.tenant.rival.j1.r0123", {"batch"}),
     "flood the render queue": ("pub", "tw.render.deepseek-v4", {"ingress", "ops"}),
-    "flood the batch lane": ("pub", "tw.render.deepseek-v4.batch", {"batch", "ops"}),
-    "queue a free batch line": ("pub", "tw.sched.deepseek-v4.batch", {"render", "schedule", "ops"}),
+    "flood the batch lane": ("pub", "tw.render.deepseek-v4.batch._", {"batch", "ops"}),
+    "flood another tenant's lane": ("pub", "tw.render.deepseek-v4.batch.rival", {"batch", "ops"}),
+    "queue a free batch line": (
+        "pub",
+        "tw.sched.deepseek-v4.batch._",
+        {"render", "schedule", "ops"},
+    ),
+    "queue a line as another tenant": ("pub", "tw.sched.deepseek-v4.batch.rival", {"ops"}),
+    "read another tenant's results": (
+        "pub",
+        "$JS.API.CONSUMER.CREATE.TW_OUT.r1.tw.out.tenant.rival.j1.*",
+        {"ingress", "batch", "provision"},
+    ),
+    "read an ingress's results by a named consumer": (
+        "pub",
+        "$JS.API.CONSUMER.CREATE.TW_OUT.r1.tw.out.i0123.*",
+        {"ingress", "batch", "provision"},
+    ),
+    "read another tenant's deliveries": ("sub", "tw.sse.tenant.rival.j1", set()),
     "delete the ledger": ("pub", "$JS.API.STREAM.DELETE.TW_OUT", {"provision"}),
     "delete the render queue": ("pub", "$JS.API.STREAM.DELETE.TW_RENDER", {"provision"}),
     "create a stream": ("pub", "$JS.API.STREAM.CREATE.TW_EVIL", {"provision"}),
@@ -61,7 +84,7 @@ ATTACKS: dict[str, tuple[str, str, set[str]]] = {
 
 @pytest.fixture
 def users(tmp_path: Path) -> NatsUsers:
-    return NatsUsers.prepare(tmp_path / "auth")
+    return NatsUsers.prepare(tmp_path / "auth", TENANTS)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -166,7 +189,7 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
 
 
 async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Path) -> None:
-    proc = await spawn("nats-auth", str(tmp_path / "auth"))
+    proc = await spawn("nats-auth", str(tmp_path / "auth"), "--tenant", "acme")
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     for role in ROLES:
@@ -174,7 +197,7 @@ async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Pa
         env = (tmp_path / "auth" / f"{role}.env").read_text()
         assert f"TOKENWAY_NATS_INBOX_PREFIX=_INBOX.{role}" in env
     seeds = {r: (tmp_path / "auth" / f"{r}.nk").read_bytes() for r in ROLES}
-    again = await spawn("nats-auth", str(tmp_path / "auth"))
+    again = await spawn("nats-auth", str(tmp_path / "auth"), "--tenant", "acme")
     await again.communicate()
     assert seeds == {r: (tmp_path / "auth" / f"{r}.nk").read_bytes() for r in ROLES}  # kept
     conf = tmp_path / "server.conf"

@@ -195,7 +195,7 @@ async def test_a_cancelled_request_delivered_again_is_not_run_again(stack: Stack
         assert rid not in schedule.requests
     finally:
         if rid:  # a request run again must not outlive the test
-            await nc.publish(bus.cancel_subject(rid), b"")
+            await nc.publish(bus.cancel_subject(first.headers[h.REPLY], rid), b"")
         await nc.close()
 
 

@@ -8,8 +8,8 @@ nobody listens), who sends and who receives, the headers, and the encoding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import msgspec
@@ -92,6 +92,18 @@ def _address(subject: Any, *names: str) -> str:
     return address
 
 
+_LANES = (
+    "`{lane}` is `_` where tokenway's own stages publish (the batch runner, render, owners), "
+    "or a tenant's name: its client (the `client-<tenant>` NATS user) publishes there "
+    "only, with a `Tw-Reply` of `tenant.<tenant>.<job>` (any other is dead-lettered), and "
+    "the request is that tenant's whatever its headers say."
+)
+
+
+def _batch_lane(subject: Callable[[str | None, bool, str | None], str]) -> Callable[..., str]:
+    return lambda model, lane: subject(model, True, lane)
+
+
 def channels() -> list[Channel]:
     ingress, direct = "ingress", "direct clients (`tokenway.client`)"
     return [
@@ -105,19 +117,22 @@ def channels() -> list[Channel]:
                 "empty) gets it from the schedule stage, or an error event.",
                 GenerateRequest, stream=bus.SCHED_STREAM, senders=("render", direct),
                 receivers=("schedule",), headers=REQUEST_HEADERS),
-        Channel("render-batch", _address(partial(bus.render_subject, batch=True), "model"),
+        Channel("render-batch", _address(_batch_lane(bus.render_subject), "model", "lane"),
                 "A batch job's request bodies (`Tw-Batch: 1`), which render takes only "
-                "while `render` has none waiting.", RenderRequest, stream=bus.RENDER_STREAM,
-                senders=(direct,), receivers=("render",), headers=REQUEST_HEADERS),
-        Channel("schedule-batch", _address(partial(bus.sched_subject, batch=True), "model"),
+                f"while `render` has none waiting. {_LANES}", RenderRequest,
+                stream=bus.RENDER_STREAM, senders=(direct,), receivers=("render",),
+                headers=REQUEST_HEADERS),
+        Channel("schedule-batch", _address(_batch_lane(bus.sched_subject), "model", "lane"),
                 "A batch job's tokenized requests, which an owner takes only while "
-                "`schedule` has none waiting and only as many as its engines can start.",
-                GenerateRequest, stream=bus.SCHED_STREAM, senders=("render", direct),
-                receivers=("schedule",), headers=REQUEST_HEADERS),
+                "`schedule` has none waiting and only as many as its engines can start. "
+                f"{_LANES}", GenerateRequest, stream=bus.SCHED_STREAM,
+                senders=("render", direct), receivers=("schedule",), headers=REQUEST_HEADERS),
         Channel("output", _address(bus.out_subject, "reply", "rid"),
                 "A request's ledger: its committed output, in `Tw-Seq` order, kept for "
-                "`TW_OUT`'s retention. Read it with an ordered consumer from the first "
-                "message, live or later; it ends with an end, a response or an error.",
+                "`TW_OUT`'s retention. Read it with a consumer of your own from the first "
+                "message, live or later; it ends with an end, a response or an error. A "
+                "tenant's client names its consumer, so that the create call names the "
+                "subject: it may read `tw.out.tenant.<tenant>.>` only.",
                 None, content_type=SSE, stream=bus.OUT_STREAM, senders=("schedule",),
                 receivers=(ingress, direct), headers=OUTPUT_HEADERS),
         Channel("delivery", _address(bus.sse_subject, "reply"),
@@ -134,8 +149,9 @@ def channels() -> list[Channel]:
         Channel("orphan", _address(bus.orphan_subject, "rid"),
                 "A new owner's word to every bridge: drop the request's work for the old one.",
                 EngineAbort, senders=("schedule",), receivers=("engine bridge",)),
-        Channel("cancel", _address(bus.cancel_subject, "rid"),
-                "The client left: its owner stops the request. An empty body.", None,
+        Channel("cancel", _address(bus.cancel_subject, "reply", "rid"),
+                "The client left: its owner stops the request, if the request has both "
+                "names (a tenant's client cancels its own only). An empty body.", None,
                 content_type="application/octet-stream", senders=(ingress, direct),
                 receivers=("schedule",)),
         Channel("derender", _address(bus.derender_subject, "model"),

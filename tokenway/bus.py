@@ -2,8 +2,9 @@
 
 This module is the only place that spells subject, stream and consumer names. The table
 provisions JetStream idempotently at start-up and doubles as the contract for direct
-publishers (batch/RL jobs): publish a `RenderRequest` to `render_subject(model)` or a
-`GenerateRequest` to `sched_subject(model)` with the `Tw-Rid`/`Tw-Reply` headers, and read
+publishers (batch/RL jobs): publish a `RenderRequest` to `render_subject(model, batch=True)`
+or a `GenerateRequest` to `sched_subject(model, batch=True)` (a tenant's job: on its lane,
+`tenant=`) with the `Tw-Rid`/`Tw-Reply` headers, and read
 results from `out_subject(reply, rid)` (or live from `sse_subject(reply)`: msgpack
 `Delivery` messages, each holding what a writer just stored for that reply).
 """
@@ -68,22 +69,62 @@ def token(name: str) -> str:
     return _UNSAFE.sub("_", name) or "_"
 
 
-def _lane(stage: str, model: str | None, batch: bool) -> str:
+# A batch lane's last token: `_` where tokenway's own stages publish (the batch runner,
+# render, owners, ops), else the tenant whose client publishes there (`tenant_reply`).
+SHARED_LANE = "_"
+TENANT_REPLIES = "tenant"  # the first token of every tenant client's reply
+
+
+def _lane(stage: str, model: str | None, batch: bool, tenant: str | None) -> str:
     """A queue's subject: interactive requests on `tw.<stage>.<model>`, a batch job's on
-    `tw.<stage>.<model>.batch`, which its stage takes from only while the first is empty."""
-    return f"tw.{stage}.{'*' if model is ANY else token(model)}{'.batch' if batch else ''}"
+    `tw.<stage>.<model>.batch.<lane>`, which its stage takes from only while the first is
+    empty. A tenant's lane is the only one its client may publish to (`lane_tenant`)."""
+    subject = f"tw.{stage}.{'*' if model is ANY else token(model)}"
+    if not batch:
+        return subject
+    return f"{subject}.batch.{'*' if tenant is ANY else tenant or SHARED_LANE}"
 
 
-def render_subject(model: str | None, batch: bool = False) -> str:
-    return _lane("render", model, batch)
+def render_subject(model: str | None, batch: bool = False, tenant: str | None = "") -> str:
+    return _lane("render", model, batch, tenant)
 
 
-def sched_subject(model: str | None, batch: bool = False) -> str:
-    return _lane("sched", model, batch)
+def sched_subject(model: str | None, batch: bool = False, tenant: str | None = "") -> str:
+    return _lane("sched", model, batch, tenant)
+
+
+def lane_tenant(subject: str) -> str | None:
+    """The tenant whose client published on this batch lane; None on every other queue
+    subject, where only tokenway's own stages publish and the headers are theirs."""
+    parts = subject.split(".")
+    if len(parts) == 5 and parts[3] == "batch" and parts[4] != SHARED_LANE:
+        return parts[4]
+    return None
+
+
+def tenant_reply(tenant: str, job: str) -> str:
+    """Where a tenant's client has its output go: `tenant.<tenant>.<job>`, so its ledgers
+    (`tw.out.tenant.<tenant>.<job>.<rid>`) are the tenant's alone to read."""
+    return f"{TENANT_REPLIES}.{tenant}.{token(job)}"
+
+
+def tenant_replies(tenant: str) -> str:
+    """Every reply of the tenant's clients (a wildcard, as permissions name them)."""
+    return f"{TENANT_REPLIES}.{tenant}.*"
+
+
+def owns_reply(tenant: str, reply: str) -> bool:
+    """Whether `reply` is one of `tenant_replies(tenant)`."""
+    parts = reply.split(".")
+    return len(parts) == 3 and parts[:2] == [TENANT_REPLIES, tenant] and token(parts[2]) == parts[2]
 
 
 def out_subject(reply: str, rid: str) -> str:
     return f"tw.out.{reply}.{rid}"
+
+
+OUTPUTS = "tw.out.>"  # every ledger (what `TW_OUT` stores)
+DELIVERIES = "tw.sse.>"  # every live delivery
 
 
 def sse_subject(reply: str) -> str:
@@ -118,8 +159,19 @@ def inbox_prefix(role: str) -> str:
     return f"_INBOX.{role}"
 
 
-def cancel_subject(rid: str = "*") -> str:
-    return f"tw.cancel.{rid}"
+def cancel_subject(reply: str, rid: str) -> str:
+    """Tells the request's owner to stop it; an owner stops only the request that both
+    names belong to, so whoever may publish for one reply cancels only its own."""
+    return f"tw.cancel.{reply}.{rid}"
+
+
+CANCELS = "tw.cancel.>"  # every cancel (what owners listen to)
+
+
+def cancelled(subject: str) -> tuple[str, str]:
+    """The reply and the request id a cancel subject names."""
+    reply, _, rid = subject.removeprefix("tw.cancel.").rpartition(".")
+    return reply, rid
 
 
 def orphan_subject(rid: str = "*") -> str:
@@ -208,7 +260,7 @@ def streams(s: Settings) -> list[StreamSpec]:
         StreamSpec(
             jsapi.StreamConfig(
                 name=OUT_STREAM,
-                subjects=["tw.out.>"],
+                subjects=[OUTPUTS],
                 retention=jsapi.RetentionPolicy.LIMITS,
                 max_age=s.out_max_age,
                 max_bytes=s.out_max_bytes,
@@ -245,7 +297,7 @@ def render_consumer(s: Settings, model: str, batch: bool = False) -> ConsumerSpe
     return ConsumerSpec(
         stream=RENDER_STREAM,
         durable=_durable("render", model, batch),
-        filter_subject=render_subject(model, batch),
+        filter_subject=render_subject(model, batch, ANY),  # a batch lane: every tenant's
         handler="workers.render.service",
         ack_wait=s.ack_wait,
         max_deliver=s.max_deliver,
@@ -257,7 +309,7 @@ def sched_consumer(s: Settings, model: str, batch: bool = False) -> ConsumerSpec
     return ConsumerSpec(
         stream=SCHED_STREAM,
         durable=_durable("schedule", model, batch),
-        filter_subject=sched_subject(model, batch),
+        filter_subject=sched_subject(model, batch, ANY),  # a batch lane: every tenant's
         handler="workers.schedule.service",
         ack_wait=s.owner_ack_wait,
         max_deliver=s.max_deliver,

@@ -220,6 +220,16 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
         yield
 
 
+def _tenants(s: Settings, named: Sequence[str] = ()) -> list[str]:
+    """The tenants that get a client user on the bus: the API keys' and those named."""
+    from ingress.auth import tenants
+
+    try:
+        return tenants(s.api_key, s.api_key_file, named)
+    except ValueError as exc:
+        raise CannotStart(str(exc)) from None
+
+
 async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None) -> None:
     """Once the API listens: where everything is, in one block."""
     from engines.bridge import Bridge
@@ -280,8 +290,10 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
                 spans.configure(s.otlp_endpoint)
             except ValueError as exc:
                 raise CannotStart(str(exc)) from None
-        # An embedded server lets in its own users only, one per role.
-        users = NatsUsers.prepare(s.data_path / "nats-auth") if s.nats is None else None
+        # An embedded server lets in its own users only, one per role (and a client of
+        # each tenant the API keys name, for its batch jobs on the bus).
+        users = None if s.nats is not None else NatsUsers.prepare(s.data_path / "nats-auth",
+                                                                  _tenants(s))  # fmt: skip
         stages = build_stages(s, stage_names, users)
         # What start-up made (modules, tokenizers, templates) lives as long as the process.
         # Frozen out of the collector's reach, it is no longer walked by full collections,
@@ -859,6 +871,12 @@ def parser() -> argparse.ArgumentParser:
         "authorization that gives each exactly its permissions",
     )
     auth.add_argument("dir", help="where to write them (seeds are kept if present)")
+    auth.add_argument(
+        "--tenant", action="append", default=[],
+        help="a tenant whose batch and RL jobs publish to the bus: a client-TENANT user that "
+        "queues and reads that tenant's requests only (repeatable)",
+    )  # fmt: skip
+    auth.add_argument("--api-key-file", help="a client user for each tenant the key file names")
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
     sub.add_parser(
@@ -886,7 +904,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(asyncapi.document(), indent=2))
         return
     if args.command == "nats-auth":
-        users = NatsUsers.prepare(Path(args.dir).expanduser())
+        try:
+            named = _tenants(settings, args.tenant)
+        except CannotStart as exc:
+            raise SystemExit(f"tokenway: {exc}") from None
+        users = NatsUsers.prepare(Path(args.dir).expanduser(), named)
         print(f"wrote {users.directory / AUTH_FILE} (include it in the nats-server configuration)")
         print(f"and per role a seed (<role>.nk, mode 0600) and the settings to use it "
               f"(<role>.env) in {users.directory}")  # fmt: skip

@@ -11,9 +11,12 @@ A request is an OpenAI body (a dict or an encoded JSON body: `messages` make it 
 completion, else a completion), rendered like an HTTP request, or a `GenerateRequest`:
 vLLM's token-only body, which skips render (the schedule stage fills in its output
 context). Its output is the request's ledger on `TW_OUT`, `tw.out.<reply>.<rid>`: read
-live, or later within the stream's retention, by anyone who knows the two names. `reply`
-names the job (one per client unless given); the request id is the caller's or a fresh
-one.
+live, or later within the stream's retention. `reply` names the job (one per client
+unless given); the request id is the caller's or a fresh one.
+
+A tenant's job (`tenant=`, connected as the tenant's `client-<tenant>` NATS user) queues on
+its tenant's batch lanes, and its reply is `tenant.<tenant>.<job>`: the user may read and
+cancel nothing else, and its requests are the tenant's (`tokenway.roles.client`).
 
 A full queue (the bounded `TW_RENDER`/`TW_SCHED` streams refuse new messages) is waited
 out and retried, never an error to the caller: here for the queue published to, and at
@@ -38,14 +41,14 @@ import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import Signal
+from tokenway.out_reader import Reader
 from tokenway.wire import TERMINAL_KINDS, Api, GenerateRequest, RenderRequest
 
 Request = dict[str, Any] | bytes | GenerateRequest
@@ -86,20 +89,27 @@ class Output:
 class Client:
     """Submit requests to tokenway's bus and read their output (see the module's text)."""
 
-    def __init__(self, nc: NATS, model: str, reply: str | None = None) -> None:
+    def __init__(self, nc: NATS, model: str, reply: str | None = None, tenant: str = "") -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.model = model
-        self.reply = reply or f"job{secrets.token_hex(6)}"
+        self.tenant = tenant
+        job = reply or f"job{secrets.token_hex(6)}"
+        self.reply = bus.tenant_reply(tenant, job) if tenant else job
         self.waits = 0  # publishes that found the queue full (or NATS away) and waited
         self.waited = Signal()  # fired at each
 
     @classmethod
     async def connect(
-        cls, servers: str | list[str], model: str, reply: str | None = None, **options: Any
+        cls,
+        servers: str | list[str],
+        model: str,
+        reply: str | None = None,
+        tenant: str = "",
+        **options: Any,
     ) -> Client:
-        """Connect to NATS (`options`: nats-py's, e.g. `user_credentials`, `tls`)."""
-        return cls(await nats.connect(servers, **options), model, reply)
+        """Connect to NATS (`options`: nats-py's, e.g. `nkeys_seed`, `inbox_prefix`, `tls`)."""
+        return cls(await nats.connect(servers, **options), model, reply, tenant)
 
     async def __aenter__(self) -> Client:
         return self
@@ -121,19 +131,19 @@ class Client:
         """The request's id, the subject it is queued on and its payload."""
         if isinstance(request, GenerateRequest):
             rid = rid or request.request_id
-            subject = bus.sched_subject(request.model or self.model, batch=True)
+            subject = bus.sched_subject(request.model or self.model, True, self.tenant)
             payload = msgspec.msgpack.encode(msgspec.structs.replace(request, request_id=rid))
             return rid, subject, payload
         raw = request if isinstance(request, bytes) else json.dumps(request).encode()
         body = json.loads(raw)
         api: Api = "chat" if "messages" in body else "completion"
         rid = rid or secrets.token_hex(12)
-        subject = bus.render_subject(body.get("model") or self.model, batch=True)
+        subject = bus.render_subject(body.get("model") or self.model, True, self.tenant)
         render = RenderRequest(api=api, request_id=rid, body=raw, created=int(time.time()))
         return rid, subject, msgspec.msgpack.encode(render)
 
     async def _publish(self, rid: str, subject: str, payload: bytes) -> None:
-        headers = ledger.Identity(rid, self.reply, batch=True).headers()
+        headers = ledger.Identity(rid, self.reply, tenant=self.tenant, batch=True).headers()
         wait = _BACKOFF
         while True:
             try:
@@ -151,14 +161,14 @@ class Client:
     async def outputs(self, rid: str, timeout: float | None = None) -> AsyncIterator[Output]:
         """The request's output from its first message to its end, live or stored
         (`timeout`: seconds to wait for each next message; None waits as long as it takes)."""
-        sub = await self.js.subscribe(
-            bus.out_subject(self.reply, rid), stream=bus.OUT_STREAM, ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )  # fmt: skip
+        reader = Reader(self.js, bus.out_subject(self.reply, rid), DeliverPolicy.ALL)
+        await reader.open()
+        messages = reader.messages()
         seen = 0
         try:
             while True:
-                msg = await sub.next_msg(timeout=timeout or 1e9)
+                async with asyncio.timeout(timeout):
+                    msg = await anext(messages)
                 out = _output(msg.headers, msg.data, seen + 1)
                 if out.seq <= seen:
                     continue  # stored twice: one place in the output is one message
@@ -167,7 +177,8 @@ class Client:
                 if out.terminal:
                     return
         finally:
-            await sub.unsubscribe()
+            await messages.aclose()
+            await reader.close()
 
     async def result(self, rid: str, timeout: float | None = None) -> dict[str, Any]:
         """The whole response of a request that did not stream; `RequestFailed` for an
@@ -185,7 +196,7 @@ class Client:
 
     async def cancel(self, rid: str) -> None:
         """Tell the request's owner to stop it (nothing more is generated for it)."""
-        await self.nc.publish(bus.cancel_subject(rid), b"")
+        await self.nc.publish(bus.cancel_subject(self.reply, rid), b"")
         await self.nc.flush()
 
     async def submit_many(
@@ -234,41 +245,37 @@ class Client:
 
     async def _begun(self, rid: str) -> bool:
         """Whether the request's ledger holds output already (it ran, or runs)."""
+        reader = Reader(self.js, bus.out_subject(self.reply, rid), DeliverPolicy.LAST)
         try:
-            await self.js.get_last_msg(bus.OUT_STREAM, bus.out_subject(self.reply, rid))
-        except NotFoundError:
-            return False
-        return True
+            return await reader.open() > 0
+        finally:
+            await reader.close()
 
 
 class Finished:
-    """How each request under one reply ended, from one ordered consumer of its ledgers:
-    every ledger's last message when it starts (what ran before, say before a takeover),
-    then each one stored since. Many requests' results cost one consumer, not one each."""
+    """How each request under one reply ended, from one reader of its ledgers: every
+    ledger's last message when it starts (what ran before, say before a takeover), then
+    each one stored since. Many requests' results cost one consumer, not one each."""
 
     def __init__(self, js: JetStreamContext, reply: str) -> None:
-        self.js = js
-        self.reply = reply
+        self._reader = Reader(js, bus.out_subject(reply, "*"), DeliverPolicy.LAST_PER_SUBJECT)
         self._began: set[str] = set()
-        # ended before anyone waited: the stream sequence of its end, read when asked (the
-        # ledgers of a whole batch need not sit in memory)
-        self._ended: dict[str, int] = {}
+        self._ended: dict[str, Output] = {}  # ended before anyone waited for it
         self._waiting: dict[str, asyncio.Future[Output]] = {}
         self._current = asyncio.Event()  # what was stored before the start is read
-        self._sub: JetStreamContext.PushSubscription | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._sub = await self.js.subscribe(
-            bus.out_subject(self.reply, "*"), stream=bus.OUT_STREAM, ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, cb=self._on,
-        )  # fmt: skip
-        info = await self._sub.consumer_info()
-        if info.num_pending == 0 and info.delivered.consumer_seq == 0:
+        if not await self._reader.open():
             self._current.set()  # nothing stored: else the backlog's last message says so
+        self._task = asyncio.create_task(self._read(), name=f"finished {self._reader.subject}")
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._reader.close()
         for waiter in self._waiting.values():
             waiter.cancel()
 
@@ -280,17 +287,13 @@ class Finished:
         """Whether the request's ledger holds output (it ran, or runs); once caught up."""
         return rid in self._began
 
-    async def take(self, rid: str) -> Output | None:
+    def take(self, rid: str) -> Output | None:
         """The request's terminal output, if it ended (it is handed out once)."""
-        seq = self._ended.pop(rid, None)
-        if seq is None:
-            return None
-        msg = await self.js.get_msg(bus.OUT_STREAM, seq)
-        return _output(msg.headers, msg.data or b"")
+        return self._ended.pop(rid, None)
 
     async def wait(self, rid: str) -> Output:
         """The request's terminal output, once it ends."""
-        if (out := await self.take(rid)) is not None:
+        if (out := self.take(rid)) is not None:
             return out
         waiter = self._waiting[rid] = asyncio.get_running_loop().create_future()
         try:
@@ -298,19 +301,20 @@ class Finished:
         finally:
             self._waiting.pop(rid, None)
 
-    async def _on(self, msg: Msg) -> None:
-        rid = bus.rid_of(msg.subject)
-        self._began.add(rid)
-        if msg.metadata.num_pending == 0:
-            self._current.set()
-        out = _output(msg.headers, msg.data)
-        if not out.terminal:
-            return
-        waiter = self._waiting.get(rid)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(out)
-        else:
-            self._ended[rid] = msg.metadata.sequence.stream
+    async def _read(self) -> None:
+        async for msg in self._reader.messages():
+            rid = bus.rid_of(msg.subject)
+            self._began.add(rid)
+            if msg.metadata.num_pending == 0:
+                self._current.set()
+            out = _output(msg.headers, msg.data)
+            if not out.terminal:
+                continue
+            waiter = self._waiting.get(rid)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(out)
+            else:
+                self._ended[rid] = out
 
 
 def _output(headers: dict[str, str] | None, body: bytes, seq: int = 1) -> Output:

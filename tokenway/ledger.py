@@ -11,7 +11,7 @@ import logging
 import time
 from array import array
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import nats.errors
@@ -278,9 +278,20 @@ class Identity:
     @classmethod
     def of(cls, msg: Msg) -> Identity:
         """KeyError when a header is missing, ValueError when the deadline or the limits
-        are malformed."""
+        are malformed, or when a tenant's client names a reply that is not the tenant's.
+
+        On a tenant's batch lane (`bus.lane_tenant`) the subject says whose request it is,
+        whatever the headers say: the tenant is the lane's, and there are no limits (those
+        are the ingress's word for an API key's requests)."""
         hdrs = msg.headers or {}
         deadline, limits = hdrs.get(h.DEADLINE), hdrs.get(h.LIMITS)
-        return cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
-                   hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None,
-                   hdrs.get(h.TRACEPARENT, ""), hdrs.get(h.BATCH) == "1")  # fmt: skip
+        who = cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
+                  hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None,
+                  hdrs.get(h.TRACEPARENT, ""), hdrs.get(h.BATCH) == "1")  # fmt: skip
+        tenant = bus.lane_tenant(msg.subject)
+        if tenant is None:
+            return who
+        if not bus.owns_reply(tenant, who.reply):
+            raise ValueError(f"tenant {tenant}'s client named the reply {who.reply!r}, not one "
+                             f"of its own ({bus.tenant_replies(tenant)})")  # fmt: skip
+        return replace(who, tenant=tenant, limits=None, batch=True)

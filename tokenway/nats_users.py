@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,18 +45,20 @@ class NatsUsers:
     authorization: dict[str, object]  # the server configuration's `authorization` block
 
     @classmethod
-    def prepare(cls, directory: Path) -> NatsUsers:
-        """Seeds made where missing, then the authorization and each role's env file."""
+    def prepare(cls, directory: Path, tenants: Sequence[str] = ()) -> NatsUsers:
+        """Seeds made where missing, then the authorization and each role's env file (a
+        client role for each of `tenants`: `client-<tenant>`)."""
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        keys = {r.name: _seed(_seed_path(directory, r.name)).public_key.decode() for r in roles()}
-        users = cls(directory, {"users": server_users(keys)})
+        every = roles(tenants)
+        keys = {r.name: _seed(_seed_path(directory, r.name)).public_key.decode() for r in every}
+        users = cls(directory, {"users": server_users(keys, tenants)})
         (directory / AUTH_FILE).write_text(
             "# nats-server authorization for tokenway, one nkey user per role; generated\n"
             "# by `tokenway nats-auth` from tokenway/roles.py. Include it in the server's\n"
             "# configuration: `include auth.conf` at the top level.\n"
             f"authorization: {json.dumps(users.authorization, indent=2)}\n"
         )
-        for role in roles():
+        for role in every:
             env = "".join(f"TOKENWAY_{k.upper()}={v}\n" for k, v in users.env(role.name).items())
             (directory / f"{role.name}.env").write_text(f"# {role.name}: {role.does}\n{env}")
         return users

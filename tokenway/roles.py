@@ -11,7 +11,7 @@ streams and consumers. `tokenway nats-auth` writes these as a nats-server config
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenway import bus
@@ -49,9 +49,11 @@ def _consumes(stream: str) -> tuple[str, ...]:
     )
 
 
-def _lanes(subject: Callable[[str | None, bool], str]) -> tuple[str, str]:
-    """A queue's two lanes: interactive requests and a batch job's."""
-    return subject(bus.ANY, False), subject(bus.ANY, True)
+def _lanes(subject: Callable[[str | None, bool, str | None], str],
+           tenant: str | None = "") -> tuple[str, str]:  # fmt: skip
+    """A queue's two lanes: interactive requests and a batch job's (the shared batch lane,
+    or a tenant's: `bus.ANY` for every one)."""
+    return subject(bus.ANY, False, ""), subject(bus.ANY, True, tenant)
 
 
 def _reads(stream: str) -> tuple[str, ...]:
@@ -76,7 +78,8 @@ _INFO = tuple(_api("STREAM.INFO", name) for name in _STREAMS)
 _REGISTRY = _reads(bus.ENGINES_STREAM)  # watches the engine registry
 # Tenants' usage: read a record, write it back compare-and-set (`tokenway.tenant_book`).
 _TENANTS = (bus.TENANTS_KEYS, _api("DIRECT.GET", bus.TENANTS_STREAM, ">"))
-_LEDGER_WRITE = (bus.out_subject("*", "*"), bus.sse_subject("*"), _gets(bus.OUT_STREAM))
+# every reply's, a tenant client's (`tenant.<tenant>.<job>`) included
+_LEDGER_WRITE = (bus.OUTPUTS, bus.DELIVERIES, _gets(bus.OUT_STREAM))
 # The Batch API's files and batches (`tokenway.batch_store`): objects are written in chunks
 # and read through ordered consumers; a batch record is read, watched, written back.
 _BATCH_STORE = (
@@ -85,14 +88,38 @@ _BATCH_STORE = (
     bus.BATCHES_KEYS, *_reads(bus.BATCHES_STREAM), _gets(bus.BATCHES_STREAM),
 )  # fmt: skip
 # What the batch runner does as a direct client (`tokenway.client`): queue its lines
-# (OpenAI bodies), read their ledgers, cancel them.
-_DIRECT = (
-    bus.render_subject(bus.ANY, batch=True), bus.cancel_subject(), *_reads(bus.OUT_STREAM),
-    _gets(bus.OUT_STREAM),
-)  # fmt: skip
+# (OpenAI bodies) on their tenants' lanes, read their ledgers, cancel them.
+_DIRECT = (bus.render_subject(bus.ANY, True, bus.ANY), bus.CANCELS, *_reads(bus.OUT_STREAM))
+_CANCEL_ANY = bus.cancel_subject("*", "*")  # a request of a reply of its own (one token)
 
 
-def roles() -> list[Role]:
+def client(tenant: str) -> Role:
+    """A tenant's batch/RL job on the bus (`tokenway.client` with `tenant=`): it queues
+    requests on the tenant's batch lanes only, and reads and cancels only those whose reply
+    is the tenant's (`bus.tenant_reply`); render and the owners check both names."""
+    replies = bus.tenant_replies(tenant)
+    return Role(
+        f"client-{tenant}",
+        f"tenant {tenant}'s batch and RL jobs, publishing straight to the bus",
+        publish=(
+            bus.render_subject(bus.ANY, True, tenant),
+            bus.sched_subject(bus.ANY, True, tenant),
+            bus.cancel_subject(replies, "*"),
+            # its own consumers (`tokenway.out_reader`): made on its ledgers alone
+            _api("CONSUMER.CREATE", bus.OUT_STREAM, "*", bus.out_subject(replies, ">")),
+            _api("CONSUMER.MSG.NEXT", bus.OUT_STREAM, "*"),
+            _api("CONSUMER.DELETE", bus.OUT_STREAM, "*"),
+        ),
+        subscribe=(bus.sse_subject(replies),),
+    )
+
+
+def roles(tenants: Sequence[str] = ()) -> list[Role]:
+    """Every stage's role, and a client role for each of `tenants`."""
+    return [*_stages(), *map(client, tenants)]
+
+
+def _stages() -> list[Role]:
     return [
         Role(
             "provision",
@@ -107,7 +134,7 @@ def roles() -> list[Role]:
             publish=(
                 bus.render_subject(bus.ANY),
                 bus.tokenize_subject(bus.ANY),
-                bus.cancel_subject(),
+                _CANCEL_ANY,
                 *_reads(bus.OUT_STREAM),
                 _gets(bus.OUT_STREAM),
                 *_REGISTRY,
@@ -146,7 +173,7 @@ def roles() -> list[Role]:
                 *_lanes(bus.sched_subject),  # a multi-prompt request's prompts
                 bus.engine_subject("*", "*"),
                 bus.orphan_subject(),
-                bus.cancel_subject(),
+                _CANCEL_ANY,  # a multi-prompt request's prompts
                 bus.derender_subject(bus.ANY),
                 bus.dlq_subject("schedule"),
                 *_TENANTS,
@@ -155,7 +182,7 @@ def roles() -> list[Role]:
             ),
             subscribe=(
                 bus.tok_subject("*"),
-                bus.cancel_subject(),
+                bus.CANCELS,
                 bus.sse_subject("*"),
                 bus.OWNERS_SUBJECT,
             ),
@@ -201,8 +228,8 @@ def roles() -> list[Role]:
                 _gets(bus.DLQ_STREAM),
                 _api("STREAM.PURGE", bus.DLQ_STREAM),
                 bus.dlq_subject(">"),  # replay markers
-                *_lanes(bus.render_subject),
-                *_lanes(bus.sched_subject),  # replays
+                *_lanes(bus.render_subject, bus.ANY),
+                *_lanes(bus.sched_subject, bus.ANY),  # replays
                 bus.OWNERS_SUBJECT,
                 *_INFO,
             ),
@@ -211,11 +238,11 @@ def roles() -> list[Role]:
     ]
 
 
-def server_users(keys: dict[str, str]) -> list[dict[str, object]]:
+def server_users(keys: dict[str, str], tenants: Sequence[str] = ()) -> list[dict[str, object]]:
     """The `authorization.users` of a nats-server configuration: each role's nkey (its
     public key in `keys`) with exactly its permissions."""
     users = []
-    for role in roles():
+    for role in roles(tenants):
         permissions: dict[str, object] = {
             # An empty allow list would allow everything: nothing is a deny of everything.
             "publish": {"allow": list(role.publish)} if role.publish else {"deny": [">"]},

@@ -205,7 +205,8 @@ class Lines:
         self.record = record
         self.lines = lines
         self.bid = record.batch.id
-        self.client = Client(nc, runner.model, reply=bus.token(self.bid))
+        # its lines are its tenant's, on the tenant's lane: their turns, their ledgers
+        self.client = Client(nc, runner.model, reply=bus.token(self.bid), tenant=record.tenant)
         self.answers: dict[int, tuple[int, bytes]] = {}  # line → status, its output line
         self.parts = record.parts
         self.stopping = False
@@ -217,7 +218,7 @@ class Lines:
         async with self.client.finished() as finished:
             await finished.caught_up()
             for rid, i in index.items():  # what ran before a takeover
-                if (out := await finished.take(rid)) is not None:
+                if (out := finished.take(rid)) is not None:
                     self.answers[i] = self._answer(i, outcome(rid, out))
             if submit and not await self._commit():
                 await self._submit(index, finished)

@@ -48,6 +48,9 @@ from workers.schedule.merge import Merge, Output, retryable
 
 log = logging.getLogger(__name__)
 
+# A request id already owned here for another reply: a second request, not a redelivery.
+ID_IN_USE = "request id {} is in use by another request (another reply's)"
+
 _encoder = msgspec.msgpack.Encoder()
 # How long a cancelled sibling's owner may take to let go of it, and how often to look.
 _RELEASE_TIMEOUT = 10.0
@@ -153,10 +156,10 @@ class FanOut:
         """The TW_SCHED messages we hold (the service keeps them in progress)."""
         return [p.msg for p in self.parents.values()]
 
-    def cancel(self, rid: str) -> bool:
+    def cancel(self, reply: str, rid: str) -> bool:
         """The client left: True when the request is one of ours."""
         p = self.parents.get(rid)
-        if p is None:
+        if p is None or p.reply != reply:
             return False
         log.info("multi-prompt request %s cancelled", rid)
         p.cancelled = True
@@ -170,6 +173,9 @@ class FanOut:
         rid = who.rid
         assert self._group is not None
         if rid in self.parents:  # redelivered while we still own it: keep the newest handle
+            if self.parents[rid].reply != who.reply:  # another request's id
+                await ledger.dead_letter(self.js, "schedule", msg, ID_IN_USE.format(rid))
+                return
             self.parents[rid].msg = msg
             return
         if len(self.parents) >= self.settings.max_fanout:
@@ -285,7 +291,7 @@ class FanOut:
         give_up = time.monotonic() + _RELEASE_TIMEOUT
         while live:
             for rid in live:  # again each round: an owner that took it since may have missed it
-                await self.nc.publish(bus.cancel_subject(rid), b"")
+                await self.nc.publish(bus.cancel_subject(self.router.ingress_id, rid), b"")
             await asyncio.sleep(delay)
             delay = min(delay * 2, cap)
             for rid, seq in list(live.items()):
@@ -319,7 +325,7 @@ class FanOut:
             for attempt in range(1, self.settings.fanout_retries + 2):
                 for k in range(prompts):
                     rid = f"{p.rid}-{delivery}-{attempt}-{k}"
-                    await self.nc.publish(bus.cancel_subject(rid), b"")
+                    await self.nc.publish(bus.cancel_subject(self.router.ingress_id, rid), b"")
 
     def _end(self, p: Parent, error: ErrorInfo) -> None:
         if p.error is None:

@@ -62,7 +62,7 @@ from workers.derender.backend import derender_backend, is_large
 from workers.schedule import direct, metrics
 from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
-from workers.schedule.fanout import FanOut
+from workers.schedule.fanout import ID_IN_USE, FanOut
 from workers.schedule.owned import Choice, Owned
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class ScheduleService:
         self.requests: dict[str, Owned] = {}
         self.empty = asyncio.Event()
         self.empty.set()
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reply, rid)
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # → last abort
         self._ready: dict[str, Owned] = {}  # what the next derender + commit round looks at
         self._work = asyncio.Event()  # set when `_ready` gained a request
@@ -150,7 +150,7 @@ class ScheduleService:
             group.create_task(self.registry.run(drained))
             group.create_task(self.fanout.run(stop))
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
-            await nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
+            await nc.subscribe(bus.CANCELS, cb=self._on_cancel)
             await nc.subscribe(bus.OWNERS_SUBJECT, cb=self._on_owners)
             group.create_task(self._keepalive(drained))
             rounds = group.create_task(self._rounds())
@@ -231,9 +231,12 @@ class ScheduleService:
             return
         rid = who.rid
         if rid in self.requests:  # redelivered while we still own it: keep the newest handle
+            if self.requests[rid].reply != who.reply:  # another request's id
+                await ledger.dead_letter(self._js, "schedule", msg, ID_IN_USE.format(rid))
+                return
             self.requests[rid].msg = msg
             return
-        if rid in self._cancelled:
+        if (who.reply, rid) in self._cancelled:
             if who.limits and self._book is not None:
                 await self._book.release(who.tenant, rid)
             await msg.ack()
@@ -394,16 +397,16 @@ class ScheduleService:
     # -- cancellation and engine loss --------------------------------------------------------
 
     async def _on_cancel(self, msg: Msg) -> None:
-        rid = bus.rid_of(msg.subject)
+        reply, rid = bus.cancelled(msg.subject)
         # Remembered even when owned here: a late ack lets JetStream deliver it again, and
         # that delivery must not run it for nobody.
-        self._cancelled[rid] = None
+        self._cancelled[reply, rid] = None
         if len(self._cancelled) > _CANCEL_MEMORY:
             self._cancelled.popitem(last=False)
-        if self.fanout is not None and self.fanout.cancel(rid):
+        if self.fanout is not None and self.fanout.cancel(reply, rid):
             return
         r = self.requests.get(rid)
-        if r is not None:
+        if r is not None and r.reply == reply:
             log.info("request %s cancelled", rid)
             r.cancel()
 
