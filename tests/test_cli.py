@@ -272,8 +272,8 @@ async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     from tokenway.config import Settings, load_settings
 
     root = parser()
-    # `dir`: where `nats-auth` writes; `json`: how `status` prints
-    internal = {"help", "version", "command", "kind", "dir", "json"}
+    # `dir` and `tenant`: where and for whom `nats-auth` writes; `json`: how `status` prints
+    internal = {"help", "version", "command", "kind", "dir", "tenant", "json"}
     stack = [root]
     while stack:
         p = stack.pop()
