@@ -12,15 +12,18 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import msgspec
 import nats
 import openai
 import pytest
 import pytest_asyncio
+from nats.aio.msg import Msg
 
 from tests.conftest import Stack, make_settings, nats_server, start_stack
 from tests.test_cli import logged, spawn, stop
 from tokenway import bus
 from tokenway.client import Client
+from tokenway.wire import EngineWork
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -190,6 +193,51 @@ async def test_the_shell_submits_waits_and_prints_the_results(stack: Stack, tmp_
     proc = await spawn("batch", "cancel", batch_id, *nats_flag)
     _, err = await proc.communicate()
     assert proc.returncode == 1 and "completed already" in err.decode()
+
+
+async def test_batch_lines_leave_an_interactive_request_room_on_the_engine(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """An engine of four sequences and six long batch lines: the lines take three, so a
+    short interactive request sent while they run starts at once, next, and ends first. It
+    once waited for a line to end, all four sequences being the batch's."""
+    settings = make_settings(tmp_path, sim_max_seqs=4, sim_itl=0.005, owner_lookahead=0,
+                             batch_headroom=0.25, served_model_name="room")  # fmt: skip
+    room = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
+                                                             "sim"])  # fmt: skip
+    nc = await nats.connect(stack.settings.nats)
+    engine = room.by_name["engine"][0].engine.info().id
+    dispatched: asyncio.Queue[EngineWork] = asyncio.Queue()  # what the owner starts, in order
+
+    async def seen(msg: Msg) -> None:
+        await dispatched.put(msgspec.msgpack.decode(msg.data, type=EngineWork))
+
+    await nc.subscribe(bus.engine_subject(engine, "generate"), cb=seen)
+    long = {"model": "room", "messages": [{"role": "user", "content": "Go on."}],
+            "max_tokens": 300, "ignore_eos": True}  # fmt: skip
+    ended: list[str] = []
+    job = Client(nc, "room")
+
+    async def line(rid: str) -> None:
+        await job.result(rid, timeout=60)
+        ended.append("batch")
+
+    try:
+        rids = [await job.submit(long) for _ in range(6)]
+        lines = [asyncio.create_task(line(rid)) for rid in rids]
+        for _ in range(3):  # the lines the engine takes
+            await asyncio.wait_for(dispatched.get(), timeout=30)
+        async with httpx.AsyncClient(base_url=room.url, timeout=60) as http:
+            resp = await http.post("/v1/chat/completions", json={**long, "max_tokens": 5})
+        assert resp.status_code == 200, resp.text
+        ended.append("interactive")
+        fourth = await asyncio.wait_for(dispatched.get(), timeout=30)
+        assert fourth.sampling_params.max_tokens == 5  # before any other line
+        await asyncio.gather(*lines)
+        assert ended[0] == "interactive", ended
+    finally:
+        await nc.close()
+        await room.close()
 
 
 async def test_an_interactive_request_goes_before_queued_batch_lines(

@@ -428,6 +428,11 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
         "take turns in its waiting line (64; 0: pull only what fits)",
     )  # fmt: skip
     g.add_argument(
+        "--batch-headroom", type=float,
+        help="share of each engine's sequences and KV tokens a batch job's requests leave free "
+        "for interactive ones (0.125)",
+    )  # fmt: skip
+    g.add_argument(
         "--decode-reserve", type=int,
         help="engine tokens a sequence holds ahead of its output, charged again as it outgrows "
         "them up to its max_tokens (1024): what flow control charges instead of max_tokens",

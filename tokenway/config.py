@@ -159,6 +159,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # requests (sequences) a schedule worker pulls beyond its engines' room, so that its
     # waiting line holds other tenants' requests to give turns to (0: only what fits)
     owner_lookahead: Annotated[int, Meta(ge=0)] = 64
+    # the share of each engine's sequences and KV tokens that a batch job's requests leave
+    # free, so that an interactive request finds room at once instead of waiting for a line
+    batch_headroom: Annotated[float, Meta(ge=0, lt=1)] = 0.125
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
     engine_wait: PositiveFloat = 10.0  # with no live engine for the model, a 503 after this
     # multi-prompt requests (fan-out): how many one schedule worker owns at once (more: 429),

@@ -121,11 +121,12 @@ class Dispatcher:
 
     # -- capacity ---------------------------------------------------------------------------
 
-    def may_pull(self, ahead: bool = True) -> int:
-        """Sequences the owner may pull: what the engines have room for, and (`ahead`)
+    def may_pull(self, batch: bool = False) -> int:
+        """Sequences the owner may pull: what the engines have room for, and
         `owner_lookahead` more, so that its line has other tenants' turns to give, less
-        what already waits in it. A batch job's requests are pulled without looking ahead:
-        in the queue, not the line, they leave interactive ones the next turn."""
+        what already waits in it. A batch job's requests are pulled without looking ahead
+        (in the queue, not the line, they leave interactive ones the next turn) and only
+        into the room beyond the engines' headroom."""
         alive = self.registry.alive()
         if not alive:
             # Requests still come in, to wait a while for an engine and then meet the 503
@@ -133,8 +134,11 @@ class Dispatcher:
             return max(_WITHOUT_ENGINES - self.line.waiting(), 0)
         # With only incompatible engines, their room still lets requests in, so that each
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
-        room = routing.free_slots(self._matching(alive) or alive, self.seqs, self.tokens)
-        ahead_by = self.settings.owner_lookahead if ahead else 0
+        engines = self._matching(alive) or alive
+        if batch:
+            engines = routing.leaving(engines, self.settings.batch_headroom)
+        room = routing.free_slots(engines, self.seqs, self.tokens)
+        ahead_by = 0 if batch else self.settings.owner_lookahead
         return max(room + ahead_by - self.line.waiting(), 0)
 
     def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
@@ -307,6 +311,10 @@ class Dispatcher:
         n = len(r.choices)
         if why := routing.never_fits(engines, cost(r), n):
             raise NeverFits(f"{why}: ask for fewer max_tokens or a smaller n", param="max_tokens")
+        if r.batch:  # it starts only where it leaves interactive requests their headroom
+            roomy = routing.leaving(engines, self.settings.batch_headroom)
+            if not routing.never_fits(roomy, cost(r), n):  # else it needs a whole engine
+                engines = roomy
         need = holding(r, self.settings.decode_reserve)
         # The prompt's KV is made where it is prefilled: that engine is chosen by affinity.
         prefill = self._choose(engines, hashes, now, len(r.prompt), 1, "prefill")

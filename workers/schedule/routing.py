@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 from tokenway.wire import EngineInfo, Role
 
 # Roles that stream a request's output; a prefill engine only ever runs P/D's first leg.
@@ -23,6 +25,17 @@ def fits(
         load(engine, seqs.get(engine.id, 0)) + n <= engine.max_seqs
         and tokens.get(engine.id, 0) + cost <= engine.max_tokens
     )
+
+
+def leaving(engines: Iterable[EngineInfo], headroom: float) -> list[EngineInfo]:
+    """The engines as a batch job's requests see them: without the `headroom` share of
+    their sequences and tokens, which interactive requests keep (an engine of one sequence
+    keeps none)."""
+    return [
+        msgspec.structs.replace(e, max_seqs=e.max_seqs - round(e.max_seqs * headroom),
+                                max_tokens=e.max_tokens - round(e.max_tokens * headroom))
+        for e in engines
+    ]  # fmt: skip
 
 
 def free_slots(

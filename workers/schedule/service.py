@@ -160,7 +160,7 @@ class ScheduleService:
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
                 batch=self._capacity, freed=self.dispatcher.freed,
                 behind=Behind(bus.sched_consumer(self.settings, self.model, batch=True),
-                              partial(self.dispatcher.may_pull, ahead=False)),
+                              partial(self.dispatcher.may_pull, batch=True)),
             )  # fmt: skip
             await self._shutdown()
             drained.set()
