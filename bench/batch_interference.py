@@ -1,5 +1,6 @@
-"""Interactive latency while a batch runs: N interactive streams through the pipeline alone,
-then the same N while a B-line Batch API batch runs on the same engines, in one run.
+"""Interactive latency while a batch runs: rounds of N interactive streams through the
+pipeline alone, then the same rounds while a B-line Batch API batch runs on the same
+engines, in one run.
 
 The pipeline runs as separate processes (`bench/e2e.py`'s), with a batch runner; the
 batch is submitted through `POST /v1/files` and `POST /v1/batches` and is running (lines
@@ -7,7 +8,7 @@ answered) before the second measurement starts. Target: interactive TTFT p50 wit
 batch ≤ 1.2× without.
 
     python bench/batch_interference.py --concurrency 32 --max-tokens 64 --batch-lines 10000 \
-        [--batch-concurrency 64] [--json out.json]
+        [--batch-concurrency 64] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ BATCH_PROMPT = "Batch line {i}: summarize the history of tokenization in one par
 
 
 def batch_file(lines: int, max_tokens: int) -> bytes:
+    """Lines of half to one and a half times `max_tokens` each: lines of one length would
+    start and end in lockstep, in waves a real batch does not make."""
     return b"".join(json.dumps({
         "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
         "body": {"messages": [{"role": "user", "content": BATCH_PROMPT.format(i=i)}],
-                 "max_tokens": max_tokens, "ignore_eos": True, "seed": i},
+                 "max_tokens": max_tokens // 2 + (i * 7919) % (max_tokens + 1),
+                 "ignore_eos": True, "seed": i},
     }).encode() + b"\n" for i in range(lines))  # fmt: skip
 
 
@@ -71,20 +75,25 @@ async def answered(http: httpx.AsyncClient, url: str, batch_id: str) -> int:
 
 
 async def measured(
-    cfg: BenchConfig, pipeline: Pipeline, clients: list[httpx.AsyncClient]
+    cfg: BenchConfig, pipeline: Pipeline, clients: list[httpx.AsyncClient], rounds: int
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """One interactive load's summary, and the cores each process used meanwhile (this
-    one, the load's clients, as `bench`)."""
+    """`rounds` interactive loads, one after the other, summarized together (one burst
+    meets a batch at one moment of its cycle; several meet it at several), and the cores
+    each process used meanwhile (this one, the load's clients, as `bench`)."""
     before, began, mine = pipeline.cpu(), time.perf_counter(), time.process_time()
-    load = await run_load(cfg, pipeline, clients)
+    traces = []
+    for _ in range(rounds):
+        traces += (await run_load(cfg, pipeline, clients)).traces
     wall = time.perf_counter() - began
     after = pipeline.cpu()
     cores = {name: (after[name] - before[name]) / wall for name in after}
     cores["bench"] = (time.process_time() - mine) / wall
-    return summarize(load.traces), cores
+    return summarize(traces), cores
 
 
-async def run(cfg: BenchConfig, lines: int, line_tokens: int, concurrency: int) -> dict:
+async def run(
+    cfg: BenchConfig, lines: int, line_tokens: int, concurrency: int, rounds: int
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="tw-bench-batch-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
             pipeline = await stack.enter_async_context(running_pipeline(cfg, Path(tmp)))
@@ -95,20 +104,20 @@ async def run(cfg: BenchConfig, lines: int, line_tokens: int, concurrency: int) 
             http = await stack.enter_async_context(httpx.AsyncClient(timeout=60.0))
             clients = await open_clients(stack, max(cfg.concurrency, cfg.warmup))
             await warm_up(cfg, pipeline, clients)
-            alone, cores_alone = await measured(cfg, pipeline, clients)
+            alone, cores_alone = await measured(cfg, pipeline, clients, rounds)
 
             batch_id = await start_batch(http, pipeline.url, batch_file(lines, line_tokens))
             began = time.monotonic()
             running = min(concurrency, lines) // 2  # answered: the batch is in full swing
             while await answered(http, pipeline.url, batch_id) < running:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)  # another process's progress: polled
-            during, cores_during = await measured(cfg, pipeline, clients)
+            during, cores_during = await measured(cfg, pipeline, clients, rounds)
             state = await batch_state(http, pipeline.url, batch_id)
             await http.post(f"{pipeline.url}/v1/batches/{batch_id}/cancel")
             elapsed = time.monotonic() - began
     done = state["request_counts"]["completed"]
     batch = {"batch_lines": lines, "batch_line_tokens": line_tokens,
-             "batch_concurrency": concurrency}  # fmt: skip
+             "batch_concurrency": concurrency, "rounds": rounds}  # fmt: skip
     ratios = {q: during["ttft_ms"][q] / alone["ttft_ms"][q] for q in ("p50", "p99")}
     return {
         "config": asdict(cfg) | batch,
@@ -142,10 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-line-tokens", type=int, default=32)
     p.add_argument("--batch-concurrency", type=int, default=256,
                    help="the runner's lines in flight (TOKENWAY_BATCH_CONCURRENCY)")  # fmt: skip
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interactive loads measured alone, and again with the batch (5)",
+    )
     args = p.parse_args(argv)
     stop_on_sigterm()
     report = run_async(run(bench_config(args), args.batch_lines, args.batch_line_tokens,
-                           args.batch_concurrency))  # fmt: skip
+                           args.batch_concurrency, args.rounds))  # fmt: skip
     print(table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -597,3 +597,25 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
 async def pull(js: JetStreamContext, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
     await ensure_consumer(js, spec)
     return await js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+
+
+DRAIN_WAIT = 0.05  # seconds a fetch of what is pending waits for it
+
+
+async def fetch(sub: JetStreamContext.PullSubscription, want: int, wait: float) -> list[Msg]:
+    """The first message as soon as it is there, then whatever else is already waiting.
+
+    nats.py's batch fetch holds a lone message until the batch fills or the pull expires;
+    fetching one first, then exactly as many as the consumer says are pending, never does.
+    """
+    try:
+        msgs = await sub.fetch(1, timeout=wait)
+    except TimeoutError:  # nats-py's is one too
+        return []
+    pending = msgs[0].metadata.num_pending
+    if want > 1 and pending:
+        try:
+            msgs += await sub.fetch(min(want - 1, pending), timeout=DRAIN_WAIT)
+        except (TimeoutError, nats.errors.Error):
+            pass  # another worker took them, or NATS went away: the next fetch tells
+    return msgs

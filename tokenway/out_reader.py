@@ -68,9 +68,7 @@ class Reader:
         while True:
             assert self._sub is not None, "open the reader first"
             try:
-                batch = await self._sub.fetch(_BATCH, timeout=_WAIT)
-            except TimeoutError:  # nats-py's or asyncio's
-                continue  # nothing new
+                batch = await bus.fetch(self._sub, _BATCH, _WAIT)  # [] when nothing is new
             except NotFoundError:  # the server forgot the consumer
                 await self._sub.unsubscribe()
                 await self.open()

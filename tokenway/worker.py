@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -20,10 +19,8 @@ from tokenway.errors import Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
 
+
 # How long to wait for messages the consumer reported pending (they are normally there).
-_DRAIN_WAIT = 0.05
-
-
 def overloaded(stage: str) -> Overloaded:
     return Overloaded(f"the {stage} queue is full; retry later", code="queue_full")
 
@@ -136,7 +133,7 @@ class _Stage:
                 await wait_any(stop, *waits, timeout=self.idle)
                 continue
             try:
-                msgs = await _fetch(sub, want, self.idle)
+                msgs = await bus.fetch(sub, want, self.idle)
             except nats.errors.Error as exc:  # NATS away, or the consumer has no leader or is gone
                 if not failing:
                     log.warning("%s cannot fetch (%r); subscribing anew until it can",
@@ -207,22 +204,3 @@ async def _guarded(handle: Callable[[Msg], Awaitable[None]], msg: Msg, stage: st
         await handle(msg)
     except Exception:
         log.exception("%s could not handle %s; it will be redelivered", stage, msg.subject)
-
-
-async def _fetch(sub: JetStreamContext.PullSubscription, want: int, wait: float) -> list[Msg]:
-    """The first message as soon as it is there, then whatever else is already waiting.
-
-    nats.py's batch fetch holds a lone message until the batch fills or the pull expires;
-    fetching one first, then exactly as many as the consumer says are pending, never does.
-    """
-    try:
-        msgs = await sub.fetch(1, timeout=wait)
-    except (TimeoutError, NatsTimeout):
-        return []
-    pending = msgs[0].metadata.num_pending
-    if want > 1 and pending:
-        try:
-            msgs += await sub.fetch(min(want - 1, pending), timeout=_DRAIN_WAIT)
-        except (TimeoutError, NatsTimeout, nats.errors.Error):
-            pass  # another worker took them, or NATS went away: the next fetch tells
-    return msgs
