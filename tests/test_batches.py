@@ -240,6 +240,53 @@ async def test_batch_lines_leave_an_interactive_request_room_on_the_engine(
         await room.close()
 
 
+async def test_batch_lines_yield_the_engine_while_interactive_requests_run(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """An engine of eight sequences, an interactive stream running and six batch lines:
+    the lines take the busy share, two, until the stream ends; then the rest start. They
+    once took six beside it (and the CPU that goes with them)."""
+    settings = make_settings(tmp_path, sim_max_seqs=8, sim_itl=0.005, owner_lookahead=0,
+                             batch_headroom=0.0, batch_busy_share=0.25,
+                             served_model_name="busy")  # fmt: skip
+    busy = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
+                                                             "sim"])  # fmt: skip
+    nc = await nats.connect(stack.settings.nats)
+    engine = busy.by_name["engine"][0].engine.info().id
+    seen: asyncio.Queue[tuple[str, int]] = asyncio.Queue()  # (verb, max_tokens), in order
+
+    async def on_engine(msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[1]
+        tokens = 0
+        if verb == "generate":
+            tokens = msgspec.msgpack.decode(msg.data, type=EngineWork).sampling_params.max_tokens
+        await seen.put((verb, tokens or 0))
+
+    await nc.subscribe(bus.engine_subject(engine, "*"), cb=on_engine)
+    line = {"model": "busy", "messages": [{"role": "user", "content": "Go on."}],
+            "max_tokens": 100, "ignore_eos": True}  # fmt: skip
+    endless = {**line, "max_tokens": 100_000, "stream": True}
+    job = Client(nc, "busy")
+    try:
+        async with httpx.AsyncClient(base_url=busy.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=endless) as resp:
+                lines = resp.aiter_lines()
+                await anext(lines)  # it runs
+                assert (await seen.get()) == ("generate", 100_000)
+                rids = [await job.submit(line) for _ in range(6)]
+                for _ in range(2):
+                    assert (await asyncio.wait_for(seen.get(), timeout=30)) == ("generate", 100)
+                results = asyncio.gather(*(job.result(rid, timeout=60) for rid in rids))
+        # the client left: its abort goes out, and only then do the other four start
+        assert (await asyncio.wait_for(seen.get(), timeout=30))[0] == "abort"
+        assert len(await results) == 6
+        later = [seen.get_nowait() for _ in range(seen.qsize())]
+        assert [v for v, _ in later].count("generate") == 4, later
+    finally:
+        await nc.close()
+        await busy.close()
+
+
 async def test_an_interactive_request_goes_before_queued_batch_lines(
     stack: Stack, tmp_path: Path
 ) -> None:

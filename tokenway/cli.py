@@ -433,6 +433,11 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
         "for interactive ones (0.125)",
     )  # fmt: skip
     g.add_argument(
+        "--batch-busy-share", type=float,
+        help="share of each engine a batch job's requests may take while a schedule worker "
+        "runs interactive ones, and for a second after (0.25)",
+    )  # fmt: skip
+    g.add_argument(
         "--decode-reserve", type=int,
         help="engine tokens a sequence holds ahead of its output, charged again as it outgrows "
         "them up to its max_tokens (1024): what flow control charges instead of max_tokens",

@@ -162,6 +162,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # the share of each engine's sequences and KV tokens that a batch job's requests leave
     # free, so that an interactive request finds room at once instead of waiting for a line
     batch_headroom: Annotated[float, Meta(ge=0, lt=1)] = 0.125
+    # while interactive requests run on an owner (and for a second after): the share of
+    # each engine that its batch requests may take, so that they leave the CPU too
+    batch_busy_share: Annotated[float, Meta(ge=0, le=1)] = 0.25
     engine_ttl: PositiveFloat = 5.0  # registry entries vanish this long after the last beat
     engine_wait: PositiveFloat = 10.0  # with no live engine for the model, a 503 after this
     # multi-prompt requests (fan-out): how many one schedule worker owns at once (more: 429),

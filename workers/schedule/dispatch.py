@@ -53,6 +53,9 @@ _DISPATCH_TRIES = 3
 # What an owner pulls while no engine of its model is alive: each request waits
 # `engine_wait` for one, then is told there is none.
 _WITHOUT_ENGINES = 16
+# Seconds a batch job's requests keep yielding after the last interactive one ran or
+# waited here: back-to-back interactive requests are one stretch of traffic to them.
+_YIELD_HOLD = 1.0
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(EngineReply)
 
@@ -112,6 +115,8 @@ class Dispatcher:
         self.seqs: Counter[str] = Counter()  # sequences we run per engine
         self.tokens: Counter[str] = Counter()  # tokens those may hold
         self.freed = Signal()
+        self._interactive = 0  # interactive sequences running here
+        self._interactive_until = 0.0  # monotonic: batch requests yield until then
         self.line = Line()
         self.turn = Signal()  # the line changed: whose turn it is may have too
         self.model = model
@@ -136,10 +141,21 @@ class Dispatcher:
         # meets the explicit 503 in `_compatible` instead of waiting out its deadline.
         engines = self._matching(alive) or alive
         if batch:
-            engines = routing.leaving(engines, self.settings.batch_headroom)
+            engines = routing.leaving(engines, self._batch_headroom())
         room = routing.free_slots(engines, self.seqs, self.tokens)
         ahead_by = 0 if batch else self.settings.owner_lookahead
         return max(room + ahead_by - self.line.waiting(), 0)
+
+    def _batch_headroom(self) -> float:
+        """The share of each engine a batch job's requests leave free: most of it while
+        interactive requests run or wait here (`batch_busy_share` is theirs then)."""
+        h = self.settings.batch_headroom
+        if self._interactive or time.monotonic() < self._interactive_until:
+            return max(h, 1 - self.settings.batch_busy_share)
+        return h
+
+    def _yield_batch(self) -> None:
+        self._interactive_until = time.monotonic() + _YIELD_HOLD
 
     def _matching(self, engines: list[EngineInfo]) -> list[EngineInfo]:
         return [e for e in engines if e.obfuscation == self.fingerprint]
@@ -188,6 +204,9 @@ class Dispatcher:
         if r.engine is not None:
             self._release(r.engine, len(r.choices), r.held)
             self.line.stopped(r.tenant, len(r.choices))
+            if not r.batch:
+                self._interactive -= len(r.choices)
+                self._yield_batch()
             self.running.dec()
             r.engine, r.held = None, 0
         self.release_prefill(r)
@@ -234,6 +253,8 @@ class Dispatcher:
     async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
         """The request's plan once it is its turn and an engine has room."""
         place = self.line.join(r.tenant, r.request.priority, max(r.params.n, 1), r.batch)
+        if not r.batch:
+            self._yield_batch()
         self.waiting.inc()
         self.turn.fire()
         alone_since: float | None = None  # since when no engine of the model is alive
@@ -260,7 +281,13 @@ class Dispatcher:
                 remaining = r.deadline - time.time()
                 if remaining <= 0:
                     raise DeadlineExceeded("no engine had room before the request's deadline")
-                await wait_any(*waits, r.ended, timeout=min(remaining, patience or remaining))
+                # a batch request yielding to interactive ones looks again when that ends
+                wake = self._interactive_until - now if r.batch else 0.0
+                await wait_any(
+                    *waits,
+                    r.ended,
+                    timeout=min(remaining, patience or remaining, wake if wake > 0 else remaining),
+                )
                 if r.ended.is_set():
                     return None
         finally:
@@ -311,10 +338,13 @@ class Dispatcher:
         n = len(r.choices)
         if why := routing.never_fits(engines, cost(r), n):
             raise NeverFits(f"{why}: ask for fewer max_tokens or a smaller n", param="max_tokens")
-        if r.batch:  # it starts only where it leaves interactive requests their headroom
-            roomy = routing.leaving(engines, self.settings.batch_headroom)
-            if not routing.never_fits(roomy, cost(r), n):  # else it needs a whole engine
-                engines = roomy
+        if r.batch:  # it starts only where it leaves interactive requests their headroom,
+            # in the smallest view of the engines that it can ever fit (a whole one at most)
+            for headroom in (self._batch_headroom(), self.settings.batch_headroom):
+                roomy = routing.leaving(engines, headroom)
+                if not routing.never_fits(roomy, cost(r), n):
+                    engines = roomy
+                    break
         need = holding(r, self.settings.decode_reserve)
         # The prompt's KV is made where it is prefilled: that engine is chosen by affinity.
         prefill = self._choose(engines, hashes, now, len(r.prompt), 1, "prefill")
@@ -379,6 +409,8 @@ class Dispatcher:
         r.held = holding(r, self.settings.decode_reserve)
         self._hold(engine.id, len(r.choices), r.held)
         self.line.started(r.tenant, len(r.choices))
+        if not r.batch:
+            self._interactive += len(r.choices)
         self.running.inc()
         r.engine = engine.id
         if await self._send(engine, r, r.params, kv, tried):
