@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ingress.auth import ApiKeys, Unauthorized
 from ingress.batches import add_routes as batch_routes
 from ingress.completions import (
+    ANTHROPIC,
     CLIENT_REQUEST_ID,
     EVENT_IDS_HEADER,
     REQUEST_ID_HEADER,
@@ -230,8 +231,11 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             await completions.refuse(api, bad, send)
             return
         echo = (REQUEST_ID_HEADER, client_id.encode()) if client_id else None
+        authorization = header(scope, b"authorization")
+        if api in ANTHROPIC and not authorization and (key := header(scope, b"x-api-key")):
+            authorization = b"Bearer " + key  # Anthropic's clients send their key so
         try:
-            tenant = ctx.keys.tenant(scope["path"], header(scope, b"authorization"))
+            tenant = ctx.keys.tenant(scope["path"], authorization)
         except Unauthorized as exc:
             auth = (b"www-authenticate", b"Bearer")
             await completions.refuse(api, exc, send, *filter(None, (auth, echo)))

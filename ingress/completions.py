@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -28,7 +28,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.router import Event, OutputRouter, Slot, SseWriter
-from tokenway import bus, ledger, spans
+from tokenway import anthropic, bus, ledger, spans
 from tokenway import headers as h
 from tokenway.errors import (
     BodyTimeout,
@@ -44,7 +44,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.metrics import SSE_WRITE
-from tokenway.protocol import decode_body, named_model
+from tokenway.protocol import decode_body, decoded, named_model
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid
 from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
@@ -56,9 +56,12 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-Route = Api | TokenizeRoute
+Route = Api | TokenizeRoute | Literal["count_tokens"]
 ROUTES: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                            "/v1/messages": "messages",
+                            "/v1/messages/count_tokens": "count_tokens",
                             "/tokenize": "tokenize", "/detokenize": "detokenize"}  # fmt: skip
+ANTHROPIC: frozenset[Route] = frozenset({"messages", "count_tokens"})  # its error shapes
 # A client's X-Request-Id (vLLM's habit): its response's id, echoed on every response.
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REQUEST_ID_HEADER = b"x-request-id"
@@ -211,6 +214,9 @@ class Completions:
         if api == "tokenize" or api == "detokenize":
             await self._reply(api, await self._tokenize(api, body), send, echo)
             return
+        if api == "count_tokens":
+            await self._reply(api, await self._count_tokens(body), send, echo)
+            return
         given = header(scope, _TRACEPARENT).decode("latin-1")
         span = spans.start(f"POST {scope['path']}", valid(given), "server", request_id=rid)
         trace = span.traceparent() or traceparent(given)
@@ -248,8 +254,11 @@ class Completions:
     async def _reply(
         self, api: str, reply: Reply, send: Send, *headers: tuple[bytes, bytes]
     ) -> None:
-        """A whole answer, counted, with `headers` added."""
+        """A whole answer, counted, with `headers` added (an error in Anthropic's shape on
+        its routes)."""
         self.metrics.requests.labels(api, reply.status).inc()
+        if api in ANTHROPIC and reply.status >= 400 and reply.body:
+            reply.body = anthropic.error_body(reply.status, reply.body)
         reply.headers += headers
         await reply.send(send)
 
@@ -277,7 +286,7 @@ class Completions:
                 return Reply.failed(first.status, first.payload, first.retry_after), first
             if not stream:
                 return Reply(200, first.payload), first
-            return Stream(rid, slot, first, SseWriter(ids)), first
+            return Stream(rid, slot, first, SseWriter(ids, named=api == "messages")), first
         except TokenwayError as exc:
             return Reply.error(exc.info()), first
         except Exception as exc:  # a bug still answers its client, with what broke
@@ -307,6 +316,21 @@ class Completions:
             raise self._over_the_bus(body) from exc
         except NatsError as exc:
             raise StageUnavailable(f"could not queue the request: {exc!r}") from exc
+
+    async def _count_tokens(self, body: bytes) -> Reply:
+        """`POST /v1/messages/count_tokens`: the prompt its chat request renders to, counted
+        by a render worker (`/tokenize`'s way)."""
+        try:
+            chat = anthropic.to_chat(decoded(anthropic.CountDecoder, body))
+        except InvalidRequest as exc:
+            return Reply.error(exc.info())
+        tokenize = {"model": chat.model, "messages": chat.messages, "tools": chat.tools,
+                    "chat_template_kwargs": chat.chat_template_kwargs}  # fmt: skip
+        counted = await self._tokenize("tokenize", msgspec.json.encode(tokenize))
+        if counted.status != 200:
+            return counted
+        count = msgspec.json.decode(counted.body)["count"]
+        return Reply(200, msgspec.json.encode({"input_tokens": count}))
 
     async def _tokenize(self, route: TokenizeRoute, body: bytes) -> Reply:
         """A render worker's answer: core request/reply, nothing queued or kept."""

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from ingress.completions import NO, YES
+from tokenway import anthropic
 from tokenway.errors import ErrorBody
 from tokenway.protocol import (
     ChatCompletionRequest,
@@ -19,6 +20,7 @@ from tokenway.protocol import (
 )
 
 _REF = "#/components/schemas/{name}"
+_ANTHROPIC = ("MessagesRequest", "CountTokensRequest")  # its routes answer its error shape
 # What a completion route answers besides 200; every one an OpenAI error body.
 _ERRORS = {
     "400": "the body does not decode, or asks for what the model or the engines cannot do",
@@ -35,15 +37,23 @@ _ERRORS = {
 _ROUTES = {
     "/v1/chat/completions": ("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
     "/v1/completions": ("createCompletion", "CompletionRequest", "Completion"),
+    "/v1/messages": ("createMessage", "MessagesRequest", "Anthropic message"),
+    "/v1/messages/count_tokens": (
+        "countMessageTokens",
+        "CountTokensRequest",
+        "Input tokens of an Anthropic message",
+    ),
     "/tokenize": ("tokenize", "TokenizeRequest", "Token IDs of a prompt or of chat messages"),
     "/detokenize": ("detokenize", "DetokenizeRequest", "The text of token IDs"),
 }
 _BODIES = [ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
-           TokenizeCompletionRequest, DetokenizeRequest, ErrorBody]  # fmt: skip
+           TokenizeCompletionRequest, DetokenizeRequest, ErrorBody, anthropic.MessagesRequest,
+           anthropic.CountTokensRequest, anthropic.AnthropicError]  # fmt: skip
 
 
 def _operation(operation_id: str, body: str, summary: str) -> dict[str, Any]:
-    error = {"application/json": {"schema": {"$ref": _REF.format(name="ErrorBody")}}}
+    shape = "AnthropicError" if body in _ANTHROPIC else "ErrorBody"
+    error = {"application/json": {"schema": {"$ref": _REF.format(name=shape)}}}
     return {
         "operationId": operation_id,
         "summary": summary,

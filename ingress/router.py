@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import RawStreamMsg
 
-from tokenway import bus, ledger, sse
+from tokenway import anthropic, bus, ledger, sse
 from tokenway import headers as h
 from tokenway.errors import error_body
 from tokenway.wire import Delivered, Delivery, ErrorInfo
@@ -238,22 +238,32 @@ class SseWriter:
     `id:` lines, and while a resume skips what its client already has.
     """
 
-    def __init__(self, ids: bool = False, after: int = 0) -> None:
+    def __init__(self, ids: bool = False, after: int = 0, named: bool | None = None) -> None:
         self.ids = ids
         self.after = after  # events the client has: left out
         self.numbered = 0  # events numbered so far (only while numbering)
+        # Anthropic's events (`event:` lines, no [DONE]); None: told by the first chunk
+        self.named = named
 
     def write(self, events: list[Event]) -> tuple[bytes, bool]:
         """The events' bytes, and whether they end the stream."""
         out, done = [], False
         for event in events:
-            framed = sse.frame([event.payload]) if event.kind == h.KIND_ERROR else event.payload
+            if self.named is None and event.kind != h.KIND_ERROR:
+                self.named = event.payload.startswith(sse.NAMED)
+            if event.kind != h.KIND_ERROR:
+                framed = event.payload
+            elif self.named:
+                framed = sse.error_event(anthropic.error_body(event.status, event.payload))
+            else:
+                framed = sse.frame([event.payload])
             if self.ids or self.numbered < self.after:
                 first = self.numbered + 1
                 self.numbered += sse.count(framed)
                 framed = sse.renumber(framed, first, self.after, self.ids)
             out.append(framed)
             if event.terminal:
-                out.append(sse.DONE)
+                if not self.named:
+                    out.append(sse.DONE)
                 done = True
         return b"".join(out), done

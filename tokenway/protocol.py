@@ -178,8 +178,15 @@ MAX_DEPTH = 64
 
 
 def decode_body(api: str, body: bytes) -> OpenAIRequest:
-    """Validate an OpenAI body; a malformed one is the client's 400 (`InvalidRequest`)."""
-    req = _decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
+    """Validate an OpenAI body (or an Anthropic Messages body: the chat request it is); a
+    malformed one is the client's 400 (`InvalidRequest`)."""
+    if api == "messages":
+        from tokenway import anthropic  # it builds on this module's structs
+
+        chat = anthropic.to_chat(decoded(anthropic.MessagesDecoder, body))
+        _check_depth(chat)  # its tool schemas and inputs, as chat carries them
+        return chat
+    req = decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
     if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
         raise InvalidRequest(
             "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
@@ -260,14 +267,14 @@ def named_model(body: bytes) -> str | None:
 def decode_tokenize(body: bytes) -> TokenizeRequest:
     """A `/tokenize` body: messages (chat) or a prompt, as vLLM tells them apart."""
     chat = bool(_shape(body).messages)
-    return _decoded(_TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, body)
+    return decoded(_TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, body)
 
 
 def decode_detokenize(body: bytes) -> DetokenizeRequest:
-    return _decoded(_DETOKENIZE, body)
+    return decoded(_DETOKENIZE, body)
 
 
-def _decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+def decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
     """`body` decoded and checked for depth; a malformed one is an `InvalidRequest`."""
     try:
         req = decoder.decode(body)
@@ -278,10 +285,19 @@ def _decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     except RecursionError:
         raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels") from None
-    for param, value in _free_form(req):
-        if _depth(value, MAX_DEPTH) > MAX_DEPTH:
-            raise InvalidRequest(f"{param} nests deeper than {MAX_DEPTH} levels", param=param)
+    _check_depth(req)
     return req
+
+
+def _check_depth(req: object) -> None:
+    for param, value in _free_form(req):
+        check_nesting(param, value)
+
+
+def check_nesting(param: str, value: object) -> None:
+    """A free-form value nested past `MAX_DEPTH` is the client's 400."""
+    if _depth(value, MAX_DEPTH) > MAX_DEPTH:
+        raise InvalidRequest(f"{param} nests deeper than {MAX_DEPTH} levels", param=param)
 
 
 def _free_form(req: object) -> list[tuple[str, object]]:

@@ -1,15 +1,28 @@
 """Server-sent-event framing, as vLLM and OpenAI frame it: `data: <json>\n\n` events, then
-`data: [DONE]\n\n`, nothing else. `id:` lines only for a client that asks for them."""
+`data: [DONE]\n\n`, nothing else. `id:` lines only for a client that asks for them.
+Anthropic's Messages streams name each event (`event: <type>`) and end without [DONE]."""
 
 from __future__ import annotations
 
 DONE = b"data: [DONE]\n\n"
+NAMED = b"event: "  # how Anthropic's events begin
 _END = b"\n\n"
 
 
 def frame(documents: list[bytes]) -> bytes:
     """`data: <json>\n\n` per document; the owner frames, the ingress passes the bytes on."""
     return b"".join(b"data: " + doc + _END for doc in documents)
+
+
+def error_event(body: bytes) -> bytes:
+    """An Anthropic stream's error event."""
+    return NAMED + b"error\ndata: " + body + _END
+
+
+def framed(api: str, documents: list[bytes]) -> bytes:
+    """A derender result's documents as SSE bytes: a Messages stream's events come framed
+    (`event: <type>` lines name them), the others' are framed here."""
+    return b"".join(documents) if api == "messages" else frame(documents)
 
 
 def count(framed: bytes) -> int:

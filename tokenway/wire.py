@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 from tokenway import headers as h
 
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Api = Literal["chat", "completion"]
+Api = Literal["chat", "completion", "messages"]  # messages: Anthropic's, run as a chat
 FinishReason = Literal["stop", "length", "abort", "error"]
 Role = Literal["union", "prefill", "decode"]
 

@@ -91,6 +91,8 @@ def test_every_field_is_read_from_its_prefixed_env_var() -> None:
             value = True
         elif typing.get_origin(hint := typing.get_type_hints(Settings)[name]) is typing.Literal:
             value = next(v for v in typing.get_args(hint) if v != default)
+        elif isinstance(default, float) and 0 < default < 1:  # a share of something
+            value = default / 2
         elif isinstance(default, int | float):
             value = default + 1
         else:  # str or None (a str or an int when set)

@@ -20,7 +20,7 @@ from tokenway.wire import (
     LogprobEntry,
     OutputContext,
 )
-from workers.derender import chunks, logprobs, reasoning, stops, tools
+from workers.derender import chunks, logprobs, messages, reasoning, stops, tools
 from workers.derender import state as states
 from workers.derender.chunks import Out
 from workers.derender.detok import Detokenizer, seed
@@ -34,8 +34,12 @@ def _stop_terminated(finish: str | None, stop_reason: int | str | None) -> bool:
     return finish == "stop" and not isinstance(stop_reason, str)
 
 
+# The APIs whose output is a chat's: reasoning, content and tool calls.
+CHATS = ("chat", "messages")
+
+
 def initial_state(ctx: OutputContext) -> StreamState:
-    parse = ctx.parse if ctx.api == "chat" else None
+    parse = ctx.parse if ctx.api in CHATS else None
     return StreamState(
         detok=seed(ctx.prompt_tail),
         stop=stops.StopState() if ctx.stop else None,
@@ -140,7 +144,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     done = ending.finish is not None
 
     out = Out(finish_reason=ending.finish, stop_reason=ending.stop_reason)
-    if ctx.api == "chat" and ctx.parse is not None:
+    if ctx.api in CHATS and ctx.parse is not None:
         _parse(ctx, state, text, done, out)
         if out.finish_reason == "stop" and tools.rewrites_finish(ctx.parse, state.tools_called):
             out.finish_reason = "tool_calls"
@@ -167,7 +171,17 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         if not done:
             raise InvalidRequest("a non-streaming derender needs the finish reason")
         out.tool_calls = tools.merge(out.tool_calls) if out.tool_calls else []
-        docs.append(chunks.response(ctx, index, out, state.completion_tokens))
+        if ctx.api == "messages":
+            docs.append(messages.message(ctx, out, state.completion_tokens))
+        else:
+            docs.append(chunks.response(ctx, index, out, state.completion_tokens))
+    elif ctx.api == "messages":
+        events, state.blocks = messages.events(
+            ctx, out, state.blocks or messages.Blocks(), not state.role_sent,
+            state.completion_tokens, state.tools_called,
+        )  # fmt: skip
+        state.role_sent = True
+        docs += events
     else:
         shown = out.text or out.reasoning or out.tool_calls or (entry.logprobs and kept)
         if shown or done or first_chat or (ctx.return_token_ids and kept):

@@ -13,6 +13,7 @@ from tokenway.errors import InvalidRequest
 from tokenway.wire import OutputContext
 from workers.derender import logprobs, reasoning, stops
 from workers.derender.logprobs import LogprobState
+from workers.derender.messages import Blocks
 from workers.derender.reasoning import ReasoningState
 from workers.derender.stops import StopState
 from workers.derender.tools import ToolState
@@ -40,6 +41,7 @@ class StreamState(Struct, array_like=True, omit_defaults=True):
     tools: ToolState | None = None
     tools_called: bool = False  # any tool call streamed: finish "stop" becomes "tool_calls"
     logprobs: LogprobState | None = None
+    blocks: Blocks | None = None  # a Messages stream's open content block
 
 
 _encoder = msgspec.msgpack.Encoder()

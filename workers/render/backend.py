@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import msgspec
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
@@ -128,7 +129,10 @@ class VllmBackend:
             ids = await prompt_ids(local, req, len(request.body))
             return self.builder.build(request, parsed, ids, local.vocab)
         try:
-            prompt = await self.client.render(request.api, request.body)
+            if request.api == "messages":  # the chat request it is, in the server's shape
+                prompt = await self.client.render("chat", msgspec.json.encode(req))
+            else:
+                prompt = await self.client.render(request.api, request.body)
         except RenderUnavailable as exc:
             FALLBACKS.labels(exc.reason).inc()
             log.warning(

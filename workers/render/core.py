@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenway.anthropic import MESSAGE_ID_PREFIX
 from tokenway.errors import InvalidRequest, check_model
 from tokenway.model import ModelInfo
 from tokenway.protocol import (
@@ -93,6 +94,10 @@ class Parsed:
     constraint: StructuredOutputs | None
 
 
+# A response's id: vLLM's prefixes, and Anthropic's for a Messages request.
+_ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": MESSAGE_ID_PREFIX}
+
+
 @dataclass(frozen=True)
 class RequestBuilder:
     """What render decides without a tokenizer: validation, the budget, the output context."""
@@ -145,7 +150,7 @@ class RequestBuilder:
         opts = req.stream_options
         context = OutputContext(
             api=request.api,
-            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{self._id(request, req)}",
+            response_id=f"{_ID_PREFIXES[request.api]}{self._id(request, req)}",
             model=self.model,
             created=request.created,
             prompt_tokens=len(ids),

@@ -113,6 +113,9 @@ class RenderService:
         try:
             if who.deadline is not None and time.time() > who.deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
+            if self.settings.derender_backend == "vllm" and request.api == "messages":
+                raise InvalidRequest("the Messages API is derendered by tokenway itself: run "
+                                     "derender with --derender-backend local")  # fmt: skip
             generate = await self.backend.render(request)
             if self.settings.derender_backend == "vllm":
                 generate.context.request_body = request.body

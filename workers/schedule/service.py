@@ -45,7 +45,7 @@ from tokenway.errors import (
 from tokenway.model import ModelInfo
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
-from tokenway.sse import frame
+from tokenway.sse import framed
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import (
     Delivered,
@@ -601,7 +601,7 @@ class ScheduleService:
     ) -> tuple[str, bytes, list[int]] | None:
         """What to publish for one derender result (kind, payload, its tokens), if anything."""
         if choice is None:  # the closing usage chunk of an n > 1 stream
-            return h.KIND_END, frame(res.chunks), []
+            return h.KIND_END, framed(r.ctx.api, res.chunks), []
         if res.finish_reason is not None:  # derender ended it: a stop string
             choice.finish, choice.stop_reason = res.finish_reason, res.stop_reason
         last = entry.finish_reason is not None or res.finish_reason is not None
@@ -616,4 +616,4 @@ class ScheduleService:
         # Marked before the ack, so a sibling committed right after sees it as done.
         kind = h.KIND_END if last and r.is_last(choice) else h.KIND_CHUNK
         choice.done = last
-        return kind, frame(res.chunks), tokens
+        return kind, framed(r.ctx.api, res.chunks), tokens

@@ -1,0 +1,170 @@
+"""Anthropic's Messages API through the whole pipeline, with the `anthropic` SDK: a message
+and its stream, thinking, a tool-use loop, stop sequences, token counts, keys sent as
+`x-api-key`, and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+import pytest_asyncio
+
+from tests.conftest import Stack, make_settings, start_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"},
+                     "days": {"type": "integer"}}, "required": ["city", "days"]},
+    "strict": True,  # its input always follows the schema (else any JSON may come)
+}  # fmt: skip
+HELLO = [{"role": "user", "content": "Describe a city."}]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def claude(stack: Stack) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with anthropic.AsyncAnthropic(base_url=stack.url, api_key="-", max_retries=0) as c:
+        yield c
+
+
+async def test_a_message_and_its_stream_say_the_same(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    # the SDK no longer has the sampling fields: the server still takes them
+    greedy = {"temperature": 0, "top_k": 1}
+    done = await claude.messages.create(
+        model=stack.model, max_tokens=24, messages=HELLO, system="Be brief.", extra_body=greedy
+    )
+    assert done.type == "message" and done.role == "assistant" and done.id.startswith("msg_")
+    assert done.model == stack.model
+    (block,) = done.content
+    assert block.type == "text" and block.text
+    assert done.stop_reason in ("end_turn", "max_tokens")
+    assert done.usage.input_tokens > 0 and 0 < done.usage.output_tokens <= 24
+
+    async with claude.messages.stream(
+        model=stack.model, max_tokens=24, messages=HELLO, system="Be brief.", extra_body=greedy
+    ) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "content_block_stop" in kinds
+    assert [b.text for b in final.content] == [block.text]  # greedy: the same text
+    assert final.stop_reason == done.stop_reason
+    assert final.usage.output_tokens == done.usage.output_tokens
+
+
+async def test_thinking_comes_as_thinking_blocks_before_the_text(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    done = await claude.messages.create(
+        model=stack.model, max_tokens=300, messages=HELLO, thinking=thinking
+    )
+    kinds = [b.type for b in done.content]
+    assert kinds[0] == "thinking" and done.content[0].thinking, done.content
+    async with claude.messages.stream(
+        model=stack.model, max_tokens=300, messages=HELLO, thinking=thinking
+    ) as stream:
+        deltas = [e.delta.type async for e in stream if e.type == "content_block_delta"]
+        final = await stream.get_final_message()
+    assert deltas[0] == "thinking_delta"
+    assert final.content[0].type == "thinking" and final.content[0].thinking
+    # blocks are numbered in order, each opened once
+    assert [b.type for b in final.content] == sorted(
+        {b.type for b in final.content}, key=[b.type for b in final.content].index
+    )
+
+
+async def test_a_tool_use_loop(claude: anthropic.AsyncAnthropic, stack: Stack) -> None:
+    """A forced tool's call comes back as a tool_use block (stop_reason tool_use), streamed
+    as input_json deltas too; its result goes back as a tool_result and the model answers."""
+    forced = {"type": "tool", "name": "get_weather"}
+    done = await claude.messages.create(
+        model=stack.model, max_tokens=200, messages=HELLO, tools=[WEATHER], tool_choice=forced
+    )
+    assert done.stop_reason == "tool_use", done
+    (call,) = [b for b in done.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and set(call.input) == {"city", "days"}
+    async with claude.messages.stream(
+        model=stack.model, max_tokens=200, messages=HELLO, tools=[WEATHER], tool_choice=forced
+    ) as stream:
+        partial = [e.delta.partial_json async for e in stream if e.type == "content_block_delta"
+                   and e.delta.type == "input_json_delta"]  # fmt: skip
+        streamed = await stream.get_final_message()
+    (streamed_call,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert (
+        json.loads("".join(partial)) == streamed_call.input and streamed.stop_reason == "tool_use"
+    )
+
+    answer = await claude.messages.create(
+        model=stack.model, max_tokens=24, tools=[WEATHER],
+        messages=[*HELLO, {"role": "assistant", "content": done.content},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21C"},
+                      {"type": "text", "text": "And so?"}]}],
+    )  # fmt: skip
+    assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    # what the template saw: the call and its result, as a chat would carry them
+    counted = await claude.messages.count_tokens(
+        model=stack.model, tools=[WEATHER],
+        messages=[*HELLO, {"role": "assistant", "content": done.content},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21C"}]}],
+    )  # fmt: skip
+    short = await claude.messages.count_tokens(model=stack.model, messages=HELLO)
+    assert counted.input_tokens > short.input_tokens > 0
+
+
+async def test_a_stop_sequence_ends_the_message_and_is_named(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    free = await claude.messages.create(model=stack.model, max_tokens=40, messages=HELLO)
+    text = free.content[0].text
+    word = text.split()[2]  # a word the greedy answer says, not at its very start
+    done = await claude.messages.create(model=stack.model, max_tokens=40, messages=HELLO,
+                                        stop_sequences=[word])  # fmt: skip
+    assert done.stop_reason == "stop_sequence" and done.stop_sequence == word
+    assert done.content[0].text == text[: text.index(word)]
+
+
+async def test_errors_come_in_anthropics_shape(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        await claude.messages.create(model=stack.model, max_tokens=10,
+                                     messages=[{"role": "user", "content": [
+                                         {"type": "image", "source": {}}]}])  # fmt: skip
+    assert bad.value.body["type"] == "error"
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "image" in bad.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await claude.messages.create(model="no-such-model", max_tokens=10, messages=HELLO)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        no_max = await http.post("/v1/messages", json={"model": stack.model, "messages": HELLO})
+    assert no_max.status_code == 400 and no_max.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_key_is_taken_from_x_api_key(stack: Stack, tmp_path: Path) -> None:
+    key = "sk-anthropic-0123456789abcdef"
+    settings = make_settings(tmp_path, api_key=key)
+    keyed = await start_stack(stack.settings.nats, settings, ["ingress"])
+    try:
+        async with anthropic.AsyncAnthropic(base_url=keyed.url, api_key=key,
+                                            max_retries=0) as ok:  # fmt: skip
+            done = await ok.messages.create(model=stack.model, max_tokens=4, messages=HELLO)
+        assert done.content
+        async with anthropic.AsyncAnthropic(base_url=keyed.url, api_key="sk-wrong",
+                                            max_retries=0) as wrong:  # fmt: skip
+            with pytest.raises(anthropic.AuthenticationError) as refused:
+                await wrong.messages.create(model=stack.model, max_tokens=4, messages=HELLO)
+        assert refused.value.body["error"]["type"] == "authentication_error"
+    finally:
+        await keyed.close()

@@ -1,0 +1,278 @@
+"""Anthropic's Messages API (`POST /v1/messages`): its request bodies, the chat completion
+request each one is, and its error and stop-reason vocabulary.
+
+A Messages request runs as the chat completion it translates to: the model's chat template
+renders it, and derender shapes the output as Messages events (`workers.derender.messages`).
+The translation keeps what the template sees: `system` leads as a system message, an
+assistant's `thinking` blocks are its reasoning, `tool_use` blocks its tool calls, and a
+user's `tool_result` blocks become tool messages before the user's own text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from tokenway.errors import InvalidRequest
+from tokenway.protocol import (
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionDef,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    NonNegInt,
+    PosInt,
+    Tool,
+    ToolCall,
+    TopP,
+    check_nesting,
+)
+
+MESSAGE_ID_PREFIX = "msg_"
+
+
+class Block(Struct, kw_only=True, omit_defaults=True):
+    """A content block: `text`, `thinking`, `tool_use` or `tool_result` (others: a 400)."""
+
+    type: str
+    text: str | None = None
+    thinking: str | None = None
+    signature: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+
+class InputMessage(Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolDef(Struct, kw_only=True):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: str | None = None  # "custom", or absent; server tools are not served here
+    strict: bool | None = None
+
+
+class ToolChoice(Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(Struct, kw_only=True):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: NonNegInt | None = None
+
+
+class Metadata(Struct, kw_only=True):
+    user_id: str | None = None
+
+
+class MessagesRequest(Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: PosInt
+    messages: Annotated[list[InputMessage], Meta(min_length=1)]
+    system: str | list[Block] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    metadata: Metadata | None = None
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    """`POST /v1/messages/count_tokens`: a request without `max_tokens`."""
+
+    model: str | None = None
+    messages: Annotated[list[InputMessage], Meta(min_length=1)]
+    system: str | list[Block] | None = None
+    tools: list[ToolDef] | None = None
+    thinking: Thinking | None = None
+
+
+Messages = MessagesRequest | CountTokensRequest
+
+
+def _text(blocks: str | list[Block] | None, where: str) -> str:
+    """The text of a string or of text blocks."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    parts = []
+    for b in blocks:
+        if b.type != "text":
+            raise InvalidRequest(f"{where}: only text blocks are served here, not {b.type!r}",
+                                 param=where)  # fmt: skip
+        parts.append(b.text or "")
+    return "".join(parts)
+
+
+def _assistant(content: str | list[Block], where: str) -> Message:
+    if isinstance(content, str):
+        return Message(role="assistant", content=content)
+    text, thought, calls = [], [], []
+    for i, b in enumerate(content):
+        if b.type == "text":
+            text.append(b.text or "")
+        elif b.type == "thinking":
+            thought.append(b.thinking or "")
+        elif b.type == "redacted_thinking":
+            continue  # nothing to show a template
+        elif b.type == "tool_use":
+            if not b.id or not b.name:
+                raise InvalidRequest(f"{where}[{i}]: a tool_use block needs an id and a name",
+                                     param=where)  # fmt: skip
+            check_nesting(f"{where}[{i}].input", b.input)
+            arguments = json.dumps(b.input or {}, ensure_ascii=False)
+            calls.append(ToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=arguments)))
+        else:
+            raise InvalidRequest(f"{where}[{i}]: an assistant cannot send a {b.type!r} block",
+                                 param=where)  # fmt: skip
+    return Message(role="assistant", content="".join(text), tool_calls=calls or None,
+                   reasoning_content="".join(thought) or None)  # fmt: skip
+
+
+def _user(content: str | list[Block], where: str) -> list[Message]:
+    """Tool results first (as tool messages), then the user's own text, if any."""
+    if isinstance(content, str):
+        return [Message(role="user", content=content)]
+    results, text = [], []
+    for i, b in enumerate(content):
+        if b.type == "tool_result":
+            if not b.tool_use_id:
+                raise InvalidRequest(f"{where}[{i}]: a tool_result block needs its tool_use_id",
+                                     param=where)  # fmt: skip
+            result = _text(b.content, f"{where}[{i}].content")
+            results.append(Message(role="tool", tool_call_id=b.tool_use_id, content=result))
+        elif b.type == "text":
+            text.append(b.text or "")
+        else:
+            raise InvalidRequest(f"{where}[{i}]: only text and tool_result blocks are served "
+                                 f"here, not {b.type!r}", param=where)  # fmt: skip
+    return results + ([Message(role="user", content="".join(text))] if text else [])
+
+
+def _messages(req: Messages) -> list[Message]:
+    out = []
+    if req.system:
+        out.append(Message(role="system", content=_text(req.system, "system")))
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        if m.role == "assistant":
+            out.append(_assistant(m.content, where))
+        else:
+            out.extend(_user(m.content, where))
+    return out
+
+
+def _tools(req: Messages) -> list[Tool] | None:
+    if not req.tools:
+        return None
+    for t in req.tools:
+        if t.type not in (None, "custom"):
+            raise InvalidRequest(
+                f"tool {t.name!r}: {t.type!r} tools are not served here; give custom tools "
+                "(name, input_schema)", param="tools",
+            )  # fmt: skip
+    return [Tool(function=FunctionDef(name=t.name, description=t.description,
+                                      parameters=t.input_schema, strict=t.strict))
+            for t in req.tools]  # fmt: skip
+
+
+def _thinking(req: Messages) -> dict[str, Any] | None:
+    """The template's switch (both spellings templates use): on for `enabled` or
+    `adaptive`, off for `disabled`; unsaid, the template's own default."""
+    if req.thinking is None:
+        return None
+    on = req.thinking.type != "disabled"
+    return {"thinking": on, "enable_thinking": on}
+
+
+def _tool_choice(choice: ToolChoice | None) -> Any:
+    if choice is None or choice.type == "auto":
+        return None
+    if choice.type == "any":
+        return "required"
+    if choice.type == "none":
+        return "none"
+    if not choice.name:
+        raise InvalidRequest("tool_choice of type tool needs the tool's name", param="tool_choice")
+    return NamedToolChoice(function=NamedFunction(choice.name))
+
+
+def to_chat(req: Messages) -> ChatCompletionRequest:
+    """The chat completion request a Messages request is."""
+    if isinstance(req, CountTokensRequest):
+        return ChatCompletionRequest(model=req.model, messages=_messages(req), tools=_tools(req),
+                                     chat_template_kwargs=_thinking(req))  # fmt: skip
+    parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
+    return ChatCompletionRequest(
+        model=req.model, messages=_messages(req), max_tokens=req.max_tokens,
+        stop=req.stop_sequences, stream=req.stream, temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k, tools=_tools(req),
+        tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=parallel,
+        chat_template_kwargs=_thinking(req),
+        user=req.metadata.user_id if req.metadata else None,
+    )  # fmt: skip
+
+
+MessagesDecoder = msgspec.json.Decoder(MessagesRequest, strict=False)
+CountDecoder = msgspec.json.Decoder(CountTokensRequest, strict=False)
+
+
+def stop_reason(finish: str | None, stop: int | str | None, called: bool) -> str | None:
+    """Why a message stopped, from the chat's finish reason (and whether it called tools:
+    a named tool's call ends a chat with `stop`, a message with `tool_use`)."""
+    if finish == "length":
+        return "max_tokens"
+    if finish == "tool_calls" or (finish == "stop" and called):
+        return "tool_use"
+    if finish == "stop" and isinstance(stop, str):
+        return "stop_sequence"
+    return "end_turn" if finish is not None else None
+
+
+# Anthropic's error types, by HTTP status.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                529: "overloaded_error"}  # fmt: skip
+
+
+class AnthropicErrorDetail(Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class AnthropicError(Struct, kw_only=True, tag="error", tag_field="type"):
+    """An error, as Anthropic's API answers it."""
+
+    error: AnthropicErrorDetail
+
+
+_decode_any = msgspec.json.Decoder()
+_json = msgspec.json.Encoder()
+
+
+def error_body(status: int, openai_body: bytes) -> bytes:
+    """An OpenAI error body in Anthropic's shape."""
+    try:
+        doc = _decode_any.decode(openai_body)
+        message = str(doc.get("error", doc).get("message", "")) if isinstance(doc, dict) else ""
+    except (msgspec.DecodeError, AttributeError):
+        message = ""
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return _json.encode(AnthropicError(error=AnthropicErrorDetail(type=kind, message=message)))

@@ -1,0 +1,135 @@
+"""Anthropic Messages output, made from the same choice output as a chat completion
+(`chunks.Out`: reasoning, content, tool-call deltas): the whole message, or the stream's
+events, each framed as Anthropic frames them (`event: <type>` and its `data:`).
+
+A stream opens one content block at a time, in the order the output shows them (thinking,
+text, each tool call), and closes it when another starts or the message ends; which block is
+open rides in `stream_state` (`Blocks`), so any derender worker can go on with the stream.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from tokenway.anthropic import stop_reason
+from tokenway.wire import OutputContext
+from workers.derender.chunks import Out
+from workers.derender.tools import ToolCallDelta
+
+
+class Blocks(Struct, array_like=True, omit_defaults=True):
+    """The stream's open content block: its kind ("" for none), index and, for a tool_use
+    block, the tool call it is."""
+
+    kind: str = ""
+    index: int = -1
+    call: int = -1
+
+
+_json = msgspec.json.Encoder()
+
+
+def _event(doc: dict[str, Any]) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (doc["type"].encode(), _json.encode(doc))
+
+
+def _usage(ctx: OutputContext, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": ctx.prompt_tokens, "output_tokens": output_tokens}
+
+
+def _stop_sequence(out: Out) -> str | None:
+    return out.stop_reason if isinstance(out.stop_reason, str) else None
+
+
+def message(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
+    """The whole message (a request that did not stream); `out.tool_calls` assembled."""
+    content: list[dict[str, Any]] = []
+    if out.reasoning:
+        content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.text:
+        content.append({"type": "text", "text": out.text})
+    for call in out.tool_calls:
+        function = call["function"]
+        content.append({"type": "tool_use", "id": call["id"], "name": function["name"],
+                        "input": _arguments(function["arguments"])})  # fmt: skip
+    return _json.encode({
+        "id": ctx.response_id, "type": "message", "role": "assistant", "model": ctx.model,
+        "content": content,
+        "stop_reason": stop_reason(out.finish_reason, out.stop_reason, bool(out.tool_calls)),
+        "stop_sequence": _stop_sequence(out), "usage": _usage(ctx, output_tokens),
+    })  # fmt: skip
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    """A call's input: its arguments' JSON object (anything else the model wrote, such as
+    unfinished JSON, as text under `arguments`)."""
+    try:
+        parsed = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"arguments": text}
+
+
+def events(
+    ctx: OutputContext, out: Out, blocks: Blocks, first: bool, output_tokens: int, called: bool
+) -> tuple[list[bytes], Blocks]:
+    """A streamed delta's events, and the open block after them (`called`: whether the
+    stream called a tool so far)."""
+    docs: list[dict[str, Any]] = []
+    if first:
+        docs.append({"type": "message_start", "message": {
+            "id": ctx.response_id, "type": "message", "role": "assistant", "model": ctx.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(ctx, 0),
+        }})  # fmt: skip
+    if out.reasoning:
+        blocks = _open(docs, blocks, "thinking", {"thinking": "", "signature": ""})
+        docs.append(_delta(blocks, {"type": "thinking_delta", "thinking": out.reasoning}))
+    if out.text:
+        blocks = _open(docs, blocks, "text", {"text": ""})
+        docs.append(_delta(blocks, {"type": "text_delta", "text": out.text}))
+    for call in out.tool_calls:
+        blocks = _tool(docs, blocks, call)
+    if out.finish_reason is not None:
+        if blocks.kind:
+            docs.append({"type": "content_block_stop", "index": blocks.index})
+            blocks = Blocks(index=blocks.index)
+        docs.append({"type": "message_delta", "delta": {
+            "stop_reason": stop_reason(out.finish_reason, out.stop_reason, called),
+            "stop_sequence": _stop_sequence(out),
+        }, "usage": {"output_tokens": output_tokens}})  # fmt: skip
+        docs.append({"type": "message_stop"})
+    return [_event(d) for d in docs], blocks
+
+
+def _open(docs: list[dict[str, Any]], blocks: Blocks, kind: str, empty: dict[str, Any],
+          call: int = -1) -> Blocks:  # fmt: skip
+    """The block of `kind` (and `call`) open: the one open already, or the next one."""
+    if blocks.kind == kind and blocks.call == call:
+        return blocks
+    if blocks.kind:
+        docs.append({"type": "content_block_stop", "index": blocks.index})
+    opened = Blocks(kind=kind, index=blocks.index + 1, call=call)
+    docs.append({"type": "content_block_start", "index": opened.index,
+                 "content_block": {"type": kind, **empty}})  # fmt: skip
+    return opened
+
+
+def _delta(blocks: Blocks, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": blocks.index, "delta": delta}
+
+
+def _tool(docs: list[dict[str, Any]], blocks: Blocks, call: ToolCallDelta) -> Blocks:
+    function = call.function
+    if not (blocks.kind == "tool_use" and blocks.call == call.index):
+        name = function.name if function and function.name else ""
+        blocks = _open(docs, blocks, "tool_use", {"id": call.id or "", "name": name,
+                                                  "input": {}}, call.index)  # fmt: skip
+    if function is not None and function.arguments:
+        docs.append(_delta(blocks, {"type": "input_json_delta",
+                                    "partial_json": function.arguments}))  # fmt: skip
+    return blocks
