@@ -6,9 +6,11 @@ seeing none of it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ import nats
 import openai
 import pytest
 import pytest_asyncio
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from tests.conftest import Stack, make_settings, nats_server, start_stack
@@ -195,49 +198,62 @@ async def test_the_shell_submits_waits_and_prints_the_results(stack: Stack, tmp_
     assert proc.returncode == 1 and "completed already" in err.decode()
 
 
+@contextlib.asynccontextmanager
+async def own_stack(
+    stack: Stack, tmp_path: Path, name: str, **settings: object
+) -> AsyncIterator[tuple[Stack, NATS, Client]]:
+    """A pipeline of its own (model `name`, an owner that pulls only what fits) on the
+    session's NATS, a connection to it, and a batch job publishing there."""
+    s = make_settings(tmp_path, sim_itl=0.005, owner_lookahead=0, served_model_name=name,
+                      **settings)  # fmt: skip
+    own = await start_stack(stack.settings.nats, s, ["ingress", "render", "schedule", "sim"])
+    nc = await nats.connect(stack.settings.nats)
+    try:
+        yield own, nc, Client(nc, name)
+    finally:
+        await nc.close()
+        await own.close()
+
+
+def chat_body(model: str, max_tokens: int) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Go on."}],
+            "max_tokens": max_tokens, "ignore_eos": True}  # fmt: skip
+
+
+async def ended_as(job: Client, rid: str, ended: list[str]) -> None:
+    """Wait for a batch line's end, and note it in `ended`."""
+    await job.result(rid, timeout=60)
+    ended.append("batch")
+
+
 async def test_batch_lines_leave_an_interactive_request_room_on_the_engine(
     stack: Stack, tmp_path: Path
 ) -> None:
     """An engine of four sequences and six long batch lines: the lines take three, so a
     short interactive request sent while they run starts at once, next, and ends first. It
     once waited for a line to end, all four sequences being the batch's."""
-    settings = make_settings(tmp_path, sim_max_seqs=4, sim_itl=0.005, owner_lookahead=0,
-                             batch_headroom=0.25, served_model_name="room")  # fmt: skip
-    room = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
-                                                             "sim"])  # fmt: skip
-    nc = await nats.connect(stack.settings.nats)
-    engine = room.by_name["engine"][0].engine.info().id
-    dispatched: asyncio.Queue[EngineWork] = asyncio.Queue()  # what the owner starts, in order
+    room_for = {"sim_max_seqs": 4, "batch_headroom": 0.25}
+    async with own_stack(stack, tmp_path, "room", **room_for) as (room, nc, job):
+        engine = room.by_name["engine"][0].engine.info().id
+        dispatched: asyncio.Queue[EngineWork] = asyncio.Queue()  # what the owner starts
 
-    async def seen(msg: Msg) -> None:
-        await dispatched.put(msgspec.msgpack.decode(msg.data, type=EngineWork))
+        async def seen(msg: Msg) -> None:
+            await dispatched.put(msgspec.msgpack.decode(msg.data, type=EngineWork))
 
-    await nc.subscribe(bus.engine_subject(engine, "generate"), cb=seen)
-    long = {"model": "room", "messages": [{"role": "user", "content": "Go on."}],
-            "max_tokens": 300, "ignore_eos": True}  # fmt: skip
-    ended: list[str] = []
-    job = Client(nc, "room")
-
-    async def line(rid: str) -> None:
-        await job.result(rid, timeout=60)
-        ended.append("batch")
-
-    try:
-        rids = [await job.submit(long) for _ in range(6)]
-        lines = [asyncio.create_task(line(rid)) for rid in rids]
+        await nc.subscribe(bus.engine_subject(engine, "generate"), cb=seen)
+        ended: list[str] = []
+        rids = [await job.submit(chat_body("room", 300)) for _ in range(6)]
+        lines = [asyncio.create_task(ended_as(job, rid, ended)) for rid in rids]
         for _ in range(3):  # the lines the engine takes
             await asyncio.wait_for(dispatched.get(), timeout=30)
         async with httpx.AsyncClient(base_url=room.url, timeout=60) as http:
-            resp = await http.post("/v1/chat/completions", json={**long, "max_tokens": 5})
+            resp = await http.post("/v1/chat/completions", json=chat_body("room", 5))
         assert resp.status_code == 200, resp.text
         ended.append("interactive")
         fourth = await asyncio.wait_for(dispatched.get(), timeout=30)
         assert fourth.sampling_params.max_tokens == 5  # before any other line
         await asyncio.gather(*lines)
         assert ended[0] == "interactive", ended
-    finally:
-        await nc.close()
-        await room.close()
 
 
 async def test_batch_lines_yield_the_engine_while_interactive_requests_run(
@@ -246,34 +262,27 @@ async def test_batch_lines_yield_the_engine_while_interactive_requests_run(
     """An engine of eight sequences, an interactive stream running and six batch lines:
     the lines take the busy share, two, until the stream ends; then the rest start. They
     once took six beside it (and the CPU that goes with them)."""
-    settings = make_settings(tmp_path, sim_max_seqs=8, sim_itl=0.005, owner_lookahead=0,
-                             batch_headroom=0.0, batch_busy_share=0.25,
-                             served_model_name="busy")  # fmt: skip
-    busy = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
-                                                             "sim"])  # fmt: skip
-    nc = await nats.connect(stack.settings.nats)
-    engine = busy.by_name["engine"][0].engine.info().id
-    seen: asyncio.Queue[tuple[str, int]] = asyncio.Queue()  # (verb, max_tokens), in order
+    shares = {"sim_max_seqs": 8, "batch_headroom": 0.0, "batch_busy_share": 0.25}
+    async with own_stack(stack, tmp_path, "busy", **shares) as (busy, nc, job):
+        engine = busy.by_name["engine"][0].engine.info().id
+        seen: asyncio.Queue[tuple[str, int]] = asyncio.Queue()  # (verb, max_tokens), in order
 
-    async def on_engine(msg: Msg) -> None:
-        verb = msg.subject.rsplit(".", 1)[1]
-        tokens = 0
-        if verb == "generate":
-            tokens = msgspec.msgpack.decode(msg.data, type=EngineWork).sampling_params.max_tokens
-        await seen.put((verb, tokens or 0))
+        async def on_engine(msg: Msg) -> None:
+            verb = msg.subject.rsplit(".", 1)[1]
+            tokens = 0
+            if verb == "generate":
+                work = msgspec.msgpack.decode(msg.data, type=EngineWork)
+                tokens = work.sampling_params.max_tokens or 0
+            await seen.put((verb, tokens))
 
-    await nc.subscribe(bus.engine_subject(engine, "*"), cb=on_engine)
-    line = {"model": "busy", "messages": [{"role": "user", "content": "Go on."}],
-            "max_tokens": 100, "ignore_eos": True}  # fmt: skip
-    endless = {**line, "max_tokens": 100_000, "stream": True}
-    job = Client(nc, "busy")
-    try:
+        await nc.subscribe(bus.engine_subject(engine, "*"), cb=on_engine)
+        endless = {**chat_body("busy", 100_000), "stream": True}
         async with httpx.AsyncClient(base_url=busy.url, timeout=60) as http:
             async with http.stream("POST", "/v1/chat/completions", json=endless) as resp:
                 lines = resp.aiter_lines()
                 await anext(lines)  # it runs
                 assert (await seen.get()) == ("generate", 100_000)
-                rids = [await job.submit(line) for _ in range(6)]
+                rids = [await job.submit(chat_body("busy", 100)) for _ in range(6)]
                 for _ in range(2):
                     assert (await asyncio.wait_for(seen.get(), timeout=30)) == ("generate", 100)
                 results = asyncio.gather(*(job.result(rid, timeout=60) for rid in rids))
@@ -282,9 +291,6 @@ async def test_batch_lines_yield_the_engine_while_interactive_requests_run(
         assert len(await results) == 6
         later = [seen.get_nowait() for _ in range(seen.qsize())]
         assert [v for v, _ in later].count("generate") == 4, later
-    finally:
-        await nc.close()
-        await busy.close()
 
 
 async def test_an_interactive_request_goes_before_queued_batch_lines(
@@ -294,39 +300,23 @@ async def test_an_interactive_request_goes_before_queued_batch_lines(
     queued before an interactive request: the interactive one runs as soon as the line in
     the engine ends. It once waited in the schedule queue behind all six, first in, first
     out, where an owner's line could not rank it."""
-    settings = make_settings(tmp_path, sim_max_seqs=1, sim_itl=0.005, owner_lookahead=0,
-                             served_model_name="lanes")  # fmt: skip
-    lanes = await start_stack(stack.settings.nats, settings, ["ingress", "render", "schedule",
-                                                              "sim"])  # fmt: skip
-    nc = await nats.connect(stack.settings.nats)
-    queued: asyncio.Queue[object] = asyncio.Queue()  # each rendered request, either lane
+    async with own_stack(stack, tmp_path, "lanes", sim_max_seqs=1) as (lanes, nc, job):
+        queued: asyncio.Queue[object] = asyncio.Queue()  # each rendered request, either lane
 
-    async def seen(msg: object) -> None:
-        await queued.put(msg)
+        async def seen(msg: object) -> None:
+            await queued.put(msg)
 
-    for batch in (False, True):
-        await nc.subscribe(bus.sched_subject("lanes", batch), cb=seen)
-    body = {"model": "lanes", "messages": [{"role": "user", "content": "Go on."}],
-            "max_tokens": 100, "ignore_eos": True}  # fmt: skip
-    ended: list[str] = []
-    job = Client(nc, "lanes")
-
-    async def line(rid: str) -> None:
-        await job.result(rid, timeout=60)
-        ended.append("batch")
-
-    try:
-        rids = [await job.submit(body) for _ in range(6)]
-        lines = [asyncio.create_task(line(rid)) for rid in rids]
+        for batch in (False, True):
+            await nc.subscribe(bus.sched_subject("lanes", batch), cb=seen)
+        ended: list[str] = []
+        rids = [await job.submit(chat_body("lanes", 100)) for _ in range(6)]
+        lines = [asyncio.create_task(ended_as(job, rid, ended)) for rid in rids]
         for _ in rids:  # every line rendered and queued for the owner
             await asyncio.wait_for(queued.get(), timeout=30)
         async with httpx.AsyncClient(base_url=lanes.url, timeout=60) as http:
-            resp = await http.post("/v1/chat/completions", json=body)
+            resp = await http.post("/v1/chat/completions", json=chat_body("lanes", 100))
         assert resp.status_code == 200, resp.text
         ended.append("interactive")
         await asyncio.gather(*lines)
         # The line running when it came, and at most the one that started as it was queued.
         assert ended.index("interactive") <= 2, ended
-    finally:
-        await nc.close()
-        await lanes.close()
