@@ -51,7 +51,7 @@ class Block(Struct, kw_only=True, omit_defaults=True):
 
 
 class InputMessage(Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: inline, as agents send reminders
     content: str | list[Block]
 
 
@@ -171,7 +171,10 @@ def _messages(req: Messages) -> list[Message]:
         out.append(Message(role="system", content=_text(req.system, "system")))
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
-        if m.role == "assistant":
+        if m.role == "system":  # where it stands (a template that wants it first refuses)
+            if text := _text(m.content, where):
+                out.append(Message(role="system", content=text))
+        elif m.role == "assistant":
             out.append(_assistant(m.content, where))
         else:
             out.extend(_user(m.content, where))

@@ -424,3 +424,65 @@ async def test_same_forced_tool_call_tokens_as_vllm(vllm_stack: VllmStack, force
         calls = [[(c["function"]["name"], json.loads(c["function"]["arguments"]))
                   for c in side["message"]["tool_calls"]] for side in (us, them)]  # fmt: skip
         assert calls[0] == calls[1] and calls[1]
+
+
+async def message_of(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What must agree of an Anthropic message, whole or streamed: its content blocks, why
+    it stopped, and its token counts."""
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+        if not body.get("stream"):
+            resp = await http.post("/v1/messages", json=body)
+            assert resp.status_code == 200, resp.text
+            doc = resp.json()
+            usage = doc["usage"]
+            return {"content": doc["content"], "stop_reason": doc["stop_reason"],
+                    "stop_sequence": doc.get("stop_sequence"),  # vLLM leaves out a null
+                    "usage": [usage["input_tokens"], usage["output_tokens"]]}  # fmt: skip
+        async with http.stream("POST", "/v1/messages", json=body) as resp:
+            assert resp.status_code == 200, (await resp.aread()).decode()
+            events = [json.loads(line[len("data: ") :]) async for line in resp.aiter_lines()
+                      if line.startswith("data: ")]  # fmt: skip
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    text = "".join(d["text"] for d in deltas if d["type"] == "text_delta")
+    start = next(e for e in events if e["type"] == "message_start")["message"]
+    end = next(e for e in events if e["type"] == "message_delta")
+    return {"content": [{"type": "text", "text": text}] if text else [],
+            "stop_reason": end["delta"]["stop_reason"],
+            "stop_sequence": end["delta"].get("stop_sequence"),
+            "usage": [start["usage"]["input_tokens"], end["usage"]["output_tokens"]]}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_anthropic_message_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    """vLLM's own `/v1/messages` and tokenway's on the same engine, at temperature 0: the
+    same text, stop reason and token counts."""
+    system, *turns = CHAT
+    body = {"model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "system": system["content"], "messages": turns, "stream": stream}  # fmt: skip
+    theirs = await message_of(vllm_stack.server.url, body)
+    ours = await message_of(vllm_stack.url, body)
+    assert theirs["usage"][1] > 0 and theirs["stop_reason"] in ("max_tokens", "end_turn")
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("forced", ["any", "tool"])
+async def test_same_anthropic_tool_use_as_vllm(vllm_stack: VllmStack, forced: str) -> None:
+    """A forced tool through both servers' `/v1/messages`: the same stop reason and, for a
+    whole call, the same tool and input (the call ids are each server's own)."""
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    choice = {"type": forced, **({"name": "get_weather"} if forced == "tool" else {})}
+    body = {"model": SERVED_NAME, "max_tokens": 48, "temperature": 0, "messages": CHAT[1:],
+            "tools": [tool], "tool_choice": choice}  # fmt: skip
+    sides = []
+    for url in (vllm_stack.server.url, vllm_stack.url):
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+            resp = await http.post("/v1/messages", json=body)
+        assert resp.status_code == 200, resp.text
+        sides.append(resp.json())
+    theirs, ours = sides
+    assert ours["stop_reason"] == theirs["stop_reason"]
+    assert ours["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
+    if theirs["stop_reason"] == "tool_use":
+        calls = [[(b["name"], b["input"]) for b in side["content"] if b["type"] == "tool_use"]
+                 for side in (ours, theirs)]  # fmt: skip
+        assert calls[0] == calls[1] and calls[1]
