@@ -58,7 +58,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 Route = Api | TokenizeRoute | Literal["count_tokens"]
 ROUTES: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
-                            "/v1/messages": "messages",
+                            "/v1/messages": "messages", "/v1/responses": "responses",
                             "/v1/messages/count_tokens": "count_tokens",
                             "/tokenize": "tokenize", "/detokenize": "detokenize"}  # fmt: skip
 ANTHROPIC: frozenset[Route] = frozenset({"messages", "count_tokens"})  # its error shapes

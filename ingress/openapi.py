@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from ingress.completions import NO, YES
-from tokenway import anthropic
+from tokenway import anthropic, responses
 from tokenway.errors import ErrorBody
 from tokenway.protocol import (
     ChatCompletionRequest,
@@ -37,6 +37,7 @@ _ERRORS = {
 _ROUTES = {
     "/v1/chat/completions": ("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
     "/v1/completions": ("createCompletion", "CompletionRequest", "Completion"),
+    "/v1/responses": ("createResponse", "ResponsesRequest", "Response (not streamed yet)"),
     "/v1/messages": ("createMessage", "MessagesRequest", "Anthropic message"),
     "/v1/messages/count_tokens": (
         "countMessageTokens",
@@ -48,7 +49,8 @@ _ROUTES = {
 }
 _BODIES = [ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
            TokenizeCompletionRequest, DetokenizeRequest, ErrorBody, anthropic.MessagesRequest,
-           anthropic.CountTokensRequest, anthropic.AnthropicError]  # fmt: skip
+           anthropic.CountTokensRequest, anthropic.AnthropicError,
+           responses.ResponsesRequest]  # fmt: skip
 
 
 def _operation(operation_id: str, body: str, summary: str) -> dict[str, Any]:

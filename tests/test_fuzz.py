@@ -27,6 +27,7 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 ROUTES = {
     ("POST", "/v1/chat/completions"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/completions"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/responses"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/messages"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/messages/count_tokens"): [POSITIVE, NEGATIVE],
     ("POST", "/tokenize"): [POSITIVE, NEGATIVE],

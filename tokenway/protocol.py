@@ -178,12 +178,15 @@ MAX_DEPTH = 64
 
 
 def decode_body(api: str, body: bytes) -> OpenAIRequest:
-    """Validate an OpenAI body (or an Anthropic Messages body: the chat request it is); a
-    malformed one is the client's 400 (`InvalidRequest`)."""
-    if api == "messages":
-        from tokenway import anthropic  # it builds on this module's structs
+    """Validate an OpenAI body (a Responses or an Anthropic Messages body: the chat request
+    it is); a malformed one is the client's 400 (`InvalidRequest`)."""
+    if api in ("messages", "responses"):  # they build on this module's structs
+        from tokenway import anthropic, responses
 
-        chat = anthropic.to_chat(decoded(anthropic.MessagesDecoder, body))
+        if api == "messages":
+            chat = anthropic.to_chat(decoded(anthropic.MessagesDecoder, body))
+        else:
+            chat = responses.to_chat(decoded(responses.ResponsesDecoder, body))
         _check_depth(chat)  # its tool schemas and inputs, as chat carries them
         return chat
     req = decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)

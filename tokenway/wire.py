@@ -15,7 +15,8 @@ from msgspec import Meta, Struct
 from tokenway import headers as h
 
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Api = Literal["chat", "completion", "messages"]  # messages: Anthropic's, run as a chat
+# messages: Anthropic's, and responses: OpenAI's Responses API, each run as a chat
+Api = Literal["chat", "completion", "messages", "responses"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 Role = Literal["union", "prefill", "decode"]
 

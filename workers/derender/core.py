@@ -20,7 +20,7 @@ from tokenway.wire import (
     LogprobEntry,
     OutputContext,
 )
-from workers.derender import chunks, logprobs, messages, reasoning, stops, tools
+from workers.derender import chunks, logprobs, messages, reasoning, responses, stops, tools
 from workers.derender import state as states
 from workers.derender.chunks import Out
 from workers.derender.detok import Detokenizer, seed
@@ -35,7 +35,7 @@ def _stop_terminated(finish: str | None, stop_reason: int | str | None) -> bool:
 
 
 # The APIs whose output is a chat's: reasoning, content and tool calls.
-CHATS = ("chat", "messages")
+CHATS = ("chat", "messages", "responses")
 
 
 def initial_state(ctx: OutputContext) -> StreamState:
@@ -173,6 +173,8 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         out.tool_calls = tools.merge(out.tool_calls) if out.tool_calls else []
         if ctx.api == "messages":
             docs.append(messages.message(ctx, out, state.completion_tokens))
+        elif ctx.api == "responses":
+            docs.append(responses.response(ctx, out, state.completion_tokens))
         else:
             docs.append(chunks.response(ctx, index, out, state.completion_tokens))
     elif ctx.api == "messages":

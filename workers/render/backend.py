@@ -129,7 +129,7 @@ class VllmBackend:
             ids = await prompt_ids(local, req, len(request.body))
             return self.builder.build(request, parsed, ids, local.vocab)
         try:
-            if request.api == "messages":  # the chat request it is, in the server's shape
+            if request.api in ("messages", "responses"):  # the chat request it is
                 prompt = await self.client.render("chat", msgspec.json.encode(req))
             else:
                 prompt = await self.client.render(request.api, request.body)

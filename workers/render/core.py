@@ -23,6 +23,7 @@ from tokenway.protocol import (
     OpenAIRequest,
     decode_body,
 )
+from tokenway.responses import RESPONSE_ID_PREFIX
 from tokenway.wire import (
     MAX_PROMPTS,
     GenerateRequest,
@@ -95,7 +96,12 @@ class Parsed:
 
 
 # A response's id: vLLM's prefixes, and Anthropic's for a Messages request.
-_ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": MESSAGE_ID_PREFIX}
+_ID_PREFIXES = {
+    "chat": "chatcmpl-",
+    "completion": "cmpl-",
+    "messages": MESSAGE_ID_PREFIX,
+    "responses": RESPONSE_ID_PREFIX,
+}
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 _decoder = msgspec.msgpack.Decoder(RenderRequest)
 _encoder = msgspec.msgpack.Encoder()
 _ROOM_BACKOFF, _MAX_ROOM_BACKOFF = 0.05, 2.0  # seconds between tries at a full queue
+# APIs whose output only tokenway's own derender shapes (as a chat's, run apart)
+_OWN_SHAPES = ("messages", "responses")
 _BATCH_SLOTS = 24  # of the 32 requests a worker has in hand
 
 
@@ -113,9 +115,9 @@ class RenderService:
         try:
             if who.deadline is not None and time.time() > who.deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
-            if self.settings.derender_backend == "vllm" and request.api == "messages":
-                raise InvalidRequest("the Messages API is derendered by tokenway itself: run "
-                                     "derender with --derender-backend local")  # fmt: skip
+            if self.settings.derender_backend == "vllm" and request.api in _OWN_SHAPES:
+                raise InvalidRequest(f"the {request.api} API is derendered by tokenway itself: "
+                                     "run derender with --derender-backend local")  # fmt: skip
             generate = await self.backend.render(request)
             if self.settings.derender_backend == "vllm":
                 generate.context.request_body = request.body

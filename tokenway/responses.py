@@ -1,0 +1,223 @@
+"""OpenAI's Responses API (`POST /v1/responses`): its request bodies and the chat
+completion request each one is.
+
+A Responses request runs as the chat completion it translates to, like a Messages request
+(`tokenway.anthropic`): `instructions` lead as a system message, message items keep their
+role, `function_call` items are an assistant's tool calls, `function_call_output` items
+tool messages, and a `reasoning` item is the reasoning of the assistant turn after it.
+What is not built yet is refused by name: streaming, and stored responses
+(`previous_response_id`); a response says `"store": false`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from tokenway.errors import InvalidRequest
+from tokenway.protocol import (
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionDef,
+    JsonSchemaFormat,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    PosInt,
+    ResponseFormat,
+    Temperature,
+    Tool,
+    ToolCall,
+    TopP,
+)
+
+RESPONSE_ID_PREFIX = "resp_"
+
+
+class Part(Struct, kw_only=True, omit_defaults=True):
+    """A content part: `input_text`, `output_text`, `text`, or `reasoning_text`/
+    `summary_text` in a reasoning item (others: a 400)."""
+
+    type: str
+    text: str | None = None
+
+
+class Item(Struct, kw_only=True, omit_defaults=True):
+    """An input item: a message (with or without `type`), a function call, its output, or
+    reasoning."""
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None  # function_call, function_call_output
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+    summary: list[Part] | None = None  # reasoning
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedTool(Struct, kw_only=True):
+    type: str
+    name: str | None = None
+
+
+class Reasoning(Struct, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class TextFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class Text(Struct, kw_only=True):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    model: str | None = None
+    input: str | Annotated[list[Item], Meta(min_length=1)]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = True
+    max_output_tokens: PosInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    reasoning: Reasoning | None = None
+    text: Text | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = True
+    previous_response_id: str | None = None
+    stream: bool | None = False
+    user: str | None = None
+
+
+def _text(content: str | list[Part] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, p in enumerate(content):
+        if p.type not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
+            raise InvalidRequest(f"{where}[{i}]: {p.type!r} parts are not served here",
+                                 param=where)  # fmt: skip
+        parts.append(p.text or "")
+    return "".join(parts)
+
+
+def _messages(req: ResponsesRequest) -> list[Message]:
+    out = [Message(role="system", content=req.instructions)] if req.instructions else []
+    items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    thought = None  # a reasoning item's text, for the assistant turn after it
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if item.type == "reasoning":
+            thought = _text(item.content or item.summary, f"{where}.content")
+        elif item.type == "message":
+            if item.role is None:
+                raise InvalidRequest(f"{where}: a message needs its role", param=where)
+            text = _text(item.content, f"{where}.content")
+            if item.role == "assistant":
+                out.append(Message(role="assistant", content=text, reasoning_content=thought))
+                thought = None
+            else:
+                out.append(Message(role=item.role, content=text))
+        elif item.type == "function_call":
+            if not item.call_id or not item.name:
+                raise InvalidRequest(f"{where}: a function_call needs its call_id and name",
+                                     param=where)  # fmt: skip
+            call = ToolCall(id=item.call_id, function=FunctionCall(
+                name=item.name, arguments=item.arguments or "{}"))  # fmt: skip
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and thought is None:
+                last.tool_calls = [*(last.tool_calls or []), call]  # the same turn's calls
+            else:
+                out.append(Message(role="assistant", content="", tool_calls=[call],
+                                   reasoning_content=thought))  # fmt: skip
+                thought = None
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise InvalidRequest(f"{where}: a function_call_output needs its call_id",
+                                     param=where)  # fmt: skip
+            out.append(Message(role="tool", tool_call_id=item.call_id, content=item.output or ""))
+        else:
+            raise InvalidRequest(f"{where}: {item.type!r} items are not served here", param=where)
+    return out
+
+
+def _tools(req: ResponsesRequest) -> list[Tool] | None:
+    if not req.tools:
+        return None
+    tools = []
+    for i, t in enumerate(req.tools):
+        if t.type != "function" or not t.name:
+            raise InvalidRequest(f"tools[{i}]: only function tools (with a name) are served "
+                                 f"here, not {t.type!r}", param="tools")  # fmt: skip
+        function = FunctionDef(name=t.name, description=t.description,
+                               parameters=t.parameters, strict=t.strict)  # fmt: skip
+        tools.append(Tool(function=function))
+    return tools
+
+
+def _tool_choice(choice: str | NamedTool | None) -> Any:
+    if not isinstance(choice, NamedTool):
+        return choice
+    if choice.type != "function" or not choice.name:
+        raise InvalidRequest("tool_choice: name a function tool", param="tool_choice")
+    return NamedToolChoice(function=NamedFunction(choice.name))
+
+
+def _format(text: Text | None) -> ResponseFormat | None:
+    f = text.format if text else None
+    if f is None or f.type == "text":
+        return None
+    if f.type == "json_object":
+        return ResponseFormat(type="json_object")
+    schema = JsonSchemaFormat(name=f.name or "response", description=f.description,
+                              schema=f.schema, strict=f.strict)  # fmt: skip
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def _thinking(reasoning: Reasoning | None) -> dict[str, Any] | None:
+    """The template's switch: off for effort `none` or `minimal`, on for any other."""
+    if reasoning is None or reasoning.effort is None:
+        return None
+    on = reasoning.effort not in ("none", "minimal")
+    return {"thinking": on, "enable_thinking": on}
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request a Responses request is (what is not built: a 400)."""
+    if req.stream:
+        raise InvalidRequest("streaming the Responses API is not built yet: send stream: false",
+                             param="stream")  # fmt: skip
+    if req.previous_response_id:
+        raise InvalidRequest("stored responses are not built yet: send the whole conversation "
+                             "as input", param="previous_response_id")  # fmt: skip
+    return ChatCompletionRequest(
+        model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
+        tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        response_format=_format(req.text), chat_template_kwargs=_thinking(req.reasoning),
+        user=req.user,
+    )  # fmt: skip
+
+
+ResponsesDecoder = msgspec.json.Decoder(ResponsesRequest, strict=False)
