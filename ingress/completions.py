@@ -286,7 +286,7 @@ class Completions:
                 return Reply.failed(first.status, first.payload, first.retry_after), first
             if not stream:
                 return Reply(200, first.payload), first
-            return Stream(rid, slot, first, SseWriter(ids, named=api == "messages")), first
+            return Stream(rid, slot, first, SseWriter(ids, api=api)), first
         except TokenwayError as exc:
             return Reply.error(exc.info()), first
         except Exception as exc:  # a bug still answers its client, with what broke

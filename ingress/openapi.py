@@ -37,7 +37,7 @@ _ERRORS = {
 _ROUTES = {
     "/v1/chat/completions": ("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
     "/v1/completions": ("createCompletion", "CompletionRequest", "Completion"),
-    "/v1/responses": ("createResponse", "ResponsesRequest", "Response (not streamed yet)"),
+    "/v1/responses": ("createResponse", "ResponsesRequest", "Response"),
     "/v1/messages": ("createMessage", "MessagesRequest", "Anthropic message"),
     "/v1/messages/count_tokens": (
         "countMessageTokens",

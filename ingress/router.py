@@ -229,6 +229,15 @@ def event_of(rid: str, msg: Msg | RawStreamMsg) -> Event | None:
         return None
 
 
+def _error_event(api: str | None, status: int, body: bytes) -> bytes:
+    """An error event as the stream's API frames one (`body`: an OpenAI error body)."""
+    if api == "messages":
+        return sse.named("error", anthropic.error_body(status, body))
+    if api == "responses":
+        return sse.named("error", body)
+    return sse.frame([body])
+
+
 class SseWriter:
     """One stream's events as SSE bytes: the committed chunk bytes, untouched, then [DONE].
 
@@ -238,32 +247,30 @@ class SseWriter:
     `id:` lines, and while a resume skips what its client already has.
     """
 
-    def __init__(self, ids: bool = False, after: int = 0, named: bool | None = None) -> None:
+    def __init__(self, ids: bool = False, after: int = 0, api: str | None = None) -> None:
         self.ids = ids
         self.after = after  # events the client has: left out
         self.numbered = 0  # events numbered so far (only while numbering)
-        # Anthropic's events (`event:` lines, no [DONE]); None: told by the first chunk
-        self.named = named
+        # whose events: a Messages or Responses stream's say their kind and end without
+        # [DONE]; None: told by the first chunk (a resume does not know)
+        self.api = api
 
     def write(self, events: list[Event]) -> tuple[bytes, bool]:
         """The events' bytes, and whether they end the stream."""
         out, done = [], False
         for event in events:
-            if self.named is None and event.kind != h.KIND_ERROR:
-                self.named = event.payload.startswith(sse.NAMED)
             if event.kind != h.KIND_ERROR:
+                self.api = self.api or sse.api_of(event.payload)
                 framed = event.payload
-            elif self.named:
-                framed = sse.error_event(anthropic.error_body(event.status, event.payload))
             else:
-                framed = sse.frame([event.payload])
+                framed = _error_event(self.api, event.status, event.payload)
             if self.ids or self.numbered < self.after:
                 first = self.numbered + 1
                 self.numbered += sse.count(framed)
                 framed = sse.renumber(framed, first, self.after, self.ids)
             out.append(framed)
             if event.terminal:
-                if not self.named:
+                if self.api not in sse.NAMING:
                     out.append(sse.DONE)
                 done = True
         return b"".join(out), done

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+import httpx
 import openai
 import pytest
 import pytest_asyncio
@@ -87,15 +88,72 @@ async def test_a_json_schema_format_gives_json_of_it(
     assert set(json.loads(done.output_text)) == {"name"}
 
 
-@pytest.mark.parametrize(
-    ("extra", "param"),
-    [({"stream": True}, "stream"), ({"previous_response_id": "resp_0123"},
-                                    "previous_response_id")],
-    ids=["stream", "stored"],
-)  # fmt: skip
-async def test_what_is_not_built_yet_is_refused_by_name(
-    client: openai.AsyncOpenAI, stack: Stack, extra: dict, param: str
+async def test_a_stream_ends_with_the_response_it_would_be_whole(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    """Reasoning, text and a function call streamed: the events the SDK reads, numbered in
+    order, and a final response equal to the one the same request gets unstreamed."""
+    asks = {"model": stack.model, "input": "Describe a city.", "reasoning": {"effort": "high"},
+            "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 300,
+            "store": False}  # fmt: skip
+    whole = await client.responses.create(**asks)
+    async with client.responses.stream(**asks) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and "response.reasoning_text.delta" in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and deltas == "".join(c.arguments for c in calls)
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
+    own = {"id", "call_id", "parsed_arguments"}  # each request's ids; the SDK's parse
+    assert [i.model_dump(exclude=own) for i in final.output] == [
+        i.model_dump(exclude=own) for i in whole.output
+    ]  # fmt: skip
+    assert final.usage == whole.usage and final.status == whole.status
+
+
+async def test_a_text_stream_says_the_same_as_the_whole(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    asks = {"model": stack.model, "input": "Describe a city.", "max_output_tokens": 16,
+            "store": False}  # fmt: skip
+    whole = await client.responses.create(**asks)
+    texts = []
+    async for event in await client.responses.create(**asks, stream=True):
+        if event.type == "response.output_text.delta":
+            texts.append(event.delta)
+        last = event
+    assert "".join(texts) == whole.output_text
+    assert last.type == ("response.completed" if whole.status == "completed"
+                         else "response.incomplete")  # fmt: skip
+    assert last.response.output_text == whole.output_text
+
+
+async def test_a_stored_response_is_not_built_yet_and_refused_by_name(
+    client: openai.AsyncOpenAI, stack: Stack
 ) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        await client.responses.create(model=stack.model, input="Hi", **extra)
-    assert refused.value.body["param"] == param and "not built yet" in refused.value.message
+        await client.responses.create(model=stack.model, input="Hi",
+                                      previous_response_id="resp_0123")  # fmt: skip
+    assert refused.value.body["param"] == "previous_response_id"
+    assert "not built yet" in refused.value.message
+
+
+async def test_a_stream_resumes_as_it_was_sent(stack: Stack) -> None:
+    """Read back from the ledger, a Responses stream is the same events, without the
+    [DONE] a chat stream ends with (and so is a Messages stream)."""
+    bodies = {"/v1/responses": {"model": stack.model, "input": "Hi", "stream": True,
+                                "max_output_tokens": 8},
+              "/v1/messages": {"model": stack.model, "max_tokens": 8, "stream": True,
+                               "messages": [{"role": "user", "content": "Hi"}]}}  # fmt: skip
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        for path, body in bodies.items():
+            async with http.stream("POST", path, json=body) as resp:
+                sent = (await resp.aread()).decode()
+                rid = resp.headers["x-tokenway-stream-id"]
+            resumed = await http.get(f"/v1/streams/{rid}")
+            assert resumed.text == sent and sent.startswith("event: ")
+            assert "[DONE]" not in sent

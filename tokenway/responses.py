@@ -5,7 +5,7 @@ A Responses request runs as the chat completion it translates to, like a Message
 (`tokenway.anthropic`): `instructions` lead as a system message, message items keep their
 role, `function_call` items are an assistant's tool calls, `function_call_output` items
 tool messages, and a `reasoning` item is the reasoning of the assistant turn after it.
-What is not built yet is refused by name: streaming, and stored responses
+What is not built yet is refused by name: stored responses
 (`previous_response_id`); a response says `"store": false`.
 """
 
@@ -204,15 +204,12 @@ def _thinking(reasoning: Reasoning | None) -> dict[str, Any] | None:
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request a Responses request is (what is not built: a 400)."""
-    if req.stream:
-        raise InvalidRequest("streaming the Responses API is not built yet: send stream: false",
-                             param="stream")  # fmt: skip
     if req.previous_response_id:
         raise InvalidRequest("stored responses are not built yet: send the whole conversation "
                              "as input", param="previous_response_id")  # fmt: skip
     return ChatCompletionRequest(
         model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
-        temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
+        stream=req.stream, temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_format=_format(req.text), chat_template_kwargs=_thinking(req.reasoning),

@@ -5,7 +5,8 @@ Anthropic's Messages streams name each event (`event: <type>`) and end without [
 from __future__ import annotations
 
 DONE = b"data: [DONE]\n\n"
-NAMED = b"event: "  # how Anthropic's events begin
+NAMED = b"event: "  # how Anthropic's events begin, and a Responses stream's
+NAMING = ("messages", "responses")  # the APIs whose events say their kind
 _END = b"\n\n"
 
 
@@ -14,15 +15,24 @@ def frame(documents: list[bytes]) -> bytes:
     return b"".join(b"data: " + doc + _END for doc in documents)
 
 
-def error_event(body: bytes) -> bytes:
-    """An Anthropic stream's error event."""
-    return NAMED + b"error\ndata: " + body + _END
+def api_of(framed: bytes) -> str:
+    """Whose events framed bytes hold: a Responses stream's, a Messages stream's, or a chat
+    or completion stream's (all framed alike)."""
+    if framed.startswith(NAMED + b"response."):
+        return "responses"
+    return "messages" if framed.startswith(NAMED) else "chat"
+
+
+def named(kind: str, data: bytes) -> bytes:
+    """An event that says its kind (`event: <kind>`), as Anthropic and Responses streams
+    frame theirs."""
+    return NAMED + kind.encode() + b"\ndata: " + data + _END
 
 
 def framed(api: str, documents: list[bytes]) -> bytes:
-    """A derender result's documents as SSE bytes: a Messages stream's events come framed
-    (`event: <type>` lines name them), the others' are framed here."""
-    return b"".join(documents) if api == "messages" else frame(documents)
+    """A derender result's documents as SSE bytes: a Messages or Responses stream's events
+    come framed (`event: <type>` lines name them), the others' are framed here."""
+    return b"".join(documents) if api in NAMING else frame(documents)
 
 
 def count(framed: bytes) -> int:

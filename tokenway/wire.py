@@ -330,6 +330,9 @@ class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     # Set (with nothing else) for the usage chunk that closes a stream of n > 1 choices.
     usage_total: int | None = None
+    # A Responses stream's last entry: the choice's output before this delta, since the
+    # stream's closing events hold the whole output (its state holds only a window).
+    output_ids: list[TokenId] | None = None
 
 
 class DerenderCall(Struct, kw_only=True):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from tokenway.errors import InvalidRequest, TokenwayError, internal
 from tokenway.wire import (
     DerenderEntry,
@@ -24,7 +26,7 @@ from workers.derender import chunks, logprobs, messages, reasoning, responses, s
 from workers.derender import state as states
 from workers.derender.chunks import Out
 from workers.derender.detok import Detokenizer, seed
-from workers.derender.state import StreamState
+from workers.derender.state import Opened, StreamState
 
 MAX_DELTA_TOKENS = 1 << 20
 
@@ -178,10 +180,17 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         else:
             docs.append(chunks.response(ctx, index, out, state.completion_tokens))
     elif ctx.api == "messages":
-        events, state.blocks = messages.events(
-            ctx, out, state.blocks or messages.Blocks(), not state.role_sent,
+        events, state.opened = messages.events(
+            ctx, out, state.opened or Opened(), not state.role_sent,
             state.completion_tokens, state.tools_called,
         )  # fmt: skip
+        state.role_sent = True
+        docs += events
+    elif ctx.api == "responses":
+        final = _whole(detok, entry, ids) if done else None
+        events, state.opened = responses.events(
+            ctx, out, state.opened or Opened(), not state.role_sent, final
+        )
         state.role_sent = True
         docs += events
     else:
@@ -201,6 +210,17 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         stop_reason=ending.stop_reason if ended_here else None,
         kept=ending.kept if ending.kept != len(ids) else None,
     )
+
+
+def _whole(detok: Detokenizer, entry: DerenderEntry, ids: Sequence[int]) -> bytes:
+    """The response a request that did not stream gets, from every output token: what a
+    Responses stream's closing events hold."""
+    whole = DerenderEntry(
+        context=msgspec.structs.replace(entry.context, stream=False),
+        token_ids=[*(entry.output_ids or ()), *ids], index=entry.index,
+        finish_reason=entry.finish_reason, stop_reason=entry.stop_reason,
+    )  # fmt: skip
+    return derender(detok, whole).chunks[0]
 
 
 def _logprobs(

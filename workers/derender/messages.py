@@ -4,7 +4,7 @@ events, each framed as Anthropic frames them (`event: <type>` and its `data:`).
 
 A stream opens one content block at a time, in the order the output shows them (thinking,
 text, each tool call), and closes it when another starts or the message ends; which block is
-open rides in `stream_state` (`Blocks`), so any derender worker can go on with the stream.
+open rides in `stream_state` (`Opened`), so any derender worker can go on with the stream.
 """
 
 from __future__ import annotations
@@ -13,28 +13,19 @@ import json
 from typing import Any
 
 import msgspec
-from msgspec import Struct
 
+from tokenway import sse
 from tokenway.anthropic import stop_reason
 from tokenway.wire import OutputContext
 from workers.derender.chunks import Out
+from workers.derender.state import Opened
 from workers.derender.tools import ToolCallDelta
-
-
-class Blocks(Struct, array_like=True, omit_defaults=True):
-    """The stream's open content block: its kind ("" for none), index and, for a tool_use
-    block, the tool call it is."""
-
-    kind: str = ""
-    index: int = -1
-    call: int = -1
-
 
 _json = msgspec.json.Encoder()
 
 
 def _event(doc: dict[str, Any]) -> bytes:
-    return b"event: %s\ndata: %s\n\n" % (doc["type"].encode(), _json.encode(doc))
+    return sse.named(doc["type"], _json.encode(doc))
 
 
 def _usage(ctx: OutputContext, output_tokens: int) -> dict[str, int]:
@@ -75,8 +66,8 @@ def _arguments(text: str) -> dict[str, Any]:
 
 
 def events(
-    ctx: OutputContext, out: Out, blocks: Blocks, first: bool, output_tokens: int, called: bool
-) -> tuple[list[bytes], Blocks]:
+    ctx: OutputContext, out: Out, blocks: Opened, first: bool, output_tokens: int, called: bool
+) -> tuple[list[bytes], Opened]:
     """A streamed delta's events, and the open block after them (`called`: whether the
     stream called a tool so far)."""
     docs: list[dict[str, Any]] = []
@@ -97,7 +88,7 @@ def events(
     if out.finish_reason is not None:
         if blocks.kind:
             docs.append({"type": "content_block_stop", "index": blocks.index})
-            blocks = Blocks(index=blocks.index)
+            blocks = Opened(index=blocks.index)
         docs.append({"type": "message_delta", "delta": {
             "stop_reason": stop_reason(out.finish_reason, out.stop_reason, called),
             "stop_sequence": _stop_sequence(out),
@@ -106,24 +97,24 @@ def events(
     return [_event(d) for d in docs], blocks
 
 
-def _open(docs: list[dict[str, Any]], blocks: Blocks, kind: str, empty: dict[str, Any],
-          call: int = -1) -> Blocks:  # fmt: skip
+def _open(docs: list[dict[str, Any]], blocks: Opened, kind: str, empty: dict[str, Any],
+          call: int = -1) -> Opened:  # fmt: skip
     """The block of `kind` (and `call`) open: the one open already, or the next one."""
     if blocks.kind == kind and blocks.call == call:
         return blocks
     if blocks.kind:
         docs.append({"type": "content_block_stop", "index": blocks.index})
-    opened = Blocks(kind=kind, index=blocks.index + 1, call=call)
+    opened = Opened(kind=kind, index=blocks.index + 1, call=call)
     docs.append({"type": "content_block_start", "index": opened.index,
                  "content_block": {"type": kind, **empty}})  # fmt: skip
     return opened
 
 
-def _delta(blocks: Blocks, delta: dict[str, Any]) -> dict[str, Any]:
+def _delta(blocks: Opened, delta: dict[str, Any]) -> dict[str, Any]:
     return {"type": "content_block_delta", "index": blocks.index, "delta": delta}
 
 
-def _tool(docs: list[dict[str, Any]], blocks: Blocks, call: ToolCallDelta) -> Blocks:
+def _tool(docs: list[dict[str, Any]], blocks: Opened, call: ToolCallDelta) -> Opened:
     function = call.function
     if not (blocks.kind == "tool_use" and blocks.call == call.index):
         name = function.name if function and function.name else ""

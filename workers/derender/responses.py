@@ -1,6 +1,12 @@
 """OpenAI Responses output, made from the same choice output as a chat completion
 (`chunks.Out`): the response object, its output items in the order the model made them
-(reasoning, the message, each function call)."""
+(reasoning, the message, each function call), or the stream's events.
+
+A stream's deltas open one item at a time and add to it; which is open, and how many events
+went out (each carries its `sequence_number`), ride in `stream_state`. The closing events
+hold each item whole (`.done`) and the whole response (`response.completed`): they are made
+from the response the request would get unstreamed, derendered once from every output
+token at the end, so the state never holds the output so far."""
 
 from __future__ import annotations
 
@@ -8,8 +14,11 @@ from typing import Any
 
 import msgspec
 
+from tokenway import sse
 from tokenway.wire import OutputContext
 from workers.derender.chunks import Out
+from workers.derender.state import Opened
+from workers.derender.tools import ToolCallDelta
 
 _json = msgspec.json.Encoder()
 
@@ -42,3 +51,113 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
                   "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": ctx.prompt_tokens + output_tokens},
     })  # fmt: skip
+
+
+def _shell(ctx: OutputContext, status: str) -> dict[str, Any]:
+    """The response while it runs: no output, no usage yet."""
+    return {"id": ctx.response_id, "object": "response", "created_at": ctx.created,
+            "status": status, "error": None, "incomplete_details": None, "model": ctx.model,
+            "output": [], "store": False, "usage": None}  # fmt: skip
+
+
+class _Events:
+    """A stream's events of one delta, numbered on from where the stream was."""
+
+    def __init__(self, opened: Opened) -> None:
+        self.opened = opened
+        self.docs: list[bytes] = []
+
+    def add(self, kind: str, **fields: Any) -> None:
+        doc = {"type": kind, "sequence_number": self.opened.sent, **fields}
+        self.opened = msgspec.structs.replace(self.opened, sent=self.opened.sent + 1)
+        self.docs.append(sse.named(kind, _json.encode(doc)))
+
+    def open(self, index: int, item: dict[str, Any]) -> None:
+        """An output item begins (a message or reasoning: with its one content part)."""
+        self.add("response.output_item.added", output_index=index, item=item)
+        part = _PARTS.get(item["type"])
+        if part is not None:
+            self.add("response.content_part.added", item_id=item["id"], output_index=index,
+                     content_index=0, part=part)  # fmt: skip
+
+
+_PARTS = {"message": {"type": "output_text", "text": "", "annotations": []},
+          "reasoning": {"type": "reasoning_text", "text": ""}}  # fmt: skip
+
+
+def _item_shell(ctx: OutputContext, kind: str, call: ToolCallDelta | None = None) -> dict[str, Any]:
+    rid = ctx.response_id.removeprefix("resp_")
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": f"rs_{rid}", "summary": [], "content": []}
+    if kind == "message":
+        return {"type": "message", "id": f"msg_{rid}", "status": "in_progress",
+                "role": "assistant", "content": []}  # fmt: skip
+    assert call is not None
+    name = call.function.name if call.function and call.function.name else ""
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": name,
+            "arguments": "", "status": "in_progress"}  # fmt: skip
+
+
+def events(
+    ctx: OutputContext, out: Out, opened: Opened, first: bool, final: bytes | None
+) -> tuple[list[bytes], Opened]:
+    """A streamed delta's events, and the open item after them. `final`: on the last delta,
+    the whole response (as a request that did not stream gets it), whose items the closing
+    events hold."""
+    e = _Events(opened)
+    if first:
+        e.add("response.created", response=_shell(ctx, "in_progress"))
+        e.add("response.in_progress", response=_shell(ctx, "in_progress"))
+    if out.reasoning:
+        item = _switch(e, ctx, "reasoning")
+        e.add("response.reasoning_text.delta", item_id=item, output_index=e.opened.index,
+              content_index=0, delta=out.reasoning)  # fmt: skip
+    if out.text:
+        item = _switch(e, ctx, "message")
+        e.add("response.output_text.delta", item_id=item, output_index=e.opened.index,
+              content_index=0, delta=out.text, logprobs=[])  # fmt: skip
+    for call in out.tool_calls:
+        item = _switch(e, ctx, "function_call", call)
+        if call.function is not None and call.function.arguments:
+            e.add("response.function_call_arguments.delta", item_id=item,
+                  output_index=e.opened.index, delta=call.function.arguments)  # fmt: skip
+    if final is not None:
+        _close(e, _decode.decode(final))
+    return e.docs, e.opened
+
+
+def _switch(e: _Events, ctx: OutputContext, kind: str, call: ToolCallDelta | None = None) -> str:
+    """The item of `kind` (and `call`) open: the open one, or the next; its id."""
+    o = e.opened
+    index = -1 if call is None else call.index
+    shell = _item_shell(ctx, kind, call)
+    if not (o.kind == kind and o.call == index):
+        e.opened = Opened(kind=kind, index=o.index + 1, call=index, sent=o.sent)
+        e.open(e.opened.index, shell)
+    return shell["id"]
+
+
+def _close(e: _Events, response: dict[str, Any]) -> None:
+    """The closing events: each item's end, whole (items no delta opened begin here too),
+    then the response's."""
+    for index, item in enumerate(response["output"]):
+        if index > e.opened.index:
+            e.open(index, {**item, "content": []} if "content" in item else item)
+        ids = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            e.add("response.reasoning_text.done", **ids, content_index=0, text=text)
+            e.add("response.content_part.done", **ids, content_index=0, part=item["content"][0])
+        elif item["type"] == "message":
+            text = item["content"][0]["text"]
+            e.add("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
+            e.add("response.content_part.done", **ids, content_index=0, part=item["content"][0])
+        else:
+            e.add("response.function_call_arguments.done", **ids, name=item["name"],
+                  arguments=item["arguments"])  # fmt: skip
+        e.add("response.output_item.done", output_index=index, item=item)
+    ending = "response.completed" if response["status"] == "completed" else "response.incomplete"
+    e.add(ending, response=response)
+
+
+_decode = msgspec.json.Decoder()

@@ -13,7 +13,6 @@ from tokenway.errors import InvalidRequest
 from tokenway.wire import OutputContext
 from workers.derender import logprobs, reasoning, stops
 from workers.derender.logprobs import LogprobState
-from workers.derender.messages import Blocks
 from workers.derender.reasoning import ReasoningState
 from workers.derender.stops import StopState
 from workers.derender.tools import ToolState
@@ -31,6 +30,17 @@ class DetokState(Struct, array_like=True):
     read_offset: int
 
 
+class Opened(Struct, array_like=True, omit_defaults=True):
+    """A Messages or Responses stream's open part (a content block, an output item): its
+    kind ("" for none), index and, for a tool call's, the call it is; and how many events
+    the stream sent (a Responses stream numbers them)."""
+
+    kind: str = ""
+    index: int = -1
+    call: int = -1
+    sent: int = 0
+
+
 class StreamState(Struct, array_like=True, omit_defaults=True):
     detok: DetokState
     completion_tokens: int = 0
@@ -41,7 +51,7 @@ class StreamState(Struct, array_like=True, omit_defaults=True):
     tools: ToolState | None = None
     tools_called: bool = False  # any tool call streamed: finish "stop" becomes "tool_calls"
     logprobs: LogprobState | None = None
-    blocks: Blocks | None = None  # a Messages stream's open content block
+    opened: Opened | None = None  # a Messages or Responses stream's open part
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -53,7 +53,9 @@ class Choice:
         lps, self.pending_logprobs = self.pending_logprobs, None
         self.busy = True
         needs_prompt = self.state is None and (ctx.echo or ctx.return_token_ids)
+        closing = ctx.api == "responses" and ctx.stream and self.finish is not None
         return DerenderEntry(
+            output_ids=list(self.committed) if closing else None,
             context=ctx,
             state=self.state,
             token_ids=tokens,
