@@ -40,6 +40,7 @@ from ingress.ledger_read import LedgerRead, LedgerReader
 from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.openapi import with_completions
+from ingress.responses import add_routes as response_routes
 from ingress.router import OutputRouter, SseWriter
 from tokenway import bus
 from tokenway.batch_store import BatchStore
@@ -50,6 +51,7 @@ from tokenway.errors import (
     TokenwayError,
     error_body,
 )
+from tokenway.response_store import ResponseStore
 from tokenway.wire import ErrorInfo
 
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -68,6 +70,7 @@ class IngressContext:
     body_timeout: float
     keys: ApiKeys
     batch_store: Callable[[], Awaitable[BatchStore]]
+    response_store: Callable[[], Awaitable[ResponseStore]]
     file_max_bytes: int
     cors: Cors | None = None
 
@@ -95,7 +98,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
     metrics = Metrics()
     completions = Completions(
         ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
-        ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits,
+        ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits, ctx.response_store,
     )  # fmt: skip
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 
@@ -157,6 +160,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             await source.close()
 
     batch_routes(app, ctx.batch_store, ctx.file_max_bytes)
+    response_routes(app, ctx.response_store)
 
     @app.get("/v1/models")
     async def models() -> Response:

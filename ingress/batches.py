@@ -6,7 +6,6 @@ tenant's are as absent as ones that never were."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -15,13 +14,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from nats.aio.client import Client as NATS
 from starlette.datastructures import UploadFile
 
 from tokenway import batches
 from tokenway.batch_store import BatchStore, NotFound
 from tokenway.batches import ENDED, Batch, BatchRefused, FileObject, Record
-from tokenway.config import Settings
 from tokenway.errors import (
     Conflict,
     InvalidRequest,
@@ -75,22 +72,6 @@ async def _lookup(what: str, ident: str, answer: Callable[[], Awaitable[Response
 
 def _missing(what: str, ident: str) -> TokenwayError:
     return ModelNotFound(f"No such {what}: {ident[:80]!r}", param="id", code=f"{what}_not_found")
-
-
-class Store:
-    """The batch store, bound on first use (a deployment that never batches never makes it)."""
-
-    def __init__(self, nc: NATS, settings: Settings) -> None:
-        self.nc = nc
-        self.settings = settings
-        self._store: BatchStore | None = None
-        self._binding = asyncio.Lock()
-
-    async def __call__(self) -> BatchStore:
-        async with self._binding:
-            if self._store is None:
-                self._store = await BatchStore.bind(self.nc.jetstream(), self.settings)
-            return self._store
 
 
 def add_routes(

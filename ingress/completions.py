@@ -27,6 +27,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 
 from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
+from ingress.responses import Conversation, conversation, final_response
 from ingress.router import Event, OutputRouter, Slot, SseWriter
 from tokenway import anthropic, bus, ledger, spans
 from tokenway import headers as h
@@ -45,6 +46,7 @@ from tokenway.errors import (
 )
 from tokenway.metrics import SSE_WRITE
 from tokenway.protocol import decode_body, decoded, named_model
+from tokenway.response_store import ResponseStore
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid
 from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
@@ -128,6 +130,7 @@ class Stream:
     slot: Slot
     first: Event
     writer: SseWriter
+    talk: Conversation | None = None  # a Responses request's: its response is kept at the end
 
 
 async def _body(receive: Receive, limit: int) -> bytes | None:
@@ -178,6 +181,7 @@ class Completions:
     max_request_bytes: int
     body_timeout: float
     limits: dict[str, Limits]  # tenant → its limits, for render to enforce
+    responses: Callable[[], Awaitable[ResponseStore]]  # stored Responses API responses
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -277,16 +281,23 @@ class Completions:
         first: Event | None = None
         try:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
+            talk = None
+            if api == "responses":  # the conversation it continues, from the store
+                talk = await conversation(await self.responses(), body, tenant)
+                body = talk.body
             model, stream = self._decode(api, body)
-            await self._submit(api, model, body, rid, tenant, client_id, trace)
+            previous = talk.previous if talk else None
+            await self._submit(api, model, body, rid, tenant, client_id, trace, previous)
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
             if first.kind == "error":
                 return Reply.failed(first.status, first.payload, first.retry_after), first
             if not stream:
+                if talk is not None:
+                    await talk.keep(await self.responses(), first.payload)
                 return Reply(200, first.payload), first
-            return Stream(rid, slot, first, SseWriter(ids, api=api)), first
+            return Stream(rid, slot, first, SseWriter(ids, api=api), talk), first
         except TokenwayError as exc:
             return Reply.error(exc.info()), first
         except Exception as exc:  # a bug still answers its client, with what broke
@@ -301,10 +312,11 @@ class Completions:
 
     async def _submit(
         self, api: Api, model: str, body: bytes, rid: str, tenant: str, client_id: str,
-        trace: str,
+        trace: str, previous: str | None,
     ) -> None:  # fmt: skip
         request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()),
-                                client_request_id=client_id or None)  # fmt: skip
+                                client_request_id=client_id or None,
+                                previous_response_id=previous)  # fmt: skip
         who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
                               tenant, self.limits.get(tenant), trace)  # fmt: skip
         try:
@@ -380,6 +392,9 @@ class Completions:
         try:
             while events:  # none: the client left
                 payload, done = stream.writer.write(events)
+                if done and stream.talk is not None:  # kept before its client hears the end
+                    if (final := final_response(events[-1].payload)) is not None:
+                        await stream.talk.keep(await self.responses(), final)
                 began = time.perf_counter()
                 await send({"type": "http.response.body", "body": payload, "more_body": not done})
                 SSE_WRITE.observe(time.perf_counter() - began)

@@ -12,15 +12,17 @@ import uvicorn
 
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
-from ingress.batches import Store
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
 from ingress.models import Catalog
 from ingress.router import OutputRouter
 from tokenway import bus
+from tokenway.aio import Lazy
+from tokenway.batch_store import BatchStore
 from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
 from tokenway.registry import EngineRegistry
+from tokenway.response_store import ResponseStore
 from tokenway.served import ServedModel
 from tokenway.tenancy import Limits
 
@@ -100,7 +102,8 @@ class IngressService:
             max_request_bytes=self.settings.max_request_bytes,
             body_timeout=self.settings.body_timeout,
             keys=self.keys,
-            batch_store=Store(nc, self.settings),
+            batch_store=Lazy(lambda: BatchStore.bind(nc.jetstream(), self.settings)),
+            response_store=Lazy(lambda: ResponseStore.bind(nc.jetstream(), self.settings)),
             file_max_bytes=self.settings.file_max_bytes,
             cors=self.cors,
         )

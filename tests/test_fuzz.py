@@ -48,6 +48,9 @@ ROUTES = {
     ("GET", "/v1/batches"): [POSITIVE],
     ("GET", "/v1/batches/{batch_id}"): [POSITIVE],
     ("POST", "/v1/batches/{batch_id}/cancel"): [POSITIVE],
+    ("GET", "/v1/responses/{response_id}"): [POSITIVE],  # ids are any string: a 404
+    ("GET", "/v1/responses/{response_id}/input_items"): [POSITIVE],
+    ("DELETE", "/v1/responses/{response_id}"): [POSITIVE],
 }
 
 

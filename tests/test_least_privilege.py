@@ -161,6 +161,8 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
             model="deepseek-v4", prompt=["one", "two"], max_tokens=3
         )  # the schedule role's multi-prompt path
         assert len(several.choices) == 2
+        kept = await client.responses.create(model="deepseek-v4", input="hi", max_output_tokens=3)
+        assert (await client.responses.retrieve(kept.id)).id == kept.id  # the ingress's bucket
         raw = await client.chat.completions.with_raw_response.create(
             model="deepseek-v4", messages=chat, max_tokens=4, stream=True
         )

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Stack
+from tests.conftest import Stack, make_settings, start_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -132,14 +133,51 @@ async def test_a_text_stream_says_the_same_as_the_whole(
     assert last.response.output_text == whole.output_text
 
 
-async def test_a_stored_response_is_not_built_yet_and_refused_by_name(
-    client: openai.AsyncOpenAI, stack: Stack
+async def test_a_conversation_goes_on_from_its_stored_response_on_another_ingress(
+    client: openai.AsyncOpenAI, stack: Stack, tmp_path: Path
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as refused:
-        await client.responses.create(model=stack.model, input="Hi",
-                                      previous_response_id="resp_0123")  # fmt: skip
-    assert refused.value.body["param"] == "previous_response_id"
-    assert "not built yet" in refused.value.message
+    first = await client.responses.create(model=stack.model, input="My name is Ada. Say hi.",
+                                          max_output_tokens=8)  # fmt: skip
+    assert first.store is True
+    other = await start_stack(stack.settings.nats, make_settings(tmp_path / "other"), ["ingress"])
+    keyed = await start_stack(stack.settings.nats, make_settings(tmp_path / "keyed",
+                              api_key="sk-another-tenant-0123456789"), ["ingress"])  # fmt: skip
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{other.url}/v1", api_key="-",
+                                      max_retries=0) as there:  # fmt: skip
+            second = await there.responses.create(
+                model=stack.model, previous_response_id=first.id, input="What is my name?",
+                max_output_tokens=8,
+            )  # fmt: skip
+            assert second.previous_response_id == first.id
+            # the whole conversation was its prompt
+            assert second.usage.input_tokens > first.usage.input_tokens + 8
+            items = [i async for i in there.responses.input_items.list(second.id)]
+            said = [(i.role, i.content[0].text) for i in items if i.type == "message"]
+            assert said[0] == ("user", "My name is Ada. Say hi.")
+            assert said[1] == ("assistant", first.output_text)
+            assert said[-1] == ("user", "What is my name?")
+            again = await there.responses.retrieve(first.id)
+            assert again.id == first.id and again.output_text == first.output_text
+            await there.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                await there.responses.retrieve(first.id)
+            with pytest.raises(openai.NotFoundError):
+                await there.responses.create(model=stack.model, input="And?",
+                                             previous_response_id=first.id)  # fmt: skip
+        unkept = await client.responses.create(model=stack.model, input="Hi", store=False,
+                                               max_output_tokens=4)  # fmt: skip
+        assert unkept.store is False
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(unkept.id)
+        key = "sk-another-tenant-0123456789"
+        async with openai.AsyncOpenAI(base_url=f"{keyed.url}/v1", max_retries=0,
+                                      api_key=key) as stranger:  # fmt: skip
+            with pytest.raises(openai.NotFoundError):  # another tenant's: as if it never was
+                await stranger.responses.retrieve(second.id)
+    finally:
+        await other.close()
+        await keyed.close()
 
 
 async def test_a_stream_resumes_as_it_was_sent(stack: Stack) -> None:

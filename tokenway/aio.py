@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+_T = TypeVar("_T")
 
 
 class Signal:
@@ -42,3 +45,19 @@ async def uninterrupted(work: Awaitable[None]) -> None:
             if task.cancelled():
                 raise
     task.result()
+
+
+class Lazy(Generic[_T]):
+    """What `bind` makes, made on first use (and once): a bucket a deployment that never
+    uses it never creates."""
+
+    def __init__(self, bind: Callable[[], Awaitable[_T]]) -> None:
+        self._bind = bind
+        self._made: _T | None = None
+        self._binding = asyncio.Lock()
+
+    async def __call__(self) -> _T:
+        async with self._binding:
+            if self._made is None:
+                self._made = await self._bind()
+            return self._made

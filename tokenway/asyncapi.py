@@ -17,6 +17,7 @@ import msgspec
 from tokenway import __version__, bus
 from tokenway import headers as h
 from tokenway.batches import Record
+from tokenway.response_store import Stored
 from tokenway.tenancy import Usage
 from tokenway.wire import (
     DeadLetter,
@@ -183,6 +184,11 @@ def channels() -> list[Channel]:
                 "batch object, its tenant, its runner's lease), written compare-and-set.",
                 Record, content_type=JSON, stream=bus.BATCHES_STREAM,
                 senders=(ingress, "batch runner"), receivers=(ingress, "batch runner")),
+        Channel("responses", bus.RESPONSES_KEYS.replace(">", "{response}"),
+                f"The `{bus.RESPONSES_BUCKET}` key-value bucket: each stored Responses API "
+                "response with the conversation it answered and its tenant, kept "
+                "`TOKENWAY_RESPONSES_MAX_AGE`.", Stored, content_type=JSON,
+                stream=bus.RESPONSES_STREAM, senders=(ingress,), receivers=(ingress,)),
         Channel("files", bus.FILES_SUBJECTS.replace(">", "{part}"),
                 f"The `{bus.FILES_BUCKET}` object store: Batch API files (input, output, "
                 "error), in JetStream's object-store layout; each object's description holds "

@@ -55,6 +55,9 @@ FILES_SUBJECTS = f"$O.{FILES_BUCKET}.>"
 BATCHES_BUCKET = "tw-batches"  # Batch API batches, one record each
 BATCHES_STREAM = f"KV_{BATCHES_BUCKET}"
 BATCHES_KEYS = f"$KV.{BATCHES_BUCKET}.>"
+RESPONSES_BUCKET = "tw-responses"  # stored Responses API responses, with their input
+RESPONSES_STREAM = f"KV_{RESPONSES_BUCKET}"
+RESPONSES_KEYS = f"$KV.{RESPONSES_BUCKET}.>"
 JS_API = "$JS.API"
 ANY = None  # in a subject function: every model (a wildcard), as permissions name them
 
@@ -508,6 +511,7 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
             await tenants_kv(js, s)
             await files_store(js, s)
             await batches_kv(js, s)
+            await responses_kv(js, s)
             return await engines_kv(js, s)
     raise AssertionError("unreachable: tenacity reraises")
 
@@ -575,6 +579,16 @@ async def batches_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     return await _bucket(js, jsapi.KeyValueConfig(
         bucket=BATCHES_BUCKET, history=1, max_bytes=256 << 20,
         storage=jsapi.StorageType.FILE, replicas=s.replicas,
+    ))  # fmt: skip
+
+
+async def responses_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    """Stored responses (`tokenway.response_store`): each kept `--responses-max-age`, the
+    bucket bounded by `--responses-max-bytes` (the oldest go first)."""
+    return await _bucket(js, jsapi.KeyValueConfig(
+        bucket=RESPONSES_BUCKET, history=1, ttl=s.responses_max_age,
+        max_bytes=s.responses_max_bytes, storage=jsapi.StorageType.FILE, replicas=s.replicas,
+        direct=True,
     ))  # fmt: skip
 
 

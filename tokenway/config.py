@@ -131,6 +131,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     batch_concurrency: PositiveInt = 256
     batch_lease: PositiveFloat = 30.0  # a runner's hold on a batch, renewed while it runs
     out_max_bytes: PositiveInt = 1 << 30
+    # stored Responses API responses (`store: true`): how long each is kept, and all of them
+    responses_max_age: PositiveFloat = 7 * 86400.0
+    responses_max_bytes: PositiveInt = 1 << 30
     dlq_max_age: PositiveFloat = 7 * 86400.0
     dlq_max_bytes: PositiveInt = 1 << 30
     max_payload: PositiveInt = 8 * 1024 * 1024  # embedded server's max_payload

@@ -5,8 +5,8 @@ A Responses request runs as the chat completion it translates to, like a Message
 (`tokenway.anthropic`): `instructions` lead as a system message, message items keep their
 role, `function_call` items are an assistant's tool calls, `function_call_output` items
 tool messages, and a `reasoning` item is the reasoning of the assistant turn after it.
-What is not built yet is refused by name: stored responses
-(`previous_response_id`); a response says `"store": false`.
+The ingress resolves `previous_response_id` (`ingress.responses`) before render sees the
+request; the response object echoes the request's fields (`echoed`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tokenway.protocol import (
     Tool,
     ToolCall,
     TopP,
+    decoded,
 )
 
 RESPONSE_ID_PREFIX = "resp_"
@@ -205,8 +206,10 @@ def _thinking(reasoning: Reasoning | None) -> dict[str, Any] | None:
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request a Responses request is (what is not built: a 400)."""
     if req.previous_response_id:
-        raise InvalidRequest("stored responses are not built yet: send the whole conversation "
-                             "as input", param="previous_response_id")  # fmt: skip
+        raise InvalidRequest(
+            "previous_response_id is for the ingress, which puts the stored conversation "
+            "before the input", param="previous_response_id",
+        )  # fmt: skip
     return ChatCompletionRequest(
         model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
         stream=req.stream, temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
@@ -218,3 +221,24 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 ResponsesDecoder = msgspec.json.Decoder(ResponsesRequest, strict=False)
+
+
+def echoed(body: bytes, previous: str | None) -> bytes:
+    """The request's fields its response object repeats (a JSON object), as OpenAI's do."""
+    req = decoded(ResponsesDecoder, body)
+    f = req.text.format if req.text else None
+    return _json.encode({
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": previous,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                      "summary": req.reasoning.summary if req.reasoning else None},
+        "store": req.store is not False, "temperature": req.temperature,
+        "text": {"format": msgspec.to_builtins(f) if f else {"type": "text"}},
+        "tool_choice": msgspec.to_builtins(req.tool_choice) if req.tool_choice else "auto",
+        "tools": msgspec.to_builtins(req.tools or []), "top_p": req.top_p,
+        "truncation": "disabled", "user": req.user,
+    })  # fmt: skip
+
+
+_json = msgspec.json.Encoder()

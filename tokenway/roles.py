@@ -19,7 +19,7 @@ from tokenway import bus
 # Every tokenway stream; their names and limits are no secret to any role.
 _STREAMS = (bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM,
             bus.ADVISORY_STREAM, bus.ENGINES_STREAM, bus.TENANTS_STREAM, bus.FILES_STREAM,
-            bus.BATCHES_STREAM)  # fmt: skip
+            bus.BATCHES_STREAM, bus.RESPONSES_STREAM)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,9 @@ def _stages() -> list[Role]:
                 _gets(bus.OUT_STREAM),
                 *_REGISTRY,
                 *_BATCH_STORE,  # the Files and Batch APIs
+                bus.RESPONSES_KEYS,  # stored responses: written, deleted, read
+                _gets(bus.RESPONSES_STREAM),
+                _api("DIRECT.GET", bus.RESPONSES_STREAM, ">"),
                 *_INFO,
             ),
             subscribe=(bus.sse_subject("*"),),

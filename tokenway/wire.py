@@ -135,6 +135,8 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     # The client's body, as it sent it: set by render only for `--derender-backend vllm`,
     # whose derender server wants the original request (it rides on every derender call).
     request_body: bytes | None = None
+    # A Responses request's fields its response object echoes (a JSON object).
+    response_fields: bytes | None = None
 
 
 # `Tw-Kind`s that end a request's output: an end, a whole response, an error.
@@ -185,6 +187,9 @@ class RenderRequest(Struct, kw_only=True):
     body: bytes
     created: int
     client_request_id: str | None = None  # the client's X-Request-Id: its response's id
+    # a Responses request's stored predecessor, whose conversation the ingress put before
+    # its input (`ingress.responses`): its response says which it continues
+    previous_response_id: str | None = None
 
 
 TokenizeRoute = Literal["tokenize", "detokenize"]

@@ -41,10 +41,11 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
                        "status": "completed"})  # fmt: skip
     cut = out.finish_reason == "length"
     return _json.encode({
+        **_echoed(ctx),
         "id": ctx.response_id, "object": "response", "created_at": ctx.created,
         "status": "incomplete" if cut else "completed", "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "model": ctx.model, "output": output, "store": False,
+        "model": ctx.model, "output": output,
         "usage": {"input_tokens": ctx.prompt_tokens,
                   "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": output_tokens,
@@ -53,11 +54,17 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
     })  # fmt: skip
 
 
+def _echoed(ctx: OutputContext) -> dict[str, Any]:
+    """The request's fields its response repeats."""
+    return _decode.decode(ctx.response_fields) if ctx.response_fields else {}
+
+
 def _shell(ctx: OutputContext, status: str) -> dict[str, Any]:
     """The response while it runs: no output, no usage yet."""
-    return {"id": ctx.response_id, "object": "response", "created_at": ctx.created,
-            "status": status, "error": None, "incomplete_details": None, "model": ctx.model,
-            "output": [], "store": False, "usage": None}  # fmt: skip
+    return {**_echoed(ctx), "id": ctx.response_id, "object": "response",
+            "created_at": ctx.created, "status": status, "error": None,
+            "incomplete_details": None, "model": ctx.model, "output": [],
+            "usage": None}  # fmt: skip
 
 
 class _Events:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenway import responses
 from tokenway.anthropic import MESSAGE_ID_PREFIX
 from tokenway.errors import InvalidRequest, check_model
 from tokenway.model import ModelInfo
@@ -168,6 +169,9 @@ class RequestBuilder:
             return_token_ids=bool(req.return_token_ids),
             **output_options(params),
             parse=parse,
+            response_fields=responses.echoed(request.body, request.previous_response_id)
+            if request.api == "responses"
+            else None,
         )
         return GenerateRequest(
             request_id=request.request_id,

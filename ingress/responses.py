@@ -1,0 +1,146 @@
+"""Stored responses at the ingress: a Responses request's conversation (its stored
+predecessor's, when it names one, and its own input), kept with its response once that is
+made; and the routes that read and delete them (`GET /v1/responses/{id}`, its
+`input_items`, `DELETE`)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+
+from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
+from tokenway.response_store import NotStored, ResponseStore, Stored
+
+log = logging.getLogger(__name__)
+
+_ID = re.compile(r"resp_[A-Za-z0-9_-]{1,128}")
+_decode = msgspec.json.Decoder()
+_json = msgspec.json.Encoder()
+_FINAL = (b"event: response.completed\n", b"event: response.incomplete\n")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A Responses request as render gets it: its body (the stored conversation it
+    continues put before its input), what it continues, and what to keep if it asks."""
+
+    body: bytes
+    previous: str | None  # the stored response it continues
+    items: list[dict[str, Any]]  # the whole conversation it answers, as items with ids
+    store: bool
+    tenant: str
+
+    async def keep(self, store: ResponseStore, response: bytes) -> None:
+        """Keep the response with the conversation it answered (when it asked to be)."""
+        if not self.store:
+            return
+        doc = _decode.decode(response)
+        try:
+            await store.put(doc["id"], Stored(response=msgspec.Raw(response), input=self.items,
+                                              tenant=self.tenant))  # fmt: skip
+        except Exception as exc:  # the answer stands; only a follow-up will miss it
+            log.warning("response %s could not be stored: %r", doc.get("id"), exc)
+
+
+def _items(given: Any) -> list[dict[str, Any]]:
+    """A request's input as items as OpenAI lists them: each with an id, a message's text
+    as a part."""
+    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) \
+        else [dict(item) for item in given if isinstance(item, dict)]  # fmt: skip
+    for item in items:
+        kind = item.setdefault("type", "message")
+        item.setdefault("id", f"{'msg' if kind == 'message' else 'item'}_{secrets.token_hex(12)}")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+    return items
+
+
+async def conversation(store: ResponseStore, body: bytes, tenant: str) -> Conversation:
+    """The body render gets and what to keep of it; `previous_response_id` resolved here,
+    on any ingress (another tenant's, or one past the store's age, is a 404)."""
+    try:
+        doc = _decode.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise InvalidRequest("a Responses request is a JSON object")
+    items = _items(doc.get("input") or [])
+    previous = doc.pop("previous_response_id", None)
+    if previous is not None:
+        if not isinstance(previous, str) or not _ID.fullmatch(previous):
+            raise InvalidRequest(f"{str(previous)[:80]!r} is not a response id",
+                                 param="previous_response_id")  # fmt: skip
+        try:
+            before = await store.get(previous, tenant)
+        except NotStored:
+            raise ModelNotFound(f"Previous response with id {previous!r} not found.",
+                                param="previous_response_id",
+                                code="previous_response_not_found") from None  # fmt: skip
+        answered = _decode.decode(before.response).get("output", [])
+        items = [*before.input, *answered, *items]
+        doc["input"] = items
+        body = _json.encode(doc)
+    return Conversation(body, previous, items, doc.get("store") is not False, tenant)
+
+
+def final_response(payload: bytes) -> bytes | None:
+    """The response a stream's closing events hold (its `response.completed` or
+    `response.incomplete` event's), if these bytes end one."""
+    for event in payload.split(b"\n\n"):
+        if event.startswith(_FINAL):
+            data = event.split(b"\ndata: ", 1)[1]
+            return _json.encode(_decode.decode(data)["response"])
+    return None
+
+
+def _error(exc: TokenwayError) -> Response:
+    return Response(error_body(exc.info()), status_code=exc.status, media_type="application/json")
+
+
+def add_routes(app: FastAPI, store: Callable[[], Awaitable[ResponseStore]]) -> None:
+    async def stored(request: Request, response_id: str) -> Stored | Response:
+        missing = ModelNotFound(f"No response found with id {response_id[:80]!r}.",
+                                param="response_id", code="response_not_found")  # fmt: skip
+        if not _ID.fullmatch(response_id):
+            return _error(missing)
+        try:
+            return await (await store()).get(response_id, request.scope["state"]["tenant"])
+        except NotStored:
+            return _error(missing)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> Response:
+        """A stored response, as its client got it."""
+        found = await stored(request, response_id)
+        if isinstance(found, Response):
+            return found
+        return Response(bytes(found.response), media_type="application/json")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str) -> Response:
+        """The conversation a stored response answered, oldest first, in one page."""
+        found = await stored(request, response_id)
+        if isinstance(found, Response):
+            return found
+        items = found.input
+        page = {"object": "list", "data": items, "has_more": False,
+                "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None}  # fmt: skip
+        return Response(_json.encode(page), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(request: Request, response_id: str) -> Response:
+        found = await stored(request, response_id)
+        if isinstance(found, Response):
+            return found
+        await (await store()).delete(response_id, request.scope["state"]["tenant"])
+        gone = {"id": response_id, "object": "response", "deleted": True}
+        return Response(_json.encode(gone), media_type="application/json")
