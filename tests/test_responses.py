@@ -62,6 +62,34 @@ async def test_a_function_calling_loop(client: openai.AsyncOpenAI, stack: Stack)
     assert answered.output_text
 
 
+async def test_a_function_calling_loop_goes_on_from_the_stored_call_on_another_ingress(
+    client: openai.AsyncOpenAI, stack: Stack, tmp_path: Path
+) -> None:
+    """The Codex way: the next turn names the response that called the tool and sends only
+    the tool's output; another ingress finds the call in the store."""
+    called = await client.responses.create(
+        model=stack.model, input="Weather in Paris for two days?", tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200,
+    )  # fmt: skip
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    other = await start_stack(stack.settings.nats, make_settings(tmp_path), ["ingress"])
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{other.url}/v1", api_key="-",
+                                      max_retries=0) as there:  # fmt: skip
+            answered = await there.responses.create(
+                model=stack.model, tools=[WEATHER], previous_response_id=called.id,
+                input=[{"type": "function_call_output", "call_id": call.call_id,
+                        "output": "Sunny, 21C"}], max_output_tokens=24,
+            )  # fmt: skip
+            assert answered.output_text and answered.previous_response_id == called.id
+            items = [i async for i in there.responses.input_items.list(answered.id)]
+        kinds = [i.type for i in items]
+        assert kinds == ["message", "function_call", "function_call_output"], kinds
+        assert items[1].call_id == items[2].call_id == call.call_id
+    finally:
+        await other.close()
+
+
 async def test_reasoning_comes_as_its_own_item(client: openai.AsyncOpenAI, stack: Stack) -> None:
     done = await client.responses.create(
         model=stack.model, input="Describe a city.", reasoning={"effort": "high"},
@@ -128,8 +156,7 @@ async def test_a_text_stream_says_the_same_as_the_whole(
             texts.append(event.delta)
         last = event
     assert "".join(texts) == whole.output_text
-    assert last.type == ("response.completed" if whole.status == "completed"
-                         else "response.incomplete")  # fmt: skip
+    assert last.type == "response.completed" and last.response.status == whole.status
     assert last.response.output_text == whole.output_text
 
 

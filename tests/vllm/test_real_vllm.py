@@ -486,3 +486,25 @@ async def test_same_anthropic_tool_use_as_vllm(vllm_stack: VllmStack, forced: st
         calls = [[(b["name"], b["input"]) for b in side["content"] if b["type"] == "tool_use"]
                  for side in (ours, theirs)]  # fmt: skip
         assert calls[0] == calls[1] and calls[1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_response_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    """vLLM's own `/v1/responses` and tokenway's on the same engine, at temperature 0: the
+    same text, status and token counts (neither keeps it: `store: false`)."""
+    system, *turns = CHAT
+    body = {"model": SERVED_NAME, "max_output_tokens": MAX_TOKENS, "temperature": 0,
+            "instructions": system["content"], "input": turns, "store": False}  # fmt: skip
+    sides = []
+    for url in (vllm_stack.server.url, vllm_stack.url):
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0,
+                                      http_client=local_http()) as client:  # fmt: skip
+            if stream:
+                async with client.responses.stream(**body) as events:
+                    done = await events.get_final_response()
+            else:
+                done = await client.responses.create(**body)
+        sides.append((done.output_text, done.status, done.usage.input_tokens,
+                      done.usage.output_tokens))  # fmt: skip
+    theirs, ours = sides
+    assert theirs[3] > 0 and ours == theirs

@@ -163,8 +163,9 @@ def _close(e: _Events, response: dict[str, Any]) -> None:
             e.add("response.function_call_arguments.done", **ids, name=item["name"],
                   arguments=item["arguments"])  # fmt: skip
         e.add("response.output_item.done", output_index=index, item=item)
-    ending = "response.completed" if response["status"] == "completed" else "response.incomplete"
-    e.add(ending, response=response)
+    # completed, whatever its status says (incomplete: the budget ran out), as vLLM sends it:
+    # the SDK's final response comes from this event alone
+    e.add("response.completed", response=response)
 
 
 _decode = msgspec.json.Decoder()
