@@ -7,6 +7,7 @@ once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -201,3 +202,42 @@ async def test_a_pd_decode_leg_failing_mid_stream_relays_both_legs_on_the_replay
         assert decode.received[1].sampling_params.max_tokens == 60 - done
         kv = [w.kv_transfer_params for w in decode.received[:2]]
         assert all(kv) and kv[0] != kv[1]
+
+
+def _events(raw: str) -> list[dict]:
+    """The JSON of each `data:` line of a named-event stream."""
+    return [json.loads(line[len("data: ") :]) for line in raw.splitlines()
+            if line.startswith("data: ")]  # fmt: skip
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_messages_or_responses_stream_is_relayed_like_a_chat(
+    nats_url: str, tmp_path: Path, api: str
+) -> None:
+    """The engine that runs the stream fails after 20 of its tokens; another goes on: the
+    client's events add up to the answer a fault-free request gets whole."""
+    engines = [sim("a-flaky", fail_after=20), sim("b-steady")]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (flaky, steady)):
+        ask = {"model": model(stack), "stream": True}
+        if api == "messages":
+            path = "/v1/messages"
+            ask |= {"max_tokens": 60, "messages": [{"role": "user", "content": "A long tale."}]}
+        else:
+            path = "/v1/responses"
+            ask |= {"max_output_tokens": 60, "input": "A long tale.", "store": False}
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+            streamed = _events((await http.post(path, json=ask)).text)
+            whole = (await http.post(path, json={**ask, "stream": False})).json()
+        assert flaky.started >= 1 and steady.started >= 1  # it was relayed
+    if api == "messages":
+        text = "".join(e["delta"]["text"] for e in streamed if e["type"] == "content_block_delta"
+                       and e["delta"]["type"] == "text_delta")  # fmt: skip
+        assert text == whole["content"][0]["text"] and text
+        assert streamed[-2]["usage"]["output_tokens"] == whole["usage"]["output_tokens"] > 20
+    else:
+        text = "".join(e["delta"] for e in streamed if e["type"] == "response.output_text.delta")
+        final = streamed[-1]["response"]
+        assert text == final["output"][0]["content"][0]["text"] == whole["output"][0][
+            "content"][0]["text"] and text  # fmt: skip
+        assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"] > 20
+        assert [e["sequence_number"] for e in streamed] == list(range(len(streamed)))
