@@ -54,6 +54,10 @@ async def test_a_message_and_its_stream_say_the_same(
         kinds = [event.type async for event in stream]
         final = await stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    async with httpx.AsyncClient(base_url=stack.url) as http:  # what the SDK does not show
+        raw = await http.post("/v1/messages", json={"model": stack.model, "max_tokens": 4,
+                                                    "messages": HELLO, "stream": True})  # fmt: skip
+    assert raw.text.startswith("event: message_start\n") and "\nevent: ping\n" in raw.text
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     assert [b.text for b in final.content] == [block.text]  # greedy: the same text
     assert final.stop_reason == done.stop_reason

@@ -77,6 +77,7 @@ def events(
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": _usage(ctx, 0),
         }})  # fmt: skip
+        docs.append({"type": "ping"})  # as Anthropic's streams begin; clients skip it
     if out.reasoning:
         blocks = _open(docs, blocks, "thinking", {"thinking": "", "signature": ""})
         docs.append(_delta(blocks, {"type": "thinking_delta", "thinking": out.reasoning}))
