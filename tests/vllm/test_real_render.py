@@ -77,6 +77,22 @@ BODIES: list[tuple[Api, dict[str, Any]]] = [
     ("completion", {"prompt": "A code:", "max_tokens": 6,
                     "structured_outputs": {"regex": "[A-Z]{3}"}}),
     ("completion", {"prompt": "{", "max_tokens": 6, "response_format": {"type": "json_object"}}),
+    # Anthropic's and OpenAI's other APIs: the chat request each is, rendered alike
+    ("messages", {"max_tokens": 20, "system": "Be terse.",
+                  "messages": [{"role": "user", "content": "Hello!"}]}),
+    ("messages", {"max_tokens": 12, "stop_sequences": ["x"], "temperature": 0.5,
+                  "messages": [{"role": "user", "content": "Hi"},
+                               {"role": "assistant", "content": "Hello."},
+                               {"role": "user", "content": "Again?"}]}),
+    ("responses", {"input": "Hello!", "instructions": "Be terse.", "max_output_tokens": 20}),
+    ("responses", {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 8,
+                   "temperature": 0.5}),
+    ("messages", {"max_tokens": 30, "messages": [{"role": "user", "content": "Weather?"}],
+                  "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"][
+                      "parameters"]}], "tool_choice": {"type": "any"}}),
+    ("responses", {"input": "Weather?", "max_output_tokens": 30, "tool_choice": "required",
+                   "tools": [{"type": "function", "name": "get_weather",
+                              "parameters": TOOLS[0]["function"]["parameters"]}]}),
     # tool calls held to the tool parser's structural tag, as vLLM builds it
     *[("chat", {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, **ask})
       for ask in TOOL_ASKS],

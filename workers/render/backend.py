@@ -18,7 +18,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-import msgspec
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
@@ -129,10 +128,7 @@ class VllmBackend:
             ids = await prompt_ids(local, req, len(request.body))
             return self.builder.build(request, parsed, ids, local.vocab)
         try:
-            if request.api in ("messages", "responses"):  # the chat request it is
-                prompt = await self.client.render("chat", msgspec.json.encode(req))
-            else:
-                prompt = await self.client.render(request.api, request.body)
+            prompt = await self.client.render(request.api, request.body)
         except RenderUnavailable as exc:
             FALLBACKS.labels(exc.reason).inc()
             log.warning(

@@ -22,6 +22,9 @@ from tokenway.wire import Api, SamplingParams
 
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETION_PATH = "/v1/completions/render"
+# each API's render route: one prompt each, but completions' (a list of them)
+PATHS = {"chat": CHAT_PATH, "completion": COMPLETION_PATH, "messages": "/v1/messages/render",
+         "responses": "/v1/responses/render"}  # fmt: skip
 _HEADERS = {"content-type": "application/json"}
 
 
@@ -77,7 +80,7 @@ def prompt_from_reply(api: Api, status: int, content: bytes, vocab_size: int) ->
         reason = "server_error" if status >= 500 else "status"
         raise RenderUnavailable(reason, f"HTTP {status}: {snippet(content)}")
     try:
-        if api == "chat":
+        if api != "completion":
             prompt = _chat_reply.decode(content)
         else:
             prompts = _completion_reply.decode(content)
@@ -114,9 +117,8 @@ class VllmRenderClient:
 
     async def render(self, api: Api, body: bytes) -> RenderedPrompt:
         """The client's body, as it sent it, to the matching render route."""
-        path = CHAT_PATH if api == "chat" else COMPLETION_PATH
         try:
-            resp = await self.http.post(path, content=body, headers=_HEADERS)
+            resp = await self.http.post(PATHS[api], content=body, headers=_HEADERS)
         except httpx.TimeoutException as exc:
             raise RenderUnavailable("timeout", f"{type(exc).__name__}: {exc}") from exc
         except httpx.TransportError as exc:
