@@ -30,6 +30,7 @@ from tokenway.protocol import (
     ToolCall,
     TopP,
     check_nesting,
+    thinking_switch,
 )
 
 MESSAGE_ID_PREFIX = "msg_"
@@ -196,12 +197,9 @@ def _tools(req: Messages) -> list[Tool] | None:
 
 
 def _thinking(req: Messages) -> dict[str, Any] | None:
-    """The template's switch (both spellings templates use): on for `enabled` or
-    `adaptive`, off for `disabled`; unsaid, the template's own default."""
-    if req.thinking is None:
-        return None
-    on = req.thinking.type != "disabled"
-    return {"thinking": on, "enable_thinking": on}
+    """The template's switch: on for `enabled` or `adaptive`, off for `disabled`; unsaid,
+    the template's own default."""
+    return None if req.thinking is None else thinking_switch(req.thinking.type != "disabled")
 
 
 def _tool_choice(choice: ToolChoice | None) -> Any:

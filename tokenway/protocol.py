@@ -165,6 +165,12 @@ class CompletionRequest(_Common, kw_only=True):
     add_special_tokens: bool = True
 
 
+def thinking_switch(on: bool) -> dict[str, Any]:
+    """`chat_template_kwargs` that turn a template's thinking on or off, in both spellings
+    templates use (DeepSeek's `thinking`, Qwen's `enable_thinking`)."""
+    return {"thinking": on, "enable_thinking": on}
+
+
 # Lax, as vLLM's pydantic models are: `min_tokens: 0.0` or `"max_tokens": "5"` is taken
 # (a number with a fraction in an integer field still is not).
 ChatDecoder = msgspec.json.Decoder(ChatCompletionRequest, strict=False)

@@ -32,6 +32,7 @@ from tokenway.protocol import (
     ToolCall,
     TopP,
     decoded,
+    thinking_switch,
 )
 
 RESPONSE_ID_PREFIX = "resp_"
@@ -199,8 +200,7 @@ def _thinking(reasoning: Reasoning | None) -> dict[str, Any] | None:
     """The template's switch: off for effort `none` or `minimal`, on for any other."""
     if reasoning is None or reasoning.effort is None:
         return None
-    on = reasoning.effort not in ("none", "minimal")
-    return {"thinking": on, "enable_thinking": on}
+    return thinking_switch(reasoning.effort not in ("none", "minimal"))
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
