@@ -28,6 +28,7 @@ from tokenway.wire import (
     TokenLogprob,
 )
 from workers.derender.reasoning import END as THINK_END
+from workers.derender.reasoning import START as THINK_START
 
 
 @dataclass(frozen=True)
@@ -128,12 +129,15 @@ class Sequence:
         trained_on: Permutation | None = None,
         guide: Guide | None = None,
         think_end: int | None = None,
+        budget: tuple[int, int] | None = None,
     ) -> None:
         if trained_on is not None:
             prompt = trained_on.to_semantic(prompt, "the prompt")
         self.tokens = model.tokens(prompt, seed_of(params, index), output_len)
         if guide is not None:  # under a constraint: what the grammar allows of it
             self.tokens = guide.tokens(self.tokens, think_end)
+        elif budget is not None:  # (budget, the reasoning's end marker)
+            self.tokens = _reasoning_within(self.tokens, *budget)
         self.trained_on = trained_on
         self.eos = eos
         self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
@@ -159,6 +163,21 @@ class Sequence:
             if self.made >= self.limit:
                 return out, "length", None
         return out, None, None
+
+
+def _reasoning_within(
+    tokens: Iterator[tuple[int, bool]], budget: int, think_end: int
+) -> Iterator[tuple[int, bool]]:
+    """The model's tokens with its reasoning ended after `budget` of them (vLLM's
+    `thinking_token_budget`), unless it ends it itself first."""
+    for made, (tid, stop) in enumerate(tokens):
+        if tid == think_end or made == budget:
+            if tid != think_end:
+                yield think_end, False
+            yield tid, stop
+            yield from tokens
+            return
+        yield tid, stop
 
 
 class StepClock:
@@ -195,6 +214,7 @@ class SimEngine:
             [self.eos_token_id] = trained_on.to_physical([config.eos_token_id])
         self.tokenizer = tokenizer
         self.think_end = tokenizer.token_to_id(THINK_END)  # None: the model does not reason
+        self.think_start = tokenizer.token_to_id(THINK_START)
         self.model = CorpusModel(corpus_sentences(tokenizer))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
@@ -239,9 +259,12 @@ class SimEngine:
         guide = None if so is None else await matcher(self.tokenizer, c.eos_token_id, so)
         # the reasoning's end marker, where the request's reasoning is still open
         think_end = self.think_end if work.reasoning_ended is False else None
+        budget = None
+        if params.thinking_token_budget is not None and self._reasoning_open(work.token_ids):
+            budget = (params.thinking_token_budget, self.think_end)
         seq = Sequence(
             self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
-            self.trained_on, guide, think_end,
+            self.trained_on, guide, think_end, budget,
         )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time
@@ -256,6 +279,13 @@ class SimEngine:
                 raise RuntimeError(f"simulated failure after {seq.made} tokens")
             if self.config.stall_after is not None and seq.made >= self.config.stall_after:
                 await asyncio.Event().wait()  # alive but silent, until aborted
+
+    def _reasoning_open(self, prompt: list[int]) -> bool:
+        """Whether the prompt leaves the model reasoning (its last marker opens it)."""
+        if self.think_start is None or self.think_end is None:
+            return False
+        tail = next((t for t in reversed(prompt) if t in (self.think_start, self.think_end)), None)
+        return tail == self.think_start
 
     def _handoff(self, work: EngineWork) -> dict[str, object] | None:
         """A prefill engine asked for remote decode answers with where its KV blocks are,

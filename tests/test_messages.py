@@ -86,6 +86,23 @@ async def test_thinking_comes_as_thinking_blocks_before_the_text(
     )
 
 
+async def test_a_thinking_budget_ends_the_thinking_where_it_says(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """The budget reaches the engine (vLLM's `thinking_token_budget`), which ends the
+    reasoning after that many tokens: the same thinking, cut, then the answer's text."""
+    ask = {"model": stack.model, "max_tokens": 60, "messages": HELLO}
+    free = await claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 999})
+    cut = await claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 5})
+    thought, cut_thought = free.content[0].thinking, cut.content[0].thinking
+    assert free.content[0].type == cut.content[0].type == "thinking"
+    assert thought.startswith(cut_thought) and len(cut_thought) < len(thought)
+    assert [b.type for b in cut.content] == ["thinking", "text"] and cut.content[1].text
+    (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received
+               if w.rid == cut.id.removeprefix("msg_")]  # fmt: skip
+    assert work.sampling_params.thinking_token_budget == 5
+
+
 async def test_a_tool_use_loop(claude: anthropic.AsyncAnthropic, stack: Stack) -> None:
     """A forced tool's call comes back as a tool_use block (stop_reason tool_use), streamed
     as input_json deltas too; its result goes back as a tool_result and the model answers."""

@@ -226,6 +226,8 @@ def to_chat(req: Messages) -> ChatCompletionRequest:
         top_p=req.top_p, top_k=req.top_k, tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=parallel,
         chat_template_kwargs=_thinking(req),
+        thinking_token_budget=req.thinking.budget_tokens
+        if req.thinking and req.thinking.type == "enabled" else None,
         user=req.metadata.user_id if req.metadata else None,
     )  # fmt: skip
 

@@ -149,6 +149,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    thinking_token_budget: NonNegInt | None = None  # enforced by the engine, as vLLM's
 
 
 # One prompt (text or token IDs) or several; msgspec allows one list type per union.

@@ -69,6 +69,8 @@ class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: tokens the model may reason before the engine ends its reasoning
+    thinking_token_budget: Annotated[int, Meta(ge=0)] | None = None
 
 
 class StreamOptions(Struct, kw_only=True, omit_defaults=True):

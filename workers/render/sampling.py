@@ -105,6 +105,9 @@ def sampling_params(
         logit_bias=req.logit_bias,
         logprobs=requested_logprobs(req),
         structured_outputs=structured_outputs,
+        thinking_token_budget=req.thinking_token_budget
+        if isinstance(req, ChatCompletionRequest)
+        else None,
     )
 
 
