@@ -12,7 +12,9 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -241,3 +243,35 @@ async def test_a_messages_or_responses_stream_is_relayed_like_a_chat(
             "content"][0]["text"] and text  # fmt: skip
         assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"] > 20
         assert [e["sequence_number"] for e in streamed] == list(range(len(streamed)))
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_stream_that_cannot_go_on_ends_with_an_error_its_sdk_raises(
+    nats_url: str, tmp_path: Path, api: str
+) -> None:
+    """A constrained stream is never relayed after output: its engine failing mid-stream
+    ends it with an error event in the API's own shape, which the API's SDK raises."""
+    async with pipeline(nats_url, tmp_path, [sim("fails-later", fail_after=10)]) as (stack, _):
+        schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+        if api == "messages":
+            client = anthropic.AsyncAnthropic(base_url=stack.url, api_key="-", max_retries=0)
+            tool = {"name": "f", "input_schema": schema, "strict": True}
+            with pytest.raises(anthropic.APIStatusError) as failed:
+                async with client.messages.stream(
+                    model=model(stack), max_tokens=60, tools=[tool],
+                    tool_choice={"type": "tool", "name": "f"},
+                    messages=[{"role": "user", "content": "Go."}],
+                ) as stream:  # fmt: skip
+                    async for _ in stream:
+                        pass
+            assert failed.value.body["error"]["type"] == "api_error"
+        else:
+            oa = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
+            text = {"format": {"type": "json_schema", "name": "s", "schema": schema}}
+            with pytest.raises(openai.APIError) as failed:
+                async for _ in await oa.responses.create(
+                    model=model(stack), input="Go.", max_output_tokens=60, text=text,
+                    store=False, stream=True,
+                ):  # fmt: skip
+                    pass
+        assert "simulated failure" in str(failed.value)
