@@ -204,7 +204,8 @@ def _thinking(reasoning: Reasoning | None) -> dict[str, Any] | None:
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request a Responses request is (what is not built: a 400)."""
+    """The chat completion request a Responses request is (one naming a stored response
+    it continues is the ingress's to resolve: here, a 400)."""
     if req.previous_response_id:
         raise InvalidRequest(
             "previous_response_id is for the ingress, which puts the stored conversation "
