@@ -5,6 +5,7 @@ the examples as a user runs them."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -115,3 +116,25 @@ async def test_the_examples_run_as_their_docstrings_say(stack: Stack, example: s
     assert proc.returncode == 0, err.decode()
     lines = out.decode().splitlines()
     assert len(lines) == (4 if example == "rl_tokens.py" else 6), out
+
+
+async def test_a_client_closed_right_after_a_result_leaves_no_failing_task(stack: Stack) -> None:
+    """The read of a result is closed when it is had, not finalized later against a closed
+    connection (which failed a task nobody awaited: "Task exception was never retrieved")."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        async with await Client.connect(stack.settings.nats, stack.model) as tw:
+            before = {c.name for c in await tw.js.consumers_info(bus.OUT_STREAM)}
+            assert (await tw.run(chat(7)))["choices"]
+        for _ in range(3):  # what closing the client scheduled runs
+            await asyncio.sleep(0)
+        gc.collect()  # a failed task nobody awaited is reported when it is collected
+    finally:
+        loop.set_exception_handler(old)
+    assert not errors, errors
+    async with await Client.connect(stack.settings.nats, stack.model) as tw:
+        after = {c.name for c in await tw.js.consumers_info(bus.OUT_STREAM)}
+    assert after <= before  # its consumer deleted once the result was had

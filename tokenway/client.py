@@ -183,11 +183,12 @@ class Client:
     async def result(self, rid: str, timeout: float | None = None) -> dict[str, Any]:
         """The whole response of a request that did not stream; `RequestFailed` for an
         error event, ValueError for a streamed request (read its `outputs`)."""
-        async for out in self.outputs(rid, timeout):
-            if out.terminal:
-                if isinstance(done := outcome(rid, out), RequestFailed):
-                    raise done
-                return done
+        async with contextlib.aclosing(self.outputs(rid, timeout)) as outputs:  # read, closed
+            async for out in outputs:
+                if out.terminal:
+                    if isinstance(done := outcome(rid, out), RequestFailed):
+                        raise done
+                    return done
         raise AssertionError("unreachable: outputs() ends with a terminal message")
 
     async def run(self, request: Request, rid: str | None = None) -> dict[str, Any]:

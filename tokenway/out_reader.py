@@ -55,9 +55,9 @@ class Reader:
     async def close(self) -> None:
         if self._sub is None:
             return
-        await self._sub.unsubscribe()
-        self._sub = None
+        sub, self._sub = self._sub, None
         try:
+            await sub.unsubscribe()
             await self.js.delete_consumer(bus.OUT_STREAM, self.name)
         except (nats.errors.Error, APIError):
             pass  # gone already, or NATS away: the server removes it once idle
