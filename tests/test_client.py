@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypeVar
 
+import nats.errors
 import pytest
 
 from tests.conftest import Logged, Stack, make_settings, nats_server, start_stack
@@ -138,3 +139,15 @@ async def test_a_client_closed_right_after_a_result_leaves_no_failing_task(stack
     async with await Client.connect(stack.settings.nats, stack.model) as tw:
         after = {c.name for c in await tw.js.consumers_info(bus.OUT_STREAM)}
     assert after <= before  # its consumer deleted once the result was had
+
+
+async def test_a_wait_for_a_result_ends_when_its_reader_cannot_go_on(stack: Stack) -> None:
+    """The connection goes: whoever waits for a result hears it, instead of waiting for
+    ever on a reader that stopped."""
+    tw = await Client.connect(stack.settings.nats, stack.model)
+    async with tw.finished() as finished:
+        waiting = asyncio.ensure_future(finished.wait("never-sent"))
+        await tw.nc.close()
+        with pytest.raises(nats.errors.Error):
+            async with asyncio.timeout(30):
+                await waiting

@@ -265,6 +265,7 @@ class Finished:
         self._waiting: dict[str, asyncio.Future[Output]] = {}
         self._current = asyncio.Event()  # what was stored before the start is read
         self._task: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None  # why the reader stopped, if it did
 
     async def start(self) -> None:
         if not await self._reader.open():
@@ -296,6 +297,8 @@ class Finished:
         """The request's terminal output, once it ends."""
         if (out := self.take(rid)) is not None:
             return out
+        if self._failed is not None:
+            raise self._failed
         waiter = self._waiting[rid] = asyncio.get_running_loop().create_future()
         try:
             return await waiter
@@ -303,6 +306,18 @@ class Finished:
             self._waiting.pop(rid, None)
 
     async def _read(self) -> None:
+        """Every end, to its waiter; if reading cannot go on (the connection closed), the
+        reason to every waiter, now and later, rather than a wait for ever."""
+        try:
+            await self._ends()
+        except Exception as exc:
+            self._failed = exc
+            self._current.set()
+            for waiter in self._waiting.values():
+                if not waiter.done():
+                    waiter.set_exception(exc)
+
+    async def _ends(self) -> None:
         async for msg in self._reader.messages():
             rid = bus.rid_of(msg.subject)
             self._began.add(rid)

@@ -17,13 +17,16 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from tokenway import bus
 
 IDLE = 30.0  # seconds the server keeps a consumer nobody pulls from
 _WAIT = 5.0  # seconds one pull waits for messages
 _BATCH = 256
+_AGAIN = 0.5  # seconds between tries to make the consumer again while JetStream cannot
+# A pull's answers for a consumer the server does not have (or cannot answer for now).
+_FORGOTTEN = (NotFoundError, ServiceUnavailableError, nats.errors.NoRespondersError)
 
 
 class Reader:
@@ -62,6 +65,17 @@ class Reader:
         except (nats.errors.Error, APIError):
             pass  # gone already, or NATS away: the server removes it once idle
 
+    async def _reopen(self) -> None:
+        """The consumer made again from the message after the last one read, tried again
+        while JetStream cannot answer (a leader elected, a server back)."""
+        await self.close()
+        while True:
+            try:
+                await self.open()
+                return
+            except (nats.errors.Error, APIError):
+                await asyncio.sleep(_AGAIN)
+
     async def messages(self) -> AsyncIterator[Msg]:
         """Every message from the start, then each one as it is stored, for as long as the
         caller reads (open first)."""
@@ -69,12 +83,8 @@ class Reader:
             assert self._sub is not None, "open the reader first"
             try:
                 batch = await bus.fetch(self._sub, _BATCH, _WAIT)  # [] when nothing is new
-            except NotFoundError:  # the server forgot the consumer
-                await self._sub.unsubscribe()
-                await self.open()
-                continue
-            except nats.errors.NoRespondersError:
-                await asyncio.sleep(0.5)  # JetStream away for a moment
+            except _FORGOTTEN:
+                await self._reopen()
                 continue
             for msg in batch:
                 self.last = msg.metadata.sequence.stream
