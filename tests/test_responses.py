@@ -136,6 +136,10 @@ async def test_a_stream_ends_with_the_response_it_would_be_whole(
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     calls = [item for item in final.output if item.type == "function_call"]
     assert calls and deltas == "".join(c.arguments for c in calls)
+    # every delta names the item it adds to, as the item is added and done
+    added = {e.item.id for e in events if e.type == "response.output_item.added"}
+    named = {e.item_id for e in events if e.type.endswith(".delta")}
+    assert named <= added == {i.id for i in final.output}, (named, added)
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
     own = {"id", "call_id", "parsed_arguments"}  # each request's ids; the SDK's parse
     assert [i.model_dump(exclude=own) for i in final.output] == [

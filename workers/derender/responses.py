@@ -15,7 +15,9 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
+from tokenway.responses import RESPONSE_ID_PREFIX
 from tokenway.wire import OutputContext
+from workers.derender import tools
 from workers.derender.chunks import Out
 from workers.derender.state import Opened
 from workers.derender.tools import ToolCallDelta
@@ -23,22 +25,29 @@ from workers.derender.tools import ToolCallDelta
 _json = msgspec.json.Encoder()
 
 
+def _item_id(ctx: OutputContext, kind: str, call_id: str = "") -> str:
+    """An output item's id, the same whether a stream opens it or the response holds it."""
+    if kind == "function_call":
+        return f"fc_{call_id}"
+    rid = ctx.response_id.removeprefix(RESPONSE_ID_PREFIX)
+    return f"{'rs' if kind == 'reasoning' else 'msg'}_{rid}"
+
+
 def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
     """The whole response (a request that did not stream); `out.tool_calls` assembled."""
-    rid = ctx.response_id.removeprefix("resp_")
     output: list[dict[str, Any]] = []
     if out.reasoning:
-        output.append({"type": "reasoning", "id": f"rs_{rid}", "summary": [],
+        output.append({"type": "reasoning", "id": _item_id(ctx, "reasoning"), "summary": [],
                        "content": [{"type": "reasoning_text", "text": out.reasoning}]})  # fmt: skip
     if out.text or not out.tool_calls:
         text = {"type": "output_text", "text": out.text, "annotations": []}
-        output.append({"type": "message", "id": f"msg_{rid}", "status": "completed",
+        output.append({"type": "message", "id": _item_id(ctx, "message"), "status": "completed",
                        "role": "assistant", "content": [text]})  # fmt: skip
     for call in out.tool_calls:
         function = call["function"]
-        output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
-                       "name": function["name"], "arguments": function["arguments"],
-                       "status": "completed"})  # fmt: skip
+        output.append({"type": "function_call", "id": _item_id(ctx, "function_call", call["id"]),
+                       "call_id": call["id"], "name": function["name"],
+                       "arguments": function["arguments"], "status": "completed"})  # fmt: skip
     cut = out.finish_reason == "length"
     return _json.encode({
         **_echoed(ctx),
@@ -92,17 +101,22 @@ _PARTS = {"message": {"type": "output_text", "text": "", "annotations": []},
           "reasoning": {"type": "reasoning_text", "text": ""}}  # fmt: skip
 
 
-def _item_shell(ctx: OutputContext, kind: str, call: ToolCallDelta | None = None) -> dict[str, Any]:
-    rid = ctx.response_id.removeprefix("resp_")
-    if kind == "reasoning":
-        return {"type": "reasoning", "id": f"rs_{rid}", "summary": [], "content": []}
-    if kind == "message":
-        return {"type": "message", "id": f"msg_{rid}", "status": "in_progress",
-                "role": "assistant", "content": []}  # fmt: skip
-    assert call is not None
+def _item_shell(ctx: OutputContext, kind: str, call: ToolCallDelta | None) -> dict[str, Any]:
+    """An output item as a stream opens it: nothing in it yet."""
+    if call is None:
+        shell = {"type": kind, "id": _item_id(ctx, kind)}
+        if kind == "reasoning":
+            return {**shell, "summary": [], "content": []}
+        return {**shell, "status": "in_progress", "role": "assistant", "content": []}
+    called = _call_id(ctx, call)
     name = call.function.name if call.function and call.function.name else ""
-    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": name,
+    return {"type": kind, "id": _item_id(ctx, kind, called), "call_id": called, "name": name,
             "arguments": "", "status": "in_progress"}  # fmt: skip
+
+
+def _call_id(ctx: OutputContext, call: ToolCallDelta) -> str:
+    """A call's id on every delta of it (only its first one carries it)."""
+    return tools.call_id(ctx.response_id, call.index)
 
 
 def events(
@@ -137,11 +151,10 @@ def _switch(e: _Events, ctx: OutputContext, kind: str, call: ToolCallDelta | Non
     """The item of `kind` (and `call`) open: the open one, or the next; its id."""
     o = e.opened
     index = -1 if call is None else call.index
-    shell = _item_shell(ctx, kind, call)
     if not (o.kind == kind and o.call == index):
         e.opened = Opened(kind=kind, index=o.index + 1, call=index, sent=o.sent)
-        e.open(e.opened.index, shell)
-    return shell["id"]
+        e.open(e.opened.index, _item_shell(ctx, kind, call))
+    return _item_id(ctx, kind, _call_id(ctx, call) if call else "")
 
 
 def _close(e: _Events, response: dict[str, Any]) -> None:
