@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 _ID = re.compile(r"resp_[A-Za-z0-9_-]{1,128}")
 _decode = msgspec.json.Decoder()
 _json = msgspec.json.Encoder()
-_FINAL = (b"event: response.completed\n", b"event: response.incomplete\n")
+_FINAL = b"event: response.completed\n"  # a stream's last event, whatever its status
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ async def conversation(store: ResponseStore, body: bytes, tenant: str) -> Conver
 
 
 def final_response(payload: bytes) -> bytes | None:
-    """The response a stream's closing events hold (its `response.completed` or
-    `response.incomplete` event's), if these bytes end one."""
+    """The response a stream's closing events hold (its `response.completed` event's), if
+    these bytes end one."""
     for event in payload.split(b"\n\n"):
         if event.startswith(_FINAL):
             data = event.split(b"\ndata: ", 1)[1]
@@ -105,16 +105,19 @@ def _error(exc: TokenwayError) -> Response:
     return Response(error_body(exc.info()), status_code=exc.status, media_type="application/json")
 
 
+def _missing(response_id: str) -> Response:
+    return _error(ModelNotFound(f"No response found with id {response_id[:80]!r}.",
+                                param="response_id", code="response_not_found"))  # fmt: skip
+
+
 def add_routes(app: FastAPI, store: Callable[[], Awaitable[ResponseStore]]) -> None:
     async def stored(request: Request, response_id: str) -> Stored | Response:
-        missing = ModelNotFound(f"No response found with id {response_id[:80]!r}.",
-                                param="response_id", code="response_not_found")  # fmt: skip
         if not _ID.fullmatch(response_id):
-            return _error(missing)
+            return _missing(response_id)
         try:
             return await (await store()).get(response_id, request.scope["state"]["tenant"])
         except NotStored:
-            return _error(missing)
+            return _missing(response_id)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(request: Request, response_id: str) -> Response:
@@ -138,9 +141,11 @@ def add_routes(app: FastAPI, store: Callable[[], Awaitable[ResponseStore]]) -> N
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(request: Request, response_id: str) -> Response:
-        found = await stored(request, response_id)
-        if isinstance(found, Response):
-            return found
-        await (await store()).delete(response_id, request.scope["state"]["tenant"])
+        if not _ID.fullmatch(response_id):
+            return _missing(response_id)
+        try:  # it reads the record once, to check whose it is
+            await (await store()).delete(response_id, request.scope["state"]["tenant"])
+        except NotStored:
+            return _missing(response_id)
         gone = {"id": response_id, "object": "response", "deleted": True}
         return Response(_json.encode(gone), media_type="application/json")
