@@ -15,15 +15,17 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 
+from tokenway import sse
 from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
 from tokenway.response_store import NotStored, ResponseStore, Stored
+from tokenway.responses import COMPLETED
 
 log = logging.getLogger(__name__)
 
 _ID = re.compile(r"resp_[A-Za-z0-9_-]{1,128}")
 _decode = msgspec.json.Decoder()
 _json = msgspec.json.Encoder()
-_FINAL = b"event: response.completed\n"  # a stream's last event, whatever its status
+_FINAL = sse.NAMED + COMPLETED.encode() + b"\n"  # a stream's last event, whatever its status
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from tokenway.protocol import (
 )
 
 RESPONSE_ID_PREFIX = "resp_"
+COMPLETED = "response.completed"  # a Responses stream's last event, holding the response
 
 
 class Part(Struct, kw_only=True, omit_defaults=True):

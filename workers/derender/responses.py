@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
-from tokenway.responses import RESPONSE_ID_PREFIX
+from tokenway.responses import COMPLETED, RESPONSE_ID_PREFIX
 from tokenway.wire import OutputContext
 from workers.derender import tools
 from workers.derender.chunks import Out
@@ -178,7 +178,7 @@ def _close(e: _Events, response: dict[str, Any]) -> None:
         e.add("response.output_item.done", output_index=index, item=item)
     # completed, whatever its status says (incomplete: the budget ran out), as vLLM sends it:
     # the SDK's final response comes from this event alone
-    e.add("response.completed", response=response)
+    e.add(COMPLETED, response=response)
 
 
 _decode = msgspec.json.Decoder()

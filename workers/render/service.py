@@ -1,6 +1,7 @@
-"""Render shell: drains `tw.render.<model>` (and, while that is empty, the batch lane
-`tw.render.<model>.batch`), publishes tokenized requests to the same lane of
-`tw.sched.<model>`; answers `/tokenize` calls on `tw.tokenize.<model>`."""
+"""Render shell: drains `tw.render.<model>` (and, while that is empty, the batch lanes
+`tw.render.<model>.batch.<lane>`), publishes tokenized requests to `tw.sched.<model>` (a
+batch job's to the shared batch lane, with its tenant); answers `/tokenize` calls on
+`tw.tokenize.<model>`."""
 
 from __future__ import annotations
 
