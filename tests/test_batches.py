@@ -24,7 +24,8 @@ from nats.aio.msg import Msg
 
 from tests.conftest import Stack, make_settings, nats_server, start_stack
 from tests.test_cli import logged, spawn, stop
-from tokenway import bus
+from tokenway import batches, bus
+from tokenway import headers as h
 from tokenway.client import Client
 from tokenway.wire import EngineWork
 
@@ -98,6 +99,28 @@ async def test_every_line_is_answered_once_in_openais_shapes(client: openai.Asyn
     assert batch.id in [b.id for b in listed.data]
     files = {f.id: f.purpose for f in (await client.files.list()).data}
     assert files[batch.input_file_id] == "batch" and files[batch.output_file_id] == "batch_output"
+
+
+async def test_a_tenants_batch_runs_as_the_tenant_on_its_lane(stack: Stack, tmp_path: Path) -> None:
+    """A keyed client's batch: its lines are its tenant's requests (the owners' turns
+    count them so), on the tenant's lane and replies. They once ran as nobody's."""
+    key = "sk-batch-tenant-0123456789abcdef"
+    keyed = await start_stack(stack.settings.nats, make_settings(tmp_path, api_key=key),
+                              ["ingress"])  # fmt: skip
+    nc = await nats.connect(stack.settings.nats)
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{keyed.url}/v1", api_key=key,
+                                      max_retries=0) as client:  # fmt: skip
+            batch = await run(client, [chat_line(i) for i in range(3)])
+        assert batch.status == "completed" and batch.request_counts.completed == 3
+        reply = bus.tenant_reply("default", bus.token(batch.id))
+        last = await nc.jetstream().get_last_msg(
+            bus.OUT_STREAM, bus.out_subject(reply, batches.line_rid(batch.id, 0))
+        )
+        assert (last.headers or {})[h.TENANT] == "default"
+    finally:
+        await nc.close()
+        await keyed.close()
 
 
 async def test_a_bad_input_file_fails_the_batch_with_each_lines_error(
