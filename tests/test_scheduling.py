@@ -41,6 +41,7 @@ async def pipeline(
     tokenizer = Tokenizer.from_file(str(stack.ingress.models[0].info.path / "tokenizer.json"))
     sims = [SimEngine(dataclasses.replace(c, model=model), tokenizer) for c in engines]
     bridges = [Bridge(stack.settings, sim) for sim in sims]
+    stack.by_name["engine"] = bridges
     stop = asyncio.Event()
     tasks = [asyncio.create_task(b.run(stack.settings.nats, stop)) for b in bridges]
     try:
@@ -127,7 +128,8 @@ async def test_a_request_past_its_deadline_ends_with_a_timeout_error(
         assert raw.endswith("data: [DONE]\n\n")
         async with asyncio.timeout(10):
             await stack.by_name["schedule"][0].empty.wait()
-        assert engine.running == 0  # the stalled sequence was aborted
+            await stack.by_name["engine"][0].idle.wait()  # the abort is a message to the bridge
+        assert engine.running == 0
 
 
 async def test_a_hundred_cancelled_streams_leave_nothing_behind(stack: Stack) -> None:
