@@ -35,7 +35,7 @@ TOKEN_ID_PLACEHOLDER = "token_id:"
 PASSED_SAMPLING_FIELDS = frozenset(
     "n temperature top_p top_k min_p seed max_tokens min_tokens stop_token_ids ignore_eos "
     "presence_penalty frequency_penalty repetition_penalty logprobs logit_bias "
-    "structured_outputs".split()
+    "structured_outputs thinking_token_budget".split()
 )
 
 

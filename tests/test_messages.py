@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import openai
 import pytest
 import pytest_asyncio
 
@@ -69,12 +70,12 @@ async def test_thinking_comes_as_thinking_blocks_before_the_text(
 ) -> None:
     thinking = {"type": "enabled", "budget_tokens": 1024}
     done = await claude.messages.create(
-        model=stack.model, max_tokens=300, messages=HELLO, thinking=thinking
+        model=stack.model, max_tokens=1100, messages=HELLO, thinking=thinking
     )
     kinds = [b.type for b in done.content]
     assert kinds[0] == "thinking" and done.content[0].thinking, done.content
     async with claude.messages.stream(
-        model=stack.model, max_tokens=300, messages=HELLO, thinking=thinking
+        model=stack.model, max_tokens=1100, messages=HELLO, thinking=thinking
     ) as stream:
         deltas = [e.delta.type async for e in stream if e.type == "content_block_delta"]
         final = await stream.get_final_message()
@@ -90,17 +91,62 @@ async def test_a_thinking_budget_ends_the_thinking_where_it_says(
     claude: anthropic.AsyncAnthropic, stack: Stack
 ) -> None:
     """The budget reaches the engine (vLLM's `thinking_token_budget`), which ends the
-    reasoning after that many tokens: the same thinking, cut, then the answer's text."""
-    ask = {"model": stack.model, "max_tokens": 60, "messages": HELLO}
-    free = await claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 999})
-    cut = await claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 5})
-    thought, cut_thought = free.content[0].thinking, cut.content[0].thinking
-    assert free.content[0].type == cut.content[0].type == "thinking"
-    assert thought.startswith(cut_thought) and len(cut_thought) < len(thought)
-    assert [b.type for b in cut.content] == ["thinking", "text"] and cut.content[1].text
+    reasoning after that many tokens: the same thinking, cut, then the answer's text. A
+    chat request names the budget itself (a vLLM extra), below Messages' least of 1024."""
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    done = await claude.messages.create(model=stack.model, max_tokens=1025, messages=HELLO,
+                                        thinking=thinking)  # fmt: skip
     (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received
-               if w.rid == cut.id.removeprefix("msg_")]  # fmt: skip
-    assert work.sampling_params.thinking_token_budget == 5
+               if w.rid == done.id.removeprefix("msg_")]  # fmt: skip
+    assert work.sampling_params.thinking_token_budget == 1024
+    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-") as chat:
+        ask = {"model": stack.model, "max_tokens": 60, "messages": HELLO}
+        on = {"chat_template_kwargs": {"thinking": True}}
+        free = await chat.chat.completions.create(**ask, extra_body=on)
+        cut = await chat.chat.completions.create(
+            **ask, extra_body={**on, "thinking_token_budget": 5}
+        )
+    thought, cut_thought = free.choices[0].message.reasoning, cut.choices[0].message.reasoning
+    assert thought.startswith(cut_thought) and len(cut_thought) < len(thought)
+    assert cut.choices[0].message.content
+
+
+@pytest.mark.parametrize(("thinking", "why"), [
+    ({"type": "enabled", "budget_tokens": 1023}, "at least 1024"),
+    ({"type": "enabled", "budget_tokens": 2000}, "less than max_tokens"),
+    ({"type": "enabled"}, "budget_tokens"),
+])  # fmt: skip
+async def test_a_thinking_budget_anthropic_refuses_is_refused(
+    claude: anthropic.AsyncAnthropic, stack: Stack, thinking: dict[str, object], why: str
+) -> None:
+    """Anthropic's rules for the budget, which vLLM's `/v1/messages` keeps too: 1024 or
+    more, and less than `max_tokens`."""
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        await claude.messages.create(model=stack.model, max_tokens=2000, messages=HELLO,
+                                     thinking=thinking)  # type: ignore[arg-type]  # fmt: skip
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert why in bad.value.body["error"]["message"]
+
+
+async def test_the_clients_template_kwargs_are_the_templates(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """vLLM's extra `chat_template_kwargs` turns the template's thinking on as it does on
+    vLLM's own route, and wins over what `thinking` would set."""
+    on = await claude.messages.create(
+        model=stack.model,
+        max_tokens=40,
+        messages=HELLO,
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )
+    assert on.content[0].type == "thinking"
+    off = {"thinking": False, "enable_thinking": False}
+    said = await claude.messages.create(
+        model=stack.model, max_tokens=1100, messages=HELLO,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"chat_template_kwargs": off},
+    )  # fmt: skip
+    assert [b.type for b in said.content] == ["text"]
 
 
 async def test_a_tool_use_loop(claude: anthropic.AsyncAnthropic, stack: Stack) -> None:

@@ -5,6 +5,7 @@ format, and what is not built yet refused by name."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -103,6 +104,47 @@ async def test_reasoning_comes_as_its_own_item(client: openai.AsyncOpenAI, stack
                {"role": "user", "content": "Shorter."}],
     )  # fmt: skip
     assert again.output_text
+
+
+async def test_reasoning_cut_by_the_budget_has_no_empty_message(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    """Output that ends while still reasoning is a reasoning item alone, whole or streamed,
+    as vLLM answers it (a message item holds text, and there is none)."""
+    asks = {"model": stack.model, "input": "Describe a city.", "reasoning": {"effort": "high"},
+            "max_output_tokens": 4, "store": False}  # fmt: skip
+    whole = await client.responses.create(**asks)
+    async with client.responses.stream(**asks) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_response()
+    for done in (whole, final):
+        assert [item.type for item in done.output] == ["reasoning"], done.output
+        assert done.status == "incomplete" and done.output_text == ""
+    assert "response.output_text.done" not in kinds
+
+
+async def test_vllms_sampling_extras_reach_the_engine(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    """What vLLM's `/v1/responses` takes beyond OpenAI's fields (a regex, template switches,
+    seeds and penalties) works here too, rather than being dropped."""
+    extras = {"structured_outputs": {"regex": "Sunny, 2[0-9] degrees"}, "top_k": 5,
+              "seed": 7, "repetition_penalty": 1.1, "stop_token_ids": [3]}  # fmt: skip
+    done = await client.responses.create(
+        model=stack.model, input="Weather?", max_output_tokens=60, store=False,
+        extra_body=extras,
+    )  # fmt: skip
+    (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received
+               if w.rid == done.id.removeprefix("resp_")]  # fmt: skip
+    params = work.sampling_params
+    assert (params.top_k, params.seed, params.repetition_penalty) == (5, 7, 1.1)
+    assert params.stop_token_ids == [3] and params.structured_outputs is not None
+    assert re.fullmatch("Sunny, 2[0-9] degrees", done.output_text), done.output_text
+    thinking = await client.responses.create(  # the template's switch, as the client says
+        model=stack.model, input="Weather?", max_output_tokens=60, store=False,
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )  # fmt: skip
+    assert thinking.output[0].type == "reasoning"
 
 
 async def test_a_json_schema_format_gives_json_of_it(

@@ -30,6 +30,7 @@ from tokenway.protocol import (
     ToolCall,
     TopP,
     check_nesting,
+    template_kwargs,
     thinking_switch,
 )
 
@@ -93,6 +94,7 @@ class MessagesRequest(Struct, kw_only=True):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     metadata: Metadata | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
 
 
 class CountTokensRequest(Struct, kw_only=True):
@@ -103,6 +105,7 @@ class CountTokensRequest(Struct, kw_only=True):
     system: str | list[Block] | None = None
     tools: list[ToolDef] | None = None
     thinking: Thinking | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
 
 
 Messages = MessagesRequest | CountTokensRequest
@@ -196,10 +199,27 @@ def _tools(req: Messages) -> list[Tool] | None:
             for t in req.tools]  # fmt: skip
 
 
+# Anthropic's least thinking budget (vLLM's `/v1/messages` holds to it as well).
+LEAST_BUDGET = 1024
+
+
 def _thinking(req: Messages) -> dict[str, Any] | None:
     """The template's switch: on for `enabled` or `adaptive`, off for `disabled`; unsaid,
-    the template's own default."""
-    return None if req.thinking is None else thinking_switch(req.thinking.type != "disabled")
+    the template's own default. The client's own `chat_template_kwargs` win.
+
+    vLLM's route maps `enabled` to the budget alone, so a template that thinks only when
+    told (DeepSeek's) does not think there; here a client asking for thinking gets it."""
+    thinking = req.thinking
+    if thinking is not None and thinking.type == "enabled":
+        budget = thinking.budget_tokens
+        if budget is None or budget < LEAST_BUDGET:
+            raise InvalidRequest(f"thinking.budget_tokens: enabled thinking needs a budget of "
+                                 f"at least {LEAST_BUDGET} tokens", param="thinking")  # fmt: skip
+        if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
+            raise InvalidRequest("thinking.budget_tokens must be less than max_tokens",
+                                 param="thinking")  # fmt: skip
+    switch = None if thinking is None else thinking_switch(thinking.type != "disabled")
+    return template_kwargs(switch, req.chat_template_kwargs)
 
 
 def _tool_choice(choice: ToolChoice | None) -> Any:

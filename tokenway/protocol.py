@@ -94,38 +94,50 @@ class StreamOptionsBody(Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
 
-class _Common(Struct, kw_only=True):
-    """Fields shared by chat and completions, with vLLM's extras."""
+class Sampling(Struct, kw_only=True):
+    """Sampling fields vLLM takes on every generating API it serves, its Responses route
+    included (where all but OpenAI's own are its extras)."""
 
-    model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptionsBody | None = None
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # vLLM extras
     top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegInt = 0
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    return_token_ids: bool | None = None
     priority: Int64 = 0
-    request_id: str | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+
+def sampling_of(req: Sampling) -> dict[str, Any]:
+    """A request's `Sampling` fields, for the chat request it translates to."""
+    return {name: getattr(req, name) for name in Sampling.__struct_fields__}
+
+
+class _Common(Sampling, kw_only=True):
+    """Fields shared by chat and completions, with vLLM's extras."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool | None = False
+    stream_options: StreamOptionsBody | None = None
+    user: str | None = None
+    # vLLM extras
+    min_tokens: NonNegInt = 0
+    spaces_between_special_tokens: bool = True
+    return_token_ids: bool | None = None
+    request_id: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's older spellings of structured outputs (0.33 dropped them: here they still work)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -170,6 +182,16 @@ def thinking_switch(on: bool) -> dict[str, Any]:
     """`chat_template_kwargs` that turn a template's thinking on or off, in both spellings
     templates use (DeepSeek's `thinking`, Qwen's `enable_thinking`)."""
     return {"thinking": on, "enable_thinking": on}
+
+
+def template_kwargs(
+    switch: dict[str, Any] | None, client: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """An API's thinking switch under the client's own `chat_template_kwargs`, which win
+    where both name a key (as vLLM merges them)."""
+    if switch is None and client is None:
+        return None
+    return {**(switch or {}), **(client or {})}
 
 
 # Lax, as vLLM's pydantic models are: `min_tokens: 0.0` or `"max_tokens": "5"` is taken
@@ -310,16 +332,15 @@ def check_nesting(param: str, value: object) -> None:
         raise InvalidRequest(f"{param} nests deeper than {MAX_DEPTH} levels", param=param)
 
 
+# Free-form fields, on whichever API's request has them (Responses and Messages too).
+_FREE_FORM = ("kv_transfer_params", "response_format", "structured_outputs", "guided_json",
+              "chat_template_kwargs")  # fmt: skip
+
+
 def _free_form(req: object) -> list[tuple[str, object]]:
     """The free-form JSON of a request body, by parameter."""
-    fields: list[tuple[str, object]] = []
-    if isinstance(req, _Common):
-        fields.append(("kv_transfer_params", req.kv_transfer_params))
-        fields.append(("response_format", req.response_format))
-        fields.append(("structured_outputs", req.structured_outputs))
-        fields.append(("guided_json", req.guided_json))
+    fields = [(name, getattr(req, name)) for name in _FREE_FORM if hasattr(req, name)]
     if isinstance(req, ChatCompletionRequest | TokenizeChatRequest):
-        fields.append(("chat_template_kwargs", req.chat_template_kwargs))
         fields += [(f"tools[{i}].function.parameters", t.function.parameters)
                    for i, t in enumerate(req.tools or [])]  # fmt: skip
         fields += [(f"messages[{i}].tool_calls", m.tool_calls)

@@ -27,11 +27,14 @@ from tokenway.protocol import (
     NamedToolChoice,
     PosInt,
     ResponseFormat,
+    Sampling,
     Temperature,
     Tool,
     ToolCall,
     TopP,
     decoded,
+    sampling_of,
+    template_kwargs,
     thinking_switch,
 )
 
@@ -93,7 +96,7 @@ class Text(Struct, kw_only=True):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(Struct, kw_only=True):
+class ResponsesRequest(Sampling, kw_only=True):
     model: str | None = None
     input: str | Annotated[list[Item], Meta(min_length=1)]
     instructions: str | None = None
@@ -110,6 +113,9 @@ class ResponsesRequest(Struct, kw_only=True):
     previous_response_id: str | None = None
     stream: bool | None = False
     user: str | None = None
+    # vLLM extras (with `Sampling`'s)
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
 
 def _text(content: str | list[Part] | None, where: str) -> str:
@@ -197,11 +203,12 @@ def _format(text: Text | None) -> ResponseFormat | None:
     return ResponseFormat(type="json_schema", json_schema=schema)
 
 
-def _thinking(reasoning: Reasoning | None) -> dict[str, Any] | None:
-    """The template's switch: off for effort `none` or `minimal`, on for any other."""
-    if reasoning is None or reasoning.effort is None:
-        return None
-    return thinking_switch(reasoning.effort not in ("none", "minimal"))
+def _thinking(req: ResponsesRequest) -> dict[str, Any] | None:
+    """The template's switch: off for effort `none` or `minimal`, on for any other; what
+    the client's own `chat_template_kwargs` say wins."""
+    effort = req.reasoning.effort if req.reasoning else None
+    switch = None if effort is None else thinking_switch(effort not in ("none", "minimal"))
+    return template_kwargs(switch, req.chat_template_kwargs)
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -217,8 +224,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         stream=req.stream, temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        response_format=_format(req.text), chat_template_kwargs=_thinking(req.reasoning),
-        user=req.user,
+        response_format=_format(req.text), chat_template_kwargs=_thinking(req),
+        include_reasoning=req.include_reasoning, user=req.user, **sampling_of(req),
     )  # fmt: skip
 
 

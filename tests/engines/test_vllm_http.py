@@ -100,6 +100,7 @@ async def test_the_request_is_vllms_generate_request_with_only_fields_vllm_takes
         "q", 3, kv={"do_remote_prefill": True}, n=2, seed=9, max_tokens=20, temperature=0.5,
         stop=["\n"], stop_token_ids=[7], logprobs=0, skip_special_tokens=False,
         include_stop_str_in_output=True, prompt_logprobs=1, logit_bias={"5": -1.0},
+        thinking_token_budget=16,
     )  # fmt: skip
     w = msgspec.structs.replace(w, priority=-5)
     doc = msgspec.json.decode(msgspec.json.encode(vllm_request(w, "q-3", stream=True)))
@@ -108,7 +109,8 @@ async def test_the_request_is_vllms_generate_request_with_only_fields_vllm_takes
         "token_ids": PROMPT,
         "sampling_params": {
             "n": 2, "temperature": 0.5, "seed": 9, "max_tokens": 20, "stop_token_ids": [7],
-            "logprobs": 0, "logit_bias": {"5": -1.0}, "detokenize": False,
+            "logprobs": 0, "logit_bias": {"5": -1.0}, "thinking_token_budget": 16,
+            "detokenize": False,
         },
         "stream": True,
         "output_mode": "tokens",

@@ -39,7 +39,7 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
     if out.reasoning:
         output.append({"type": "reasoning", "id": _item_id(ctx, "reasoning"), "summary": [],
                        "content": [{"type": "reasoning_text", "text": out.reasoning}]})  # fmt: skip
-    if out.text or not out.tool_calls:
+    if out.text or not (out.reasoning or out.tool_calls):  # as vLLM: no message without text
         text = {"type": "output_text", "text": out.text, "annotations": []}
         output.append({"type": "message", "id": _item_id(ctx, "message"), "status": "completed",
                        "role": "assistant", "content": [text]})  # fmt: skip
