@@ -31,6 +31,13 @@ SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 32768  # the tiny model's positions: a long request takes minutes here
 TOOL_PARSER = "deepseek_v31"  # the tiny model has DeepSeek's tokenizer
 TOOL_PARSING = ["--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER]
+REASONING_PARSER = "deepseek_v3"  # reasoning where the template's `thinking` is on
+# The parser, and the markers a `thinking_token_budget` ends reasoning with (vLLM takes a
+# budget only with both; deepseek_v3 names no markers until a request turns thinking on).
+REASONING = [
+    "--reasoning-parser", REASONING_PARSER,
+    "--reasoning-config", '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}',
+]  # fmt: skip
 
 
 def _configured() -> tuple[Path, Path] | None:
@@ -68,13 +75,13 @@ def _require_vllm() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model,
-    with the tool parser tokenway's stack is given (`TOOL_PARSING`): both hold tool calls to
-    its structural tag."""
+    with the tool and reasoning parsers tokenway's stack is given (`TOOL_PARSING`,
+    `REASONING`): both hold tool calls to its structural tag and parse alike."""
     python, model = _require_vllm()
     port = free_port()
     log = Path(os.environ.get(LOG_ENV) or tmp_path_factory.mktemp("vllm") / "server.log")
     command = server_command(python, model, port, SERVED_NAME, MAX_MODEL_LEN, True)
-    command += TOOL_PARSING
+    command += TOOL_PARSING + REASONING
     with launched(command, port, model, log) as server:
         yield server
 
@@ -125,6 +132,7 @@ async def vllm_stack(
         served_model_name=SERVED_NAME,
         tool_call_parser=TOOL_PARSER,
         enable_auto_tool_choice=True,
+        reasoning_parser=REASONING_PARSER,
         vllm_url=vllm_server.url,
         engine_id="vllm-tier",
         # Not the suite's 3 s: here a CPU-bound vLLM shares two cores with NATS and every

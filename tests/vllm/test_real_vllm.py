@@ -42,14 +42,18 @@ The wire as vLLM 0.32.0 sends it (`POST /inference/v1/generate`, `output_mode: "
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer, VllmStack
 
@@ -268,8 +272,8 @@ BODIES = {"chat": chat_body, "completion": completion_body}
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-EMPTY_CHOICE = {"text": "", "token_ids": [], "finish_reason": None, "stop_reason": None,
-                "logprobs": None}  # fmt: skip
+EMPTY_CHOICE = {"text": "", "reasoning": "", "tool_calls": [], "token_ids": [],
+                "finish_reason": None, "stop_reason": None, "logprobs": None}  # fmt: skip
 
 
 def outcome(api: str, docs: list[Any]) -> dict[str, Any]:
@@ -284,11 +288,17 @@ def outcome(api: str, docs: list[Any]) -> dict[str, Any]:
         if doc.get("prompt_token_ids") is not None:  # chat: top level
             prompt_ids.append(doc["prompt_token_ids"])
         for c in doc["choices"]:
-            out = choices.setdefault(c["index"], dict(EMPTY_CHOICE, token_ids=[]))
+            out = choices.setdefault(c["index"], dict(EMPTY_CHOICE, token_ids=[], tool_calls=[]))
             if c.get("prompt_token_ids") is not None:  # completions: per choice
                 prompt_ids.append(c["prompt_token_ids"])
             part = c.get("message") or c.get("delta")
-            out["text"] += (part.get("content") or "") if part is not None else c["text"]
+            if part is None:  # completions
+                out["text"] += c["text"]
+            else:
+                out["text"] += part.get("content") or ""
+                out["reasoning"] += part.get("reasoning") or ""
+                for call in part.get("tool_calls") or []:
+                    _merge_call(out["tool_calls"], call)
             out["token_ids"] += c.get("token_ids") or []
             if c.get("finish_reason") is not None:
                 out["finish_reason"] = c["finish_reason"]
@@ -296,6 +306,17 @@ def outcome(api: str, docs: list[Any]) -> dict[str, Any]:
             if c.get("logprobs") is not None:
                 out["logprobs"] = _merge_logprobs(api, out["logprobs"], c["logprobs"])
     return {"prompt_token_ids": prompt_ids, "choices": choices, "usage": usage}
+
+
+def _merge_call(calls: list[dict[str, str]], call: dict[str, Any]) -> None:
+    """A whole call, or a streamed delta of the call at its `index`: its name and arguments
+    (not its id, which each server makes up)."""
+    index = call.get("index", len(calls))
+    if index == len(calls):
+        calls.append({"name": "", "arguments": ""})
+    function = call.get("function") or {}
+    calls[index]["name"] += function.get("name") or ""
+    calls[index]["arguments"] += function.get("arguments") or ""
 
 
 def _merge_logprobs(api: str, so_far: Any, new: Any) -> Any:
@@ -426,30 +447,106 @@ async def test_same_forced_tool_call_tokens_as_vllm(vllm_stack: VllmStack, force
         assert calls[0] == calls[1] and calls[1]
 
 
+# A whole call in the tool parser's syntax, after some text. The random model never makes
+# one of its own accord, so with tools offered (`auto`) a regex holds its output to this;
+# each server's parser then reads the same text (vLLM's `deepseek_v31` and tokenway's).
+SAID = "Let me check. "
+MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+           "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")  # fmt: skip
+CALL = f'{MARKERS[0]}{MARKERS[1]}get_weather{MARKERS[2]}{{"city": "Paris"}}{MARKERS[3]}{MARKERS[4]}'
+PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+@functools.cache
+def calling(model_dir: Path) -> dict[str, Any]:
+    """The fields that make the call above: `auto`, the regex, and a bias against every
+    token but the markers' own that holds a `<`. The grammar lets a marker be spelled out
+    in pieces too, and vLLM's streaming parser finds a call only by the markers' tokens
+    (its whole-response parser reads the text), so spelled out the two would disagree."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    markers = {tokenizer.token_to_id(m) for m in MARKERS}
+    spelling = [i for i in range(tokenizer.get_vocab_size())
+                if i not in markers and "<" in (tokenizer.id_to_token(i) or "")]  # fmt: skip
+    return {"tool_choice": "auto", "structured_outputs": {"regex": re.escape(SAID + CALL)},
+            "logit_bias": dict.fromkeys(map(str, spelling), -100)}  # fmt: skip
+
+
+# The template's thinking on (the prompt opens a reasoning block, which the parser reads),
+# ended by the engine after a budget of tokens: reasoning, then content.
+THINKING = {"chat_template_kwargs": {"thinking": True}}
+BUDGET = 6
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_parsed_tool_calls_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    extra = {"stream_options": USAGE} if stream else {}
+    forcing = calling(vllm_stack.server.model_dir)
+    body = chat_body(stream, max_tokens=160, tools=[WEATHER], **forcing, **extra)
+    ours, theirs = await both(vllm_stack, "chat", body)
+    choice = theirs["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["tool_calls"] == [PARIS]
+    assert choice["text"] == SAID
+    assert_same(ours, theirs, "chat")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_reasoning_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    extra = {"stream_options": USAGE} if stream else {}
+    body = chat_body(stream, max_tokens=20, thinking_token_budget=BUDGET, **THINKING, **extra)
+    ours, theirs = await both(vllm_stack, "chat", body)
+    choice = theirs["choices"][0]
+    assert choice["reasoning"] and choice["text"], choice  # the budget ended the reasoning
+    assert_same(ours, theirs, "chat")
+
+
 async def message_of(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """What must agree of an Anthropic message, whole or streamed: its content blocks, why
-    it stopped, and its token counts."""
+    """What must agree of an Anthropic message, whole or streamed: its content blocks (a
+    streamed tool_use block's input as the JSON text its deltas sent), why it stopped, and
+    its token counts."""
     async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
         if not body.get("stream"):
             resp = await http.post("/v1/messages", json=body)
             assert resp.status_code == 200, resp.text
             doc = resp.json()
             usage = doc["usage"]
-            return {"content": doc["content"], "stop_reason": doc["stop_reason"],
+            return {"content": [_block(b) for b in doc["content"]],
+                    "stop_reason": doc["stop_reason"],
                     "stop_sequence": doc.get("stop_sequence"),  # vLLM leaves out a null
                     "usage": [usage["input_tokens"], usage["output_tokens"]]}  # fmt: skip
         async with http.stream("POST", "/v1/messages", json=body) as resp:
             assert resp.status_code == 200, (await resp.aread()).decode()
             events = [json.loads(line[len("data: ") :]) async for line in resp.aiter_lines()
                       if line.startswith("data: ")]  # fmt: skip
-    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
-    text = "".join(d["text"] for d in deltas if d["type"] == "text_delta")
+    blocks: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks[e["index"]] = _block(e["content_block"], streamed=True)
+        elif e["type"] == "content_block_delta":
+            block, delta = blocks[e["index"]], e["delta"]
+            key = _DELTAS.get(delta["type"])
+            if key is not None:  # a signature, say, is each server's own
+                block[key] += delta[key]
     start = next(e for e in events if e["type"] == "message_start")["message"]
     end = next(e for e in events if e["type"] == "message_delta")
-    return {"content": [{"type": "text", "text": text}] if text else [],
+    text = [b for _, b in sorted(blocks.items()) if b.get("text") != ""]  # vLLM: none empty
+    return {"content": text,
             "stop_reason": end["delta"]["stop_reason"],
             "stop_sequence": end["delta"].get("stop_sequence"),
             "usage": [start["usage"]["input_tokens"], end["usage"]["output_tokens"]]}  # fmt: skip
+
+
+# a streamed delta's type → the block field it adds to
+_DELTAS = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+
+
+def _block(block: dict[str, Any], streamed: bool = False) -> dict[str, Any]:
+    """A content block without what each server makes up (ids, signatures)."""
+    kind = block["type"]
+    if kind == "tool_use":
+        return {"type": kind, "name": block["name"],
+                **({"partial_json": ""} if streamed else {"input": block["input"]})}  # fmt: skip
+    field = "thinking" if kind == "thinking" else "text"
+    return {"type": kind, field: "" if streamed else block[field]}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -467,44 +564,98 @@ async def test_same_anthropic_message_as_vllm(vllm_stack: VllmStack, stream: boo
 
 @pytest.mark.parametrize("forced", ["any", "tool"])
 async def test_same_anthropic_tool_use_as_vllm(vllm_stack: VllmStack, forced: str) -> None:
-    """A forced tool through both servers' `/v1/messages`: the same stop reason and, for a
-    whole call, the same tool and input (the call ids are each server's own)."""
+    """A forced tool through both servers' `/v1/messages`, streamed: the same tool_use block
+    with the same input deltas, stop reason and token counts (the call ids are each server's
+    own). The random model's call runs out of tokens: unstreamed, vLLM answers an empty text
+    block where tokenway answers the tool_use block its stream sent (the raw input under
+    `arguments`, as it is no JSON object), so there the stop reason and tokens must agree."""
     tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
     choice = {"type": forced, **({"name": "get_weather"} if forced == "tool" else {})}
-    body = {"model": SERVED_NAME, "max_tokens": 48, "temperature": 0, "messages": CHAT[1:],
+    # A prompt after which the model opens the call with the markers' own tokens: vLLM's
+    # streaming parser sees no call in markers spelled out in pieces (see `calling`).
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": SERVED_NAME, "max_tokens": 48, "temperature": 0, "messages": asked,
             "tools": [tool], "tool_choice": choice}  # fmt: skip
-    sides = []
-    for url in (vllm_stack.server.url, vllm_stack.url):
-        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
-            resp = await http.post("/v1/messages", json=body)
-        assert resp.status_code == 200, resp.text
-        sides.append(resp.json())
-    theirs, ours = sides
-    assert ours["stop_reason"] == theirs["stop_reason"]
-    assert ours["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
-    if theirs["stop_reason"] == "tool_use":
-        calls = [[(b["name"], b["input"]) for b in side["content"] if b["type"] == "tool_use"]
-                 for side in (ours, theirs)]  # fmt: skip
-        assert calls[0] == calls[1] and calls[1]
+    streamed = {**body, "stream": True}
+    theirs = await message_of(vllm_stack.server.url, streamed)
+    assert [b["type"] for b in theirs["content"]] == ["tool_use"], theirs
+    assert await message_of(vllm_stack.url, streamed) == theirs
+    whole = [await message_of(url, body) for url in (vllm_stack.server.url, vllm_stack.url)]
+    assert [(m["stop_reason"], m["usage"]) for m in whole] == [
+        (theirs["stop_reason"], theirs["usage"])] * 2  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_anthropic_thinking_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    """Thinking with a budget: the engine ends it after the budget's tokens, then the text;
+    the same thinking and text from both. vLLM's route leaves the template's switch to the
+    client (`chat_template_kwargs`); tokenway sets it for `thinking`, and answers the same
+    body without the switch alike."""
+    system, *turns = CHAT
+    budget = 1024  # Anthropic's least
+    body = {"model": SERVED_NAME, "max_tokens": budget + 6, "temperature": 0,
+            "system": system["content"], "messages": turns, "stream": stream,
+            "thinking": {"type": "enabled", "budget_tokens": budget}}  # fmt: skip
+    theirs = await message_of(vllm_stack.server.url, {**body, **THINKING})
+    assert [b["type"] for b in theirs["content"]] == ["thinking", "text"], theirs
+    assert await message_of(vllm_stack.url, {**body, **THINKING}) == theirs
+    if not stream:
+        assert await message_of(vllm_stack.url, body) == theirs
+
+
+async def response_of(url: str, body: dict[str, Any], stream: bool) -> tuple[Any, ...]:
+    """What must agree of a response, whole or streamed (through the `openai` SDK): each
+    output item's kind and text (a call's name and arguments), status and token counts."""
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0,
+                                  http_client=local_http()) as client:  # fmt: skip
+        if stream:
+            async with client.responses.stream(**body) as events:
+                done = await events.get_final_response()
+        else:
+            done = await client.responses.create(**body)
+    items = [(i.type, i.name, i.arguments) if i.type == "function_call"
+             else (i.type, *(part.text for part in i.content or []))
+             for i in done.output]  # fmt: skip
+    return items, done.status, done.usage.input_tokens, done.usage.output_tokens
+
+
+def response_body(**extra: Any) -> dict[str, Any]:
+    system, *turns = CHAT
+    return {"model": SERVED_NAME, "max_output_tokens": MAX_TOKENS, "temperature": 0,
+            "instructions": system["content"], "input": turns, "store": False,
+            **extra}  # fmt: skip
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_same_response_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
     """vLLM's own `/v1/responses` and tokenway's on the same engine, at temperature 0: the
     same text, status and token counts (neither keeps it: `store: false`)."""
-    system, *turns = CHAT
-    body = {"model": SERVED_NAME, "max_output_tokens": MAX_TOKENS, "temperature": 0,
-            "instructions": system["content"], "input": turns, "store": False}  # fmt: skip
-    sides = []
-    for url in (vllm_stack.server.url, vllm_stack.url):
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0,
-                                      http_client=local_http()) as client:  # fmt: skip
-            if stream:
-                async with client.responses.stream(**body) as events:
-                    done = await events.get_final_response()
-            else:
-                done = await client.responses.create(**body)
-        sides.append((done.output_text, done.status, done.usage.input_tokens,
-                      done.usage.output_tokens))  # fmt: skip
-    theirs, ours = sides
-    assert theirs[3] > 0 and ours == theirs
+    body = response_body()
+    theirs = await response_of(vllm_stack.server.url, body, stream)
+    assert theirs[3] > 0 and [kind for kind, *_ in theirs[0]] == ["message"]
+    assert await response_of(vllm_stack.url, body, stream) == theirs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_response_reasoning_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    """Reasoning asked for (the template's switch said, as vLLM's route needs for DeepSeek's
+    template): the same reasoning item, cut by the budget, and no message item."""
+    body = response_body(reasoning={"effort": "low"}, extra_body=THINKING)
+    theirs = await response_of(vllm_stack.server.url, body, stream)
+    assert [kind for kind, *_ in theirs[0]] == ["reasoning"] and theirs[1] == "incomplete"
+    assert await response_of(vllm_stack.url, body, stream) == theirs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_response_function_call_as_vllm(vllm_stack: VllmStack, stream: bool) -> None:
+    tool = {"type": "function", **WEATHER["function"]}
+    forcing = calling(vllm_stack.server.model_dir)
+    body = response_body(
+        max_output_tokens=160,
+        tools=[tool],
+        tool_choice="auto",
+        extra_body={k: v for k, v in forcing.items() if k != "tool_choice"},
+    )
+    theirs = await response_of(vllm_stack.server.url, body, stream)
+    assert theirs[0] == [("message", SAID), ("function_call", *PARIS.values())], theirs
+    assert await response_of(vllm_stack.url, body, stream) == theirs
