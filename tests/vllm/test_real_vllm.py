@@ -528,8 +528,9 @@ async def message_of(url: str, body: dict[str, Any]) -> dict[str, Any]:
                 block[key] += delta[key]
     start = next(e for e in events if e["type"] == "message_start")["message"]
     end = next(e for e in events if e["type"] == "message_delta")
-    text = [b for _, b in sorted(blocks.items()) if b.get("text") != ""]  # vLLM: none empty
-    return {"content": text,
+    # vLLM opens no empty text block
+    content = [b for _, b in sorted(blocks.items()) if b.get("text") != ""]
+    return {"content": content,
             "stop_reason": end["delta"]["stop_reason"],
             "stop_sequence": end["delta"].get("stop_sequence"),
             "usage": [start["usage"]["input_tokens"], end["usage"]["output_tokens"]]}  # fmt: skip
