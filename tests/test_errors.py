@@ -143,6 +143,14 @@ async def test_a_number_the_wire_cannot_carry_is_400_naming_it(
     assert error["type"] == "BadRequestError"
 
 
+async def test_a_responses_number_the_wire_cannot_carry_is_400_naming_it(stack: Stack) -> None:
+    """vLLM's extras on the Responses route are held to the same bounds."""
+    body = {"input": "hi", "max_output_tokens": 2, "store": False,
+            "kv_transfer_params": {"remote_block_ids": [2**64]}}  # fmt: skip
+    resp = await post(stack, "/v1/responses", json=body)
+    assert_error(resp, 400, "kv_transfer_params")
+
+
 async def test_min_tokens_past_the_budget_is_400_as_vllm_says_it(stack: Stack) -> None:
     body = {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}
     resp = await post(stack, "/v1/completions", json=body)

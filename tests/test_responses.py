@@ -1,6 +1,6 @@
 """OpenAI's Responses API through the whole pipeline, with the `openai` SDK: a response, a
 function-calling loop that sends the output items back as input, reasoning, a JSON schema
-format, and what is not built yet refused by name."""
+format, and what is not served refused by name."""
 
 from __future__ import annotations
 
@@ -268,3 +268,31 @@ async def test_a_stream_resumes_as_it_was_sent(stack: Stack) -> None:
             resumed = await http.get(f"/v1/streams/{rid}")
             assert resumed.text == sent and sent.startswith("event: ")
             assert "[DONE]" not in sent
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"max_tool_calls": 1}, "max_tool_calls"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+])  # fmt: skip
+async def test_what_is_not_served_is_refused_by_name(
+    client: openai.AsyncOpenAI, stack: Stack, extra: dict[str, object], param: str
+) -> None:
+    """A field that would change the answer, if served, is a 400 naming it rather than
+    being dropped; hints that change nothing (`include` of encrypted reasoning, as Codex
+    sends it with `store: false`; `service_tier`; `prompt_cache_key`) are taken."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.responses.create(model=stack.model, input="Hi", max_output_tokens=4,
+                                      store=False, extra_body=extra)  # fmt: skip
+    assert bad.value.body["param"] == param, bad.value.body
+    hints = {"include": ["reasoning.encrypted_content"], "service_tier": "auto",
+             "prompt_cache_key": "k", "background": False, "truncation": "disabled",
+             "top_logprobs": 0}  # fmt: skip
+    done = await client.responses.create(model=stack.model, input="Hi", max_output_tokens=4,
+                                         store=False, extra_body=hints)  # fmt: skip
+    assert done.output_text

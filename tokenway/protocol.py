@@ -213,12 +213,12 @@ def decode_body(api: str, body: bytes) -> OpenAIRequest:
         from tokenway import anthropic, responses
 
         if api == "messages":
-            chat = anthropic.to_chat(decoded(anthropic.MessagesDecoder, body))
+            req: OpenAIRequest = anthropic.to_chat(decoded(anthropic.MessagesDecoder, body))
         else:
-            chat = responses.to_chat(decoded(responses.ResponsesDecoder, body))
-        _check_depth(chat)  # its tool schemas and inputs, as chat carries them
-        return chat
-    req = decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
+            req = responses.to_chat(decoded(responses.ResponsesDecoder, body))
+        _check_depth(req)  # its tool schemas and inputs, as chat carries them
+    else:
+        req = decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
     if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
         raise InvalidRequest(
             "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"

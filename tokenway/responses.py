@@ -116,6 +116,14 @@ class ResponsesRequest(Sampling, kw_only=True):
     # vLLM extras (with `Sampling`'s)
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # OpenAI's, not served: a 400 naming each one set to what would change the answer
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
 
 
 def _text(content: str | list[Part] | None, where: str) -> str:
@@ -211,9 +219,37 @@ def _thinking(req: ResponsesRequest) -> dict[str, Any] | None:
     return template_kwargs(switch, req.chat_template_kwargs)
 
 
+def _refuse_unserved(req: ResponsesRequest) -> None:
+    """OpenAI's fields that would change the answer, were they served: a 400 naming the
+    first one set. Hints (other `include`s, such as the encrypted reasoning Codex asks for
+    with `store: false`; `service_tier`, `prompt_cache_key`) change nothing and are taken."""
+    unserved = {
+        "background": (req.background, "responses run while the request waits; none is "
+                       "served in the background"),
+        "conversation": (req.conversation is not None, "the Conversations API is not served; "
+                         "go on from a stored response with previous_response_id"),
+        "prompt": (req.prompt is not None, "stored prompt templates are not served"),
+        "truncation": (req.truncation not in (None, "disabled"), "only 'disabled' is "
+                       "served: a prompt past the context is a 400"),
+        "top_logprobs": (bool(req.top_logprobs), "logprobs are not served on this route "
+                         "(/v1/chat/completions has them)"),
+        "include": (LOGPROBS in (req.include or []), f"{LOGPROBS} is not served on this "
+                    "route (/v1/chat/completions has logprobs)"),
+        "max_tool_calls": (req.max_tool_calls is not None, "a cap on tool calls is not "
+                           "served (parallel_tool_calls: false allows one)"),
+    }  # fmt: skip
+    for param, (refused, why) in unserved.items():
+        if refused:
+            raise InvalidRequest(f"{param}: {why}", param=param)
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request a Responses request is (one naming a stored response
     it continues is the ingress's to resolve: here, a 400)."""
+    _refuse_unserved(req)
     if req.previous_response_id:
         raise InvalidRequest(
             "previous_response_id is for the ingress, which puts the stored conversation "
