@@ -149,6 +149,27 @@ async def test_the_clients_template_kwargs_are_the_templates(
     assert [b.type for b in said.content] == ["text"]
 
 
+async def test_an_output_format_holds_the_text_to_its_schema(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """Anthropic's structured outputs (`output_config.format`), held to by the engine as a
+    JSON schema; `output_config.effort` asks for thinking, as vLLM's route reads it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name"], "additionalProperties": False}  # fmt: skip
+    output = {"format": {"type": "json_schema", "schema": schema}}
+    done = await claude.messages.create(model=stack.model, max_tokens=100, messages=HELLO,
+                                        extra_body={"output_config": output})  # fmt: skip
+    assert [b.type for b in done.content] == ["text"]
+    assert set(json.loads(done.content[0].text)) == {"name"}
+    effort = await claude.messages.create(
+        model=stack.model,
+        max_tokens=40,
+        messages=HELLO,
+        extra_body={"output_config": {"effort": "high"}},
+    )
+    assert effort.content[0].type == "thinking"
+
+
 async def test_a_tool_use_loop(claude: anthropic.AsyncAnthropic, stack: Stack) -> None:
     """A forced tool's call comes back as a tool_use block (stop_reason tool_use), streamed
     as input_json deltas too; its result goes back as a tool_result and the model answers."""

@@ -21,11 +21,13 @@ from tokenway.protocol import (
     ChatCompletionRequest,
     FunctionCall,
     FunctionDef,
+    JsonSchemaFormat,
     Message,
     NamedFunction,
     NamedToolChoice,
     NonNegInt,
     PosInt,
+    ResponseFormat,
     Tool,
     ToolCall,
     TopP,
@@ -76,6 +78,18 @@ class Thinking(Struct, kw_only=True):
     budget_tokens: NonNegInt | None = None
 
 
+class OutputFormat(Struct, kw_only=True):
+    """Structured outputs: the text is JSON held to `schema` by the engine."""
+
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Struct, kw_only=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class Metadata(Struct, kw_only=True):
     user_id: str | None = None
 
@@ -93,6 +107,7 @@ class MessagesRequest(Struct, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     metadata: Metadata | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
 
@@ -105,6 +120,7 @@ class CountTokensRequest(Struct, kw_only=True):
     system: str | list[Block] | None = None
     tools: list[ToolDef] | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
 
 
@@ -205,7 +221,8 @@ LEAST_BUDGET = 1024
 
 def _thinking(req: Messages) -> dict[str, Any] | None:
     """The template's switch: on for `enabled` or `adaptive`, off for `disabled`; unsaid,
-    the template's own default. The client's own `chat_template_kwargs` win.
+    on where `output_config` names an effort (as vLLM reads it), else the template's own
+    default. The client's own `chat_template_kwargs` win.
 
     vLLM's route maps `enabled` to the budget alone, so a template that thinks only when
     told (DeepSeek's) does not think there; here a client asking for thinking gets it."""
@@ -219,7 +236,18 @@ def _thinking(req: Messages) -> dict[str, Any] | None:
             raise InvalidRequest("thinking.budget_tokens must be less than max_tokens",
                                  param="thinking")  # fmt: skip
     switch = None if thinking is None else thinking_switch(thinking.type != "disabled")
+    if switch is None and req.output_config and req.output_config.effort:
+        switch = thinking_switch(True)
     return template_kwargs(switch, req.chat_template_kwargs)
+
+
+def _format(req: MessagesRequest) -> ResponseFormat | None:
+    f = req.output_config.format if req.output_config else None
+    if f is None:
+        return None
+    return ResponseFormat(
+        type="json_schema", json_schema=JsonSchemaFormat(name="output", schema=f.schema)
+    )
 
 
 def _tool_choice(choice: ToolChoice | None) -> Any:
@@ -245,7 +273,7 @@ def to_chat(req: Messages) -> ChatCompletionRequest:
         stop=req.stop_sequences, stream=req.stream, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, tools=_tools(req),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=parallel,
-        chat_template_kwargs=_thinking(req),
+        chat_template_kwargs=_thinking(req), response_format=_format(req),
         thinking_token_budget=req.thinking.budget_tokens
         if req.thinking and req.thinking.type == "enabled" else None,
         user=req.metadata.user_id if req.metadata else None,

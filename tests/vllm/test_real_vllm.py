@@ -604,6 +604,20 @@ async def test_same_anthropic_thinking_as_vllm(vllm_stack: VllmStack, stream: bo
         assert await message_of(vllm_stack.url, body) == theirs
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_same_anthropic_structured_output_as_vllm(
+    vllm_stack: VllmStack, stream: bool
+) -> None:
+    """`output_config.format`: both routes hold the text to the schema the same way."""
+    schema = CONSTRAINTS["json_schema"]["response_format"]["json_schema"]["schema"]
+    body = {"model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": CHAT[1:], "stream": stream,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}}}  # fmt: skip
+    theirs = await message_of(vllm_stack.server.url, body)
+    assert theirs["content"][0]["text"].startswith("{"), theirs
+    assert await message_of(vllm_stack.url, body) == theirs
+
+
 async def response_of(url: str, body: dict[str, Any], stream: bool) -> tuple[Any, ...]:
     """What must agree of a response, whole or streamed (through the `openai` SDK): each
     output item's kind and text (a call's name and arguments), status and token counts."""
