@@ -16,8 +16,9 @@ import logging
 import re
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -29,7 +30,7 @@ from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.responses import Conversation, conversation, final_response
 from ingress.router import Event, OutputRouter, Slot, SseWriter
-from tokenway import anthropic, bus, ledger, spans
+from tokenway import anthropic, bus, ledger, spans, tenancy
 from tokenway import headers as h
 from tokenway.errors import (
     BodyTimeout,
@@ -37,6 +38,7 @@ from tokenway.errors import (
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
+    RateLimited,
     StageUnavailable,
     TokenwayError,
     TooLarge,
@@ -182,6 +184,8 @@ class Completions:
     body_timeout: float
     limits: dict[str, Limits]  # tenant → its limits, for render to enforce
     responses: Callable[[], Awaitable[ResponseStore]]  # stored Responses API responses
+    # tenant → the requests of its this ingress holds, from their queueing to their end
+    running: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -221,6 +225,26 @@ class Completions:
         if api == "count_tokens":
             await self._reply(api, await self._count_tokens(body), send, echo)
             return
+        limits = self.limits.get(tenant)
+        if limits and limits.concurrent and self.running[tenant] >= limits.concurrent:
+            # Past its limit on this ingress alone: refused here, before render and the bus
+            # do any work for it (render's count, across ingresses, decides the rest).
+            refused = tenancy.busy(limits)
+            await self.refuse(api, RateLimited(refused.why, refused.retry_after), send, echo)
+            return
+        self.running[tenant] += 1
+        try:
+            await self._run(api, scope, receive, send, body, rid, tenant, client_id, echo)
+        finally:
+            self.running[tenant] -= 1
+            if not self.running[tenant]:
+                del self.running[tenant]
+
+    async def _run(
+        self, api: Api, scope: Scope, receive: Receive, send: Send, body: bytes, rid: str,
+        tenant: str, client_id: str, echo: tuple[bytes, bytes],
+    ) -> None:  # fmt: skip
+        """A request the ingress took: queued for render, answered whole or as a stream."""
         given = header(scope, _TRACEPARENT).decode("latin-1")
         span = spans.start(f"POST {scope['path']}", valid(given), "server", request_id=rid)
         trace = span.traceparent() or traceparent(given)

@@ -18,6 +18,7 @@ import pytest_asyncio
 
 from tests.conftest import Stack, make_settings, start_stack
 from tokenway import bus
+from tokenway import headers as h
 from tokenway.tenancy import Usage
 
 FLOOD, METERED, CALM = ("sk-flood-0123456789abcdef", "sk-metered-0123456789abcdef",
@@ -110,6 +111,30 @@ async def test_a_tenants_concurrency_is_one_count_across_ingresses(
     async with _http(two, FLOOD) as http:
         resp = await http.post("/v1/chat/completions", json=_body(max_tokens=4))
     assert resp.status_code == 200, resp.text
+
+
+async def test_a_tenant_at_its_limit_on_one_ingress_is_refused_there_before_render(
+    ingresses: tuple[Stack, Stack],
+) -> None:
+    """An ingress that itself runs a tenant's limit of requests refuses the next one at once:
+    nothing is queued, so a flood's refusals cost render and the bus nothing."""
+    one, _ = ingresses
+    nc = await nats.connect(one.settings.nats)
+    queued = await nc.subscribe(bus.render_subject(bus.ANY))
+    try:
+        async with _running(one, FLOOD, ENDLESS), _running(one, FLOOD, ENDLESS):
+            async with _http(one, FLOOD) as http:
+                resp = await http.post("/v1/chat/completions", json=_body(max_tokens=4))
+            assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+            assert "2 concurrent" in resp.json()["error"]["message"]
+            async with _http(one, CALM) as http:
+                calm = await http.post("/v1/chat/completions", json=_body(max_tokens=4))
+            assert calm.status_code == 200
+        # what the ingress queued, in order: the two streams, then the calm request alone
+        tenants = [(await queued.next_msg(timeout=10)).headers[h.TENANT] for _ in range(3)]
+        assert tenants == ["flood", "flood", "calm"]
+    finally:
+        await nc.close()
 
 
 async def test_a_flooding_tenant_gets_429s_and_the_others_their_answers(

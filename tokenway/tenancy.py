@@ -81,12 +81,18 @@ def admit(
                 math.ceil(early),
             )
     if limits.concurrent and len(leases) >= limits.concurrent:
-        return Refused(
-            f"this key already runs its limit of {limits.concurrent} concurrent requests",
-            RETRY_BUSY,
-        )
+        return busy(limits)
     leases[rid] = until
     return Usage(tat=tat, leases=leases)
+
+
+def busy(limits: Limits) -> Refused:
+    """Every concurrent slot is taken (by the bucket's count, or by one ingress's own: a
+    request it holds runs or waits to, so its count never exceeds what it may run)."""
+    return Refused(
+        f"this key already runs its limit of {limits.concurrent} concurrent requests",
+        RETRY_BUSY,
+    )
 
 
 def release(usage: Usage, rid: str, now: float) -> Usage | None:
