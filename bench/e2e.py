@@ -44,6 +44,7 @@ from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, loa
 from tokenway.natsd import server_binary
 from tokenway.protocol import decode_body
 from tokenway.wire import EngineInfo, EngineWork, SamplingParams
+from workers.derender.detok import Detokenizer, seed
 from workers.render.core import Renderer
 
 ROOT = Path(__file__).resolve().parent.parent  # the stages run from the project root
@@ -139,10 +140,14 @@ def sampling(cfg: BenchConfig, i: int) -> SamplingParams:
 async def run_direct(
     cfg: BenchConfig, engine: SimEngine, prompts: list[list[int]]
 ) -> list[StreamTrace]:
-    """N concurrent `generate` calls on one engine; every emit timestamped as it happens."""
+    """N concurrent `generate` calls on one engine; every emit that releases text (as a
+    client of any server gets it: a token inside a multi-byte character releases none, and
+    its text comes with the next one) timestamped as it happens."""
+    detok = Detokenizer(engine.tokenizer)
 
     async def one(i: int) -> StreamTrace:
         trace = StreamTrace(start=time.perf_counter())
+        state = seed(prompts[i])
 
         def emit(
             token_ids: list[int],
@@ -152,9 +157,12 @@ async def run_direct(
             index: int = 0,
             kv_transfer_params: object = None,
         ) -> None:
-            if token_ids:
-                trace.deliveries.append(time.perf_counter())
-                trace.tokens += len(token_ids)
+            nonlocal state
+            now = time.perf_counter()
+            text, state = detok.step(state, token_ids)
+            if text:
+                trace.deliveries.append(now)
+            trace.tokens += len(token_ids)
 
         work = EngineWork(
             rid=f"direct-{i}", attempt=1, owner="bench", token_ids=prompts[i],

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from tokenizers import Tokenizer
 
 from bench import batch_interference, e2e, ledger_writer, owner_memory
+from tokenway.model import default_model_dir, load_model_info
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -52,6 +56,19 @@ async def test_tiny_benchmark_reports_every_figure() -> None:
     assert set(report["cpu"]) == {*e2e.PROCESSES, "bench client"}
 
     assert "TTFT p50" in e2e.render_table(report)
+
+
+@in_session_loop
+async def test_the_direct_path_delivers_text_as_a_client_gets_it(tmp_path: Path) -> None:
+    """A token inside a multi-byte character releases no text, on the direct path as
+    through a server: it is no delivery (stream 0's output has such characters early)."""
+    cfg = e2e.BenchConfig(concurrency=1, max_tokens=12, itl=0.001, ttft=0.0)
+    model = load_model_info(default_model_dir(tmp_path))
+    tokenizer = Tokenizer.from_file(str(model.path / "tokenizer.json"))
+    engine = e2e.direct_engine(cfg, model, tokenizer)
+    (trace,) = await e2e.run_direct(cfg, engine, e2e.rendered_prompts(cfg, model))
+    assert trace.error is None and trace.tokens == 12
+    assert 0 < len(trace.deliveries) < trace.tokens
 
 
 @in_session_loop
