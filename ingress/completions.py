@@ -182,9 +182,9 @@ class Completions:
     draining: asyncio.Event
     max_request_bytes: int
     body_timeout: float
-    limits: dict[str, Limits]  # tenant → its limits, for render to enforce
+    limits: dict[str, Limits]  # tenant → its limits: render enforces them, across ingresses
     responses: Callable[[], Awaitable[ResponseStore]]  # stored Responses API responses
-    # tenant → the requests of its this ingress holds, from their queueing to their end
+    # tenant → how many of its requests this ingress holds, from their queueing to their end
     running: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
