@@ -29,6 +29,7 @@ from tokenway.wire import (
 )
 from workers.derender.reasoning import END as THINK_END
 from workers.derender.reasoning import START as THINK_START
+from workers.derender.reasoning import last_marker
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,7 @@ class SimEngine:
         """Whether the prompt leaves the model reasoning (its last marker opens it)."""
         if self.think_start is None or self.think_end is None:
             return False
-        tail = next((t for t in reversed(prompt) if t in (self.think_start, self.think_end)), None)
-        return tail == self.think_start
+        return last_marker(prompt, self.think_start, self.think_end) == self.think_start
 
     def _handoff(self, work: EngineWork) -> dict[str, object] | None:
         """A prefill engine asked for remote decode answers with where its KV blocks are,

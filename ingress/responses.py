@@ -18,11 +18,11 @@ from fastapi import FastAPI, Request, Response
 from tokenway import sse
 from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
 from tokenway.response_store import NotStored, ResponseStore, Stored
-from tokenway.responses import COMPLETED
+from tokenway.responses import COMPLETED, RESPONSE_ID_PREFIX
 
 log = logging.getLogger(__name__)
 
-_ID = re.compile(r"resp_[A-Za-z0-9_-]{1,128}")
+_ID = re.compile(re.escape(RESPONSE_ID_PREFIX) + r"[A-Za-z0-9_-]{1,128}")
 _decode = msgspec.json.Decoder()
 _json = msgspec.json.Encoder()
 _FINAL = sse.NAMED + COMPLETED.encode() + b"\n"  # a stream's last event, whatever its status

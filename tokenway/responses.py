@@ -219,6 +219,9 @@ def _thinking(req: ResponsesRequest) -> dict[str, Any] | None:
     return template_kwargs(switch, req.chat_template_kwargs)
 
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` of logprobs, not served here
+
+
 def _refuse_unserved(req: ResponsesRequest) -> None:
     """OpenAI's fields that would change the answer, were they served: a 400 naming the
     first one set. Hints (other `include`s, such as the encrypted reasoning Codex asks for
@@ -241,9 +244,6 @@ def _refuse_unserved(req: ResponsesRequest) -> None:
     for param, (refused, why) in unserved.items():
         if refused:
             raise InvalidRequest(f"{param}: {why}", param=param)
-
-
-LOGPROBS = "message.output_text.logprobs"
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:

@@ -117,10 +117,9 @@ def _delta(blocks: Opened, delta: dict[str, Any]) -> dict[str, Any]:
 
 def _tool(docs: list[dict[str, Any]], blocks: Opened, call: ToolCallDelta) -> Opened:
     function = call.function
-    if not (blocks.kind == "tool_use" and blocks.call == call.index):
-        name = function.name if function and function.name else ""
-        blocks = _open(docs, blocks, "tool_use", {"id": call.id or "", "name": name,
-                                                  "input": {}}, call.index)  # fmt: skip
+    name = function.name if function and function.name else ""
+    blocks = _open(docs, blocks, "tool_use", {"id": call.id or "", "name": name, "input": {}},
+                   call.index)  # fmt: skip
     if function is not None and function.arguments:
         docs.append(_delta(blocks, {"type": "input_json_delta",
                                     "partial_json": function.arguments}))  # fmt: skip

@@ -105,14 +105,19 @@ def start_mode(
         )
     # is_reasoning_end(prompt) in basic_parsers.py and parser_engine.py: the prompt's last
     # marker decides; abstract_parser.py parse_delta then skips reasoning parsing altogether.
-    for token_id in reversed(prompt_token_ids):
-        if token_id == end_id:
-            return "closed"
-        if token_id == start_id:
-            return "open"
     # No marker in the prompt: deepseek_r1 takes output without <think> as reasoning until
     # </think> (deepseek_r1_reasoning_parser.py); qwen3 with thinking starts in REASONING.
-    return "open"
+    last = last_marker(prompt_token_ids, start_id, end_id)
+    return "closed" if last is not None and last == end_id else "open"
+
+
+def last_marker(
+    prompt_token_ids: Sequence[int], start_id: int | None, end_id: int | None
+) -> int | None:
+    """The prompt's last reasoning marker (`start_id` or `end_id`), None without one: whether
+    it leaves the output in reasoning, as parsers and a thinking budget read it."""
+    markers = {start_id, end_id} - {None}
+    return next((t for t in reversed(prompt_token_ids) if t in markers), None)
 
 
 def start(mode: ReasoningStart) -> ReasoningState | None:
