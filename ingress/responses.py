@@ -53,9 +53,12 @@ class Conversation:
 
 def _items(given: Any) -> list[dict[str, Any]]:
     """A request's input as items as OpenAI lists them: each with an id, a message's text
-    as a part."""
-    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) \
-        else [dict(item) for item in given if isinstance(item, dict)]  # fmt: skip
+    as a part (an input that is neither text nor a list: none, for validation to refuse)."""
+    if isinstance(given, str):
+        items = [{"type": "message", "role": "user", "content": given}]
+    else:
+        listed = given if isinstance(given, list) else []
+        items = [dict(item) for item in listed if isinstance(item, dict)]
     for item in items:
         kind = item.setdefault("type", "message")
         item.setdefault("id", f"{'msg' if kind == 'message' else 'item'}_{secrets.token_hex(12)}")

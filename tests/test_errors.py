@@ -143,6 +143,17 @@ async def test_a_number_the_wire_cannot_carry_is_400_naming_it(
     assert error["type"] == "BadRequestError"
 
 
+@pytest.mark.parametrize("given", [1.5, True, {"role": "user"}])
+async def test_a_responses_input_of_the_wrong_type_is_400_naming_it(
+    stack: Stack, given: object
+) -> None:
+    """The ingress reads the input for the conversation it keeps before it validates the
+    body: an input that is neither text nor items is still the client's 400 (schemathesis
+    found a 500 for a number)."""
+    resp = await post(stack, "/v1/responses", json={"input": given, "store": True})
+    assert_error(resp, 400, "input")
+
+
 async def test_a_responses_number_the_wire_cannot_carry_is_400_naming_it(stack: Stack) -> None:
     """vLLM's extras on the Responses route are held to the same bounds."""
     body = {"input": "hi", "max_output_tokens": 2, "store": False,
