@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 
 from llguidance import LLMatcher
-from llguidance.gbnf_to_lark import gbnf_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from tokenway import tag_grammar
 from tokenway.tag_grammar import Unsupported
@@ -32,7 +32,7 @@ def grammar(so: StructuredOutputs, tokens: Mapping[str, int] | None = None) -> s
     if so.choice is not None:
         return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, so.choice)))
     if so.grammar is not None:
-        lark = gbnf_to_lark(so.grammar) if "::=" in so.grammar else so.grammar
+        lark = _lark_of_gbnf(so.grammar) if "::=" in so.grammar else so.grammar
         return LLMatcher.grammar_from_lark(lark)
     assert so.structural_tag is not None
     try:
@@ -42,13 +42,51 @@ def grammar(so: StructuredOutputs, tokens: Mapping[str, int] | None = None) -> s
     return LLMatcher.grammar_from_lark(tag_grammar.lark(tag, tokens))
 
 
+def _lark_of_gbnf(text: str) -> str:
+    """A GBNF grammar as Lark; ValueError where the converter cannot read it. Besides its
+    own error it raises a bare Exception for a missing rule (or no `root`), and an
+    IndexError reading past an escape the grammar's end cuts off (`root ::= "\\`): the
+    client's grammar each time. Any other exception is a bug and stays one."""
+    try:
+        return gbnf_to_lark(text)
+    except GbnfToLarkError as exc:
+        raise ValueError(str(exc)) from exc
+    except IndexError as exc:
+        raise ValueError("incomplete escape sequence at the end of the grammar") from exc
+    except Exception as exc:
+        if type(exc) is not Exception:
+            raise
+        raise ValueError(str(exc)) from exc
+
+
 def problem(so: StructuredOutputs) -> str | None:
     """Why the constraint cannot be decoded (its schema, regex or grammar is not valid),
     or None."""
     try:
         text = grammar(so)
-    except Unsupported:
+    except Unsupported:  # goes unchecked, but for the grammars in it (vLLM refuses a bad one)
+        assert so.structural_tag is not None
+        for inner in _grammars(so.structural_tag):
+            if not isinstance(inner, str) or not inner.strip():
+                return "a grammar format in it has no grammar text"
+            if (why := problem(StructuredOutputs(grammar=inner))) is not None:
+                return f"a grammar format in it is not valid: {why}"
         return None
     except (ValueError, TypeError, RuntimeError) as exc:  # what the compilers raise
         return str(exc)
     return LLMatcher.validate_grammar(text) or None
+
+
+def _grammars(tag: str) -> list[object]:
+    """The grammars of a structural tag's `grammar` formats (tag_grammar has read it as
+    far as the first format it cannot decode, so it is JSON)."""
+    found, todo = [], [json.loads(tag).get("format")]
+    while todo:
+        fmt = todo.pop()
+        if isinstance(fmt, list):
+            todo.extend(fmt)
+        elif isinstance(fmt, dict):
+            if fmt.get("type") == "grammar":
+                found.append(fmt.get("grammar"))
+            todo.extend(fmt.get(key) for key in ("content", "elements", "tags"))
+    return found

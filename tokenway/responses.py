@@ -39,6 +39,12 @@ from tokenway.protocol import (
 )
 
 RESPONSE_ID_PREFIX = "resp_"
+# The chat request's parameters a Responses request gives by other names (`to_chat`): what
+# an error about one names.
+CHAT_PARAMS = {
+    "messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+}  # fmt: skip
 COMPLETED = "response.completed"  # a Responses stream's last event, holding the response
 
 
@@ -192,12 +198,20 @@ def _tools(req: ResponsesRequest) -> list[Tool] | None:
     return tools
 
 
-def _tool_choice(choice: str | NamedTool | None) -> Any:
-    if not isinstance(choice, NamedTool):
-        return choice
-    if choice.type != "function" or not choice.name:
-        raise InvalidRequest("tool_choice: name a function tool", param="tool_choice")
-    return NamedToolChoice(function=NamedFunction(choice.name))
+def _tool_choice(choice: str | NamedTool | None, tools: list[Tool] | None) -> Any:
+    """The chat's tool choice. Without tools there is nothing to call: `auto` is `none`,
+    as OpenAI and vLLM take it, and a choice that forces a call is the client's 400."""
+    if isinstance(choice, NamedTool):
+        if choice.type != "function" or not choice.name:
+            raise InvalidRequest("tool_choice: name a function tool", param="tool_choice")
+        if not tools:
+            raise InvalidRequest(f"tool_choice names the function {choice.name!r}, but the "
+                                 "request gives no tools", param="tool_choice")  # fmt: skip
+        return NamedToolChoice(function=NamedFunction(choice.name))
+    if choice == "required" and not tools:
+        raise InvalidRequest("tool_choice 'required' needs tools: the request gives none to call",
+                             param="tool_choice")  # fmt: skip
+    return choice if tools else None
 
 
 def _format(text: Text | None) -> ResponseFormat | None:
@@ -255,10 +269,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             "previous_response_id is for the ingress, which puts the stored conversation "
             "before the input", param="previous_response_id",
         )  # fmt: skip
+    tools = _tools(req)
     return ChatCompletionRequest(
         model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
-        stream=req.stream, temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
-        tool_choice=_tool_choice(req.tool_choice),
+        stream=req.stream, temperature=req.temperature, top_p=req.top_p, tools=tools,
+        tool_choice=_tool_choice(req.tool_choice, tools),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_format=_format(req.text), chat_template_kwargs=_thinking(req),
         include_reasoning=req.include_reasoning, user=req.user, **sampling_of(req),

@@ -27,6 +27,7 @@ from tokenway.protocol import (
 from tokenway.responses import RESPONSE_ID_PREFIX
 from tokenway.wire import (
     MAX_PROMPTS,
+    Api,
     GenerateRequest,
     OutputContext,
     ParseContext,
@@ -39,7 +40,7 @@ from tokenway.wire import (
 from workers.derender.detok import SEED_TOKENS
 from workers.render import structured
 from workers.render.chat import apply_template
-from workers.render.parse import ParserFlags, parse_context
+from workers.render.parse import ParserFlags, check_tool_choice, parse_context
 from workers.render.sampling import (
     budget,
     keep_output_fields,
@@ -105,6 +106,12 @@ _ID_PREFIXES = {
 }
 
 
+def _param(api: Api, name: str) -> str:
+    """A parameter of the request render reads, by the name the client's API gives it (a
+    Responses request runs as the chat request it is)."""
+    return responses.CHAT_PARAMS.get(name, name) if api == "responses" else name
+
+
 @dataclass(frozen=True)
 class RequestBuilder:
     """What render decides without a tokenizer: validation, the budget, the output context."""
@@ -122,7 +129,13 @@ class RequestBuilder:
         reject_unsupported(req)
         if isinstance(req, CompletionRequest):
             completion_prompts(req)
-        return Parsed(req, structured.constraint(req, self.flags.tool_tags()))
+        else:  # before its constraint reads the tools
+            check_tool_choice(req)
+        try:
+            return Parsed(req, structured.constraint(req, self.flags.tool_tags()))
+        except InvalidRequest as exc:
+            exc.param = exc.param and _param(request.api, exc.param)
+            raise
 
     def build(
         self,
@@ -139,13 +152,13 @@ class RequestBuilder:
         chat = isinstance(req, ChatCompletionRequest)
         ids, *more = prompts
         if not ids or not all(more):
-            raise InvalidRequest(
-                "the prompt is empty after rendering", param="messages" if chat else "prompt"
-            )
-        max_tokens = self._budget(ids, req)
+            prompt = _param(request.api, "messages" if chat else "prompt")
+            raise InvalidRequest("the prompt is empty after rendering", param=prompt)
+        max_tokens = self._budget(ids, req, request.api)
         several = None
         if more:  # several prompts: each its own budget, as vLLM gives each its own
-            several = [Prompt(token_ids=p, max_tokens=self._budget(p, req)) for p in prompts]
+            several = [Prompt(token_ids=p, max_tokens=self._budget(p, req, request.api))
+                       for p in prompts]  # fmt: skip
         params = sampling_params(req, max_tokens, parsed.constraint)
         if remote is not None:
             params = keep_output_fields(remote, params)
@@ -202,10 +215,16 @@ class RequestBuilder:
         else the body's `request_id`, else the stream's own id."""
         return request.client_request_id or req.request_id or request.request_id
 
-    def _budget(self, ids: list[int], req: ChatCompletionRequest | CompletionRequest) -> int:
+    def _budget(
+        self, ids: list[int], req: ChatCompletionRequest | CompletionRequest, api: Api
+    ) -> int:
+        chat = isinstance(req, ChatCompletionRequest)
+        asked = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
         left = budget(
-            len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget
-        )
+            len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget,
+            prompt_param=_param(api, "messages" if chat else "prompt"),
+            budget_param=_param(api, asked),
+        )  # fmt: skip
         if req.min_tokens > left:  # vLLM's own check, on the budget its default gives too
             raise InvalidRequest(
                 f"min_tokens must be less than or equal to max_tokens={left}, "

@@ -55,22 +55,34 @@ class ParserFlags:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
-def _tool_choice(req: ChatCompletionRequest, flags: ParserFlags) -> ParseContext:
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    """A `tool_choice` the request's `tools` cannot meet is the client's 400, as vLLM 0.33
+    refuses it: checked before anything reads the tools for the call it forces."""
     choice = req.tool_choice
     if req.tools is not None and not req.tools:
         raise InvalidRequest("`tools` must not be an empty array", param="tools")
-    if choice is None:
-        choice = "auto" if req.tools else "none"
-    if choice != "none" and not req.tools:
+    if choice not in (None, "none") and not req.tools:
         raise InvalidRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-    parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
+        if not name:
+            raise InvalidRequest("tool_choice.function.name must not be empty",
+                                 param="tool_choice.function.name")  # fmt: skip
         if not any(t.function.name == name for t in req.tools or ()):
             raise InvalidRequest(
                 f"The tool {name!r} in `tool_choice` is not among the request's `tools`",
                 param="tool_choice",
             )
+
+
+def _tool_choice(req: ChatCompletionRequest, flags: ParserFlags) -> ParseContext:
+    check_tool_choice(req)
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if req.tools else "none"
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
         return ParseContext(tool_choice="named", tool_name=name, parallel_tool_calls=parallel)
     if choice == "auto":
         if not (flags.enable_auto_tool_choice and flags.tool_call_parser):

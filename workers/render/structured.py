@@ -40,6 +40,7 @@ from workers.render import tool_tags
 from workers.render.tool_tags import StrictLevel
 
 _KINDS = "json, regex, choice, grammar, json_object or structural_tag"
+_GUIDED = ("json", "regex", "choice", "grammar")  # the kinds of vLLM's older guided_* fields
 
 
 def constraint(
@@ -48,10 +49,27 @@ def constraint(
     """The request's constraint, checked, or None; `InvalidRequest` naming the parameter
     that asks for it wrongly. With `tags`, a tool-calling request gets the structural tag
     of the tool parser's syntax (`tool_tags`) instead of the tools' JSON schema."""
-    so = _constraint(req, tags)
-    if so is not None:
-        _check(so, _asked_by(req))
-    return so
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        so = req.structured_outputs
+        named = isinstance(req.tool_choice, NamedToolChoice)
+        if named and so is not None and {"json", "regex", "choice"} & set(so.kinds()):
+            raise InvalidRequest(
+                "You can only either use constraints for structured outputs or tools, not both.",
+                param="tool_choice",
+            )
+        if tags is None and (tools := _forced_tools(req)) is not None:
+            _check(tools, "tools")
+            return tools
+    own = _own(req)
+    if own is not None:  # checked before a tool tag reads it
+        _check(own, _own_param(req))
+    if chat and tags is not None:
+        tagged = tool_tags.structural_tag(req, tags.parser, tags.level, own)
+        if tagged is not None:
+            _check(tagged, _asked_by(req))
+            return tagged
+    return own
 
 
 @dataclass(frozen=True)
@@ -66,30 +84,16 @@ def _asked_by(req: ChatCompletionRequest | CompletionRequest) -> str:
     """The parameter the request's constraint comes from."""
     if isinstance(req, ChatCompletionRequest) and _forces_a_call(req):
         return "tools"
+    return _own_param(req)
+
+
+def _own_param(req: ChatCompletionRequest | CompletionRequest) -> str:
+    """The parameter the request's own constraint (tools apart) comes from."""
     fmt = req.response_format
-    return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
-
-
-def _constraint(
-    req: ChatCompletionRequest | CompletionRequest, tags: ToolTags | None
-) -> StructuredOutputs | None:
-    chat = isinstance(req, ChatCompletionRequest)
-    if chat:
-        so = req.structured_outputs
-        named = isinstance(req.tool_choice, NamedToolChoice)
-        if named and so is not None and {"json", "regex", "choice"} & set(so.kinds()):
-            raise InvalidRequest(
-                "You can only either use constraints for structured outputs or tools, not both.",
-                param="tool_choice",
-            )
-        if tags is None and (tools := _forced_tools(req)) is not None:
-            return tools
-    own = _own(req)
-    if chat and tags is not None:
-        tagged = tool_tags.structural_tag(req, tags.parser, tags.level, own)
-        if tagged is not None:
-            return tagged
-    return own
+    if fmt is not None and fmt.type != "text":
+        return "response_format"
+    guided = [f"guided_{kind}" for kind in _GUIDED if getattr(req, f"guided_{kind}") is not None]
+    return guided[0] if guided else "structured_outputs"
 
 
 def _own(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
@@ -113,7 +117,7 @@ def _own(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | 
         )
     if so is None:
         return None
-    param = _asked_by(req)
+    param = _own_param(req)
     kinds = so.kinds()
     if len(kinds) > 1:
         raise InvalidRequest(
@@ -157,10 +161,7 @@ def _check(so: StructuredOutputs, param: str) -> None:
 
 
 def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
-    given = {
-        "json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
-        "grammar": req.guided_grammar,
-    }  # fmt: skip
+    given = {kind: getattr(req, f"guided_{kind}") for kind in _GUIDED}
     set_ = {k: v for k, v in given.items() if v is not None}
     if not set_:
         return None

@@ -294,6 +294,33 @@ def test_prompt_plus_max_tokens_over_the_context_is_400_on_max_tokens(small: Ren
 
 
 @pytest.mark.parametrize(
+    ("api", "body", "param"),
+    [
+        ("completion", {"prompt": [6366] * SMALL_CONTEXT}, "prompt"),
+        ("completion", {"prompt": "word " * 100}, "prompt"),
+        ("completion", {"prompt": [[6366], [6366] * SMALL_CONTEXT]}, "prompt"),
+        ("chat", {"messages": [{"role": "user", "content": "word " * 100}]}, "messages"),
+        ("responses", {"input": "word " * 100}, "input"),
+        ("messages", {"messages": [{"role": "user", "content": "word " * 100}],
+                      "max_tokens": 1}, "messages"),
+        ("completion", {"prompt": [6366] * 10, "max_tokens": SMALL_CONTEXT}, "max_tokens"),
+        ("chat", {"max_completion_tokens": SMALL_CONTEXT}, "max_completion_tokens"),
+        ("chat", {"max_tokens": SMALL_CONTEXT}, "max_tokens"),
+        ("responses", {"input": "Hi", "max_output_tokens": SMALL_CONTEXT}, "max_output_tokens"),
+    ],
+    ids=["completion-ids", "completion-text", "completion-several", "chat", "responses",
+         "messages", "completion-budget", "chat-max-completion-tokens", "chat-max-tokens",
+         "responses-budget"],
+)  # fmt: skip
+def test_past_the_context_is_400_naming_the_param_as_the_api_spells_it(
+    small: Renderer, api: Api, body: dict[str, Any], param: str
+) -> None:
+    error = rejected(small, api, **body)
+    assert error.code == "context_length_exceeded"
+    assert error.param == param, error
+
+
+@pytest.mark.parametrize(
     ("api", "field", "value"),
     [
         ("chat", "n", 200),
