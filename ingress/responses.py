@@ -106,6 +106,53 @@ def final_response(payload: bytes) -> bytes | None:
     return None
 
 
+# What OpenAI's `include` takes (its ResponseIncludable): none of it adds to items kept here.
+_INCLUDABLE = frozenset({
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs",
+})  # fmt: skip
+MAX_PAGE, DEFAULT_PAGE = 100, 20
+
+
+def input_page(items: list[dict[str, Any]], query: list[tuple[str, str]]) -> dict[str, Any]:
+    """A page of a response's input items as OpenAI lists them, for the query's `order`
+    (`desc`, newest first, where unsaid), `limit` (1..100, 20), `after` (an item id the page
+    starts past, in that order) and `before` (the older APIs' cursor: the page that ends
+    just before it); `include` is checked and adds nothing. A value OpenAI refuses is a
+    400 naming it."""
+    asked = dict(query)  # the last of a repeated parameter
+    order = asked.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"order must be 'asc' or 'desc', not {order[:40]!r}", param="order")
+    limit = asked.get("limit", str(DEFAULT_PAGE))
+    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}, not {limit[:40]!r}",
+                             param="limit")  # fmt: skip
+    for name, value in query:
+        if name in ("include", "include[]") and value not in _INCLUDABLE:
+            raise InvalidRequest(f"include: {value[:80]!r} is not one of "
+                                 f"{', '.join(sorted(_INCLUDABLE))}", param="include")  # fmt: skip
+    listed = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in listed]
+    start, end = 0, len(listed)
+    for cursor in ("after", "before"):
+        if (at := asked.get(cursor)) is None:
+            continue
+        if at not in ids:
+            raise InvalidRequest(f"{cursor}: no input item {at[:80]!r} in this response",
+                                 param=cursor)  # fmt: skip
+        if cursor == "after":
+            start = ids.index(at) + 1
+        else:
+            end = ids.index(at)
+    window, size = listed[start:end], int(limit)
+    page = window[-size:] if "before" in asked and "after" not in asked else window[:size]
+    return {"object": "list", "data": page, "has_more": len(window) > len(page),
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}  # fmt: skip
+
+
 def _error(exc: TokenwayError) -> Response:
     return Response(error_body(exc.info()), status_code=exc.status, media_type="application/json")
 
@@ -134,14 +181,14 @@ def add_routes(app: FastAPI, store: Callable[[], Awaitable[ResponseStore]]) -> N
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(request: Request, response_id: str) -> Response:
-        """The conversation a stored response answered, oldest first, in one page."""
+        """The conversation a stored response answered, a page at a time (`input_page`)."""
         found = await stored(request, response_id)
         if isinstance(found, Response):
             return found
-        items = found.input
-        page = {"object": "list", "data": items, "has_more": False,
-                "first_id": items[0]["id"] if items else None,
-                "last_id": items[-1]["id"] if items else None}  # fmt: skip
+        try:
+            page = input_page(found.input, request.query_params.multi_items())
+        except InvalidRequest as exc:
+            return _error(exc)
         return Response(_json.encode(page), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")

@@ -83,7 +83,8 @@ async def test_a_function_calling_loop_goes_on_from_the_stored_call_on_another_i
                         "output": "Sunny, 21C"}], max_output_tokens=24,
             )  # fmt: skip
             assert answered.output_text and answered.previous_response_id == called.id
-            items = [i async for i in there.responses.input_items.list(answered.id)]
+            listed = there.responses.input_items.list(answered.id, order="asc")
+            items = [i async for i in listed]
         kinds = [i.type for i in items]
         assert kinds == ["message", "function_call", "function_call_output"], kinds
         assert items[1].call_id == items[2].call_id == call.call_id
@@ -225,7 +226,7 @@ async def test_a_conversation_goes_on_from_its_stored_response_on_another_ingres
             assert second.previous_response_id == first.id
             # the whole conversation was its prompt
             assert second.usage.input_tokens > first.usage.input_tokens + 8
-            items = [i async for i in there.responses.input_items.list(second.id)]
+            items = [i async for i in there.responses.input_items.list(second.id, order="asc")]
             said = [(i.role, i.content[0].text) for i in items if i.type == "message"]
             assert said[0] == ("user", "My name is Ada. Say hi.")
             assert said[1] == ("assistant", first.output_text)
@@ -251,6 +252,49 @@ async def test_a_conversation_goes_on_from_its_stored_response_on_another_ingres
     finally:
         await other.close()
         await keyed.close()
+
+
+async def test_input_items_are_listed_as_openai_pages_them(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    """Newest first unless `order` says asc, `limit` to a page (20 where unsaid), `after`
+    an item the next page starts past: the SDK's pagination walks them all."""
+    said = [{"role": "user", "content": f"Line {i}."} for i in range(25)]
+    done = await client.responses.create(model=stack.model, input=said, max_output_tokens=4)
+    texts = [f"Line {i}." for i in range(25)]
+    items = client.responses.input_items
+
+    newest = await items.list(done.id)
+    assert [i.content[0].text for i in newest.data] == texts[::-1][:20] and newest.has_more
+    assert [i.content[0].text async for i in items.list(done.id)] == texts[::-1]
+    oldest = [i async for i in items.list(done.id, order="asc", limit=7)]
+    assert [i.content[0].text for i in oldest] == texts
+
+    page = await items.list(done.id, order="asc", limit=3, after=oldest[20].id)
+    assert [i.content[0].text for i in page.data] == texts[21:24] and page.has_more
+    assert (page.first_id, page.last_id) == (oldest[21].id, oldest[23].id)
+    last = await items.list(done.id, order="desc", limit=3, after=oldest[2].id)
+    assert [i.content[0].text for i in last.data] == ["Line 1.", "Line 0."]
+    assert not last.has_more
+    hinted = await items.list(done.id, order="asc", include=["message.input_image.image_url"])
+    assert len(hinted.data) == 20
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [({"order": "sideways"}, "order"), ({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+     ({"limit": "ten"}, "limit"), ({"after": "msg_nowhere"}, "after"),
+     ({"include": ["everything"]}, "include")],
+    ids=["order", "limit-0", "limit-101", "limit-not-a-number", "after-unknown", "include"],
+)  # fmt: skip
+async def test_an_input_items_query_openai_refuses_is_a_400_naming_it(
+    client: openai.AsyncOpenAI, stack: Stack, query: dict, param: str
+) -> None:
+    done = await client.responses.create(model=stack.model, input="Hi.", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.responses.input_items.list(done.id, **query)
+    error = bad.value.body
+    assert error["param"] == param and param in error["message"], error
 
 
 async def test_a_stream_resumes_as_it_was_sent(stack: Stack) -> None:
