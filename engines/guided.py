@@ -5,13 +5,16 @@ forces tokens (a key's name, a closing quote) those go; elsewhere an allowed tok
 picked that brings the document to its end: its fill first, closing tokens once the
 document has run a while, the end of sequence once the grammar accepts. So a JSON schema
 gets valid JSON of that schema, a choice one of its options, a forced tool a call that
-parses. Where the request's reasoning is still open (`reasoning_ended: false`), a short
-free reasoning and its end marker come first.
+parses. Where a structural tag opens a call's arguments, the model writes them as an object
+of the tool's parameters (engines/arguments.py) for as long as the grammar allows it. Where
+the request's reasoning is still open (`reasoning_ended: false`), a short free reasoning
+and its end marker come first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
+from engines.arguments import openings, planned
 from tokenway.constraints import grammar
 from tokenway.tag_grammar import Unsupported
 from tokenway.wire import StructuredOutputs
@@ -60,14 +64,27 @@ async def matcher(tokenizer: Tokenizer, eos: int, so: StructuredOutputs) -> Guid
         raise ValueError(f"the constraint does not compile: {m.get_error()}")
     # The added tokens a structural tag asks for, the ones that close its structure first.
     marks = list(dict.fromkeys(int(i) for i in reversed(_TOKEN_REF.findall(text))))
-    return Guide(m, vocab, eos, marks)
+    calls = list(openings(json.loads(so.structural_tag))) if so.structural_tag else []
+    return Guide(m, vocab, eos, marks, calls, list(added))
 
 
 class Guide:
-    """Turns the toy model's (token, wants_stop) pairs into ones the grammar allows."""
+    """Turns the toy model's (token, wants_stop) pairs into ones the grammar allows.
 
-    def __init__(self, m: LLMatcher, vocab: LLTokenizer, eos: int, marks: list[int]) -> None:
+    `calls`: (begin, schema) where a structural tag opens a call's arguments;
+    `specials`: the added tokens' texts, which the prompt's reading leaves out of names."""
+
+    def __init__(
+        self,
+        m: LLMatcher,
+        vocab: LLTokenizer,
+        eos: int,
+        marks: list[int],
+        calls: list[tuple[str, object]],
+        specials: list[str],
+    ) -> None:
         self.m = m
+        self.vocab = vocab
         self.eos = eos
         self.marks = marks  # a structural tag's tokens, tried before closing pieces
         single = [vocab.tokenize_str(piece) for piece in (*_FILL, *_CLOSE)]
@@ -75,17 +92,34 @@ class Guide:
         self.fill = [t for t in ids[: len(_FILL)] if t >= 0]
         self.close = [t for t in ids[len(_FILL) :] if t >= 0]
         self.made = 0
+        self.calls = [(begin.encode(), schema) for begin, schema in calls]
+        self.specials = specials
+        self.longest = max((len(begin) for begin, _ in self.calls), default=0)
+        self.written = b""  # the output's end, as long as the longest opening
+        self.plan = b""  # what the model means to write next: a call's arguments
+        self.prompt: list[int] = []
+        self.key = 0
 
     def tokens(
-        self, model: Iterator[tuple[int, bool]], think_end: int | None = None
+        self,
+        model: Iterator[tuple[int, bool]],
+        prompt: list[int],
+        seed: int,
+        think_end: int | None = None,
     ) -> Iterator[tuple[int, bool]]:
         """With `think_end`, the reasoning is still open: the model reasons freely for a
-        while and closes it with that token, and the grammar applies from there on (as
-        vLLM's engine holds a constraint back until reasoning ends)."""
+        while and closes it with that token (or sooner, where it closes it itself), and the
+        grammar applies from there on (as vLLM's engine holds a constraint back until
+        reasoning ends). `prompt` and `seed` are what a call's arguments are planned from."""
+        self.prompt, self.key = prompt, hash((seed, len(prompt)))
         if think_end is not None:
             for _ in range(REASONING):
-                yield next(model)[0], False
-            yield think_end, False
+                tid = next(model)[0]
+                yield tid, False
+                if tid == think_end:
+                    break
+            else:
+                yield think_end, False
         for own, _ in model:
             if self.m.is_stopped():  # the document is whole: only its end is left
                 yield self.eos, True
@@ -94,12 +128,34 @@ class Guide:
             if not self.m.consume_token(tid):
                 raise RuntimeError(f"the grammar took no token: {self.m.get_error()}")
             self.made += 1
+            if self.calls:
+                self._follow(tid)
             yield tid, tid == self.eos
+
+    def _follow(self, tid: int) -> None:
+        """Advances the plan by the token written (or drops it, where the grammar wrote
+        something else), and plans a call's arguments where its opening was just written."""
+        piece = self.vocab.decode_bytes([tid])
+        self.plan = self.plan[len(piece) :] if self.plan.startswith(piece) else b""
+        self.written = (self.written + piece)[-self.longest :]
+        if self.plan:
+            return
+        for begin, schema in self.calls:
+            if self.written.endswith(begin):
+                prompt = self.vocab.decode_str(self.prompt)
+                text = planned(begin.decode(), schema, prompt, self.specials, self.key + self.made)
+                self.plan = text.encode()
+                return
 
     def _pick(self, own: int) -> int:
         forced = self.m.compute_ff_tokens()
         if forced:
             return forced[0]
+        if self.plan:
+            tid = self.vocab.tokenize_bytes(self.plan)[0]
+            if self.m.validate_tokens([tid]) == 1:
+                return tid
+            self.plan = b""  # the grammar wants otherwise: it leads from here
         closing = self.made >= PATIENCE
         if not closing and self.m.validate_tokens([own]) == 1:
             return own

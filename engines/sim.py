@@ -76,10 +76,17 @@ class CorpusModel:
     stop, or start a sentence the seed and context pick. Being a function of the context, a
     sequence resumed from a prefix of its own output (a relay) continues exactly as the
     unbroken one would have, as a greedy or seeded real model does.
+
+    `markers`: the reasoning's (start, end) tokens, where the model reasons. A context whose
+    last marker is the start leaves it reasoning: it does not stop then, and it ends its
+    reasoning itself with the end marker at a sentence's end, once it has reasoned a length
+    the seed and the reasoning's start pick (a quarter to a half of `output_len`), so its
+    answer follows.
     """
 
-    def __init__(self, sentences: list[list[int]]) -> None:
+    def __init__(self, sentences: list[list[int]], markers: tuple[int, int] | None = None) -> None:
         self.sentences = sentences
+        self.markers = markers
         self.table: dict[tuple[int, ...], list[int]] = {}
         for sentence in sentences:
             seq = [*sentence, END]
@@ -88,12 +95,17 @@ class CorpusModel:
                     self.table.setdefault(tuple(seq[i - k : i]), []).append(seq[i])
         self.mean_sentence = sum(map(len, sentences)) / len(sentences)
 
-    def tokens(self, prompt: list[int], seed: int, output_len: int) -> Iterator[tuple[int, bool]]:
+    def tokens(
+        self, prompt: list[int], seed: int, output_len: int, budget: int | None = None
+    ) -> Iterator[tuple[int, bool]]:
         """(next token, whether the model would rather stop there), forever; it stops at one
-        sentence end in so many that outputs run about `output_len` tokens."""
+        sentence end in so many that outputs run about `output_len` tokens. `budget`
+        (vLLM's `thinking_token_budget`): the reasoning ends after that many tokens at most."""
         stop_odds = max(1, round(output_len / self.mean_sentence))
         tail = tuple(prompt[-ORDER:])
         position = len(prompt)  # in the key too, or a repeated phrase would loop for ever
+        thinking = self._reasoning(prompt, seed, output_len)  # where it may end, None: not
+        last = None if budget is None else position + budget  # where it must have ended
         while True:
             candidates = next(
                 (c for k in range(len(tail)) if (c := self.table.get(tail[k:]))), None
@@ -101,12 +113,27 @@ class CorpusModel:
             key = hash((seed, position, *tail))  # ints hash alike in every process
             tid = END if candidates is None else candidates[key % len(candidates)]
             wants_stop = False
-            if tid == END:  # a sentence ended (or the context is unknown): begin another
-                wants_stop = candidates is not None and (key >> 8) % stop_odds == 0
+            if thinking is not None and (position == last or (tid == END and position >= thinking)):
+                assert self.markers is not None
+                tid, thinking = self.markers[1], None
+            elif tid == END:  # a sentence ended (or the context is unknown): begin another
+                wants_stop = thinking is None and candidates is not None
+                wants_stop = wants_stop and (key >> 8) % stop_odds == 0
                 tid = self.sentences[(key >> 16) % len(self.sentences)][0]
             yield tid, wants_stop
             tail = (*tail, tid)[-ORDER:]
             position += 1
+
+    def _reasoning(self, prompt: list[int], seed: int, output_len: int) -> int | None:
+        """Where the reasoning the prompt leaves open may end (a position in the context),
+        a function of the seed and the context up to where the reasoning began, so a relay
+        of it ends it where the unbroken sequence does; None where it leaves none open."""
+        if self.markers is None or last_marker(prompt, *self.markers) != self.markers[0]:
+            return None
+        began = len(prompt) - prompt[::-1].index(self.markers[0])
+        quarter = max(1, output_len // 4)
+        key = hash((seed, began, *prompt[max(0, began - ORDER) : began]))
+        return began + quarter + key % (quarter + 1)
 
 
 class Sequence:
@@ -130,15 +157,13 @@ class Sequence:
         trained_on: Permutation | None = None,
         guide: Guide | None = None,
         think_end: int | None = None,
-        budget: tuple[int, int] | None = None,
     ) -> None:
         if trained_on is not None:
             prompt = trained_on.to_semantic(prompt, "the prompt")
-        self.tokens = model.tokens(prompt, seed_of(params, index), output_len)
+        seed = seed_of(params, index)
+        self.tokens = model.tokens(prompt, seed, output_len, params.thinking_token_budget)
         if guide is not None:  # under a constraint: what the grammar allows of it
-            self.tokens = guide.tokens(self.tokens, think_end)
-        elif budget is not None:  # (budget, the reasoning's end marker)
-            self.tokens = _reasoning_within(self.tokens, *budget)
+            self.tokens = guide.tokens(self.tokens, prompt, seed, think_end)
         self.trained_on = trained_on
         self.eos = eos
         self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
@@ -164,21 +189,6 @@ class Sequence:
             if self.made >= self.limit:
                 return out, "length", None
         return out, None, None
-
-
-def _reasoning_within(
-    tokens: Iterator[tuple[int, bool]], budget: int, think_end: int
-) -> Iterator[tuple[int, bool]]:
-    """The model's tokens with its reasoning ended after `budget` of them (vLLM's
-    `thinking_token_budget`), unless it ends it itself first."""
-    for made, (tid, stop) in enumerate(tokens):
-        if tid == think_end or made == budget:
-            if tid != think_end:
-                yield think_end, False
-            yield tid, stop
-            yield from tokens
-            return
-        yield tid, stop
 
 
 class StepClock:
@@ -215,8 +225,10 @@ class SimEngine:
             [self.eos_token_id] = trained_on.to_physical([config.eos_token_id])
         self.tokenizer = tokenizer
         self.think_end = tokenizer.token_to_id(THINK_END)  # None: the model does not reason
-        self.think_start = tokenizer.token_to_id(THINK_START)
-        self.model = CorpusModel(corpus_sentences(tokenizer))
+        think_start = tokenizer.token_to_id(THINK_START)
+        markers = None if think_start is None or self.think_end is None else (
+            think_start, self.think_end)  # fmt: skip
+        self.model = CorpusModel(corpus_sentences(tokenizer), markers)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
@@ -260,12 +272,9 @@ class SimEngine:
         guide = None if so is None else await matcher(self.tokenizer, c.eos_token_id, so)
         # the reasoning's end marker, where the request's reasoning is still open
         think_end = self.think_end if work.reasoning_ended is False else None
-        budget = None
-        if params.thinking_token_budget is not None and self._reasoning_open(work.token_ids):
-            budget = (params.thinking_token_budget, self.think_end)
         seq = Sequence(
             self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
-            self.trained_on, guide, think_end, budget,
+            self.trained_on, guide, think_end,
         )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time
@@ -280,12 +289,6 @@ class SimEngine:
                 raise RuntimeError(f"simulated failure after {seq.made} tokens")
             if self.config.stall_after is not None and seq.made >= self.config.stall_after:
                 await asyncio.Event().wait()  # alive but silent, until aborted
-
-    def _reasoning_open(self, prompt: list[int]) -> bool:
-        """Whether the prompt leaves the model reasoning (its last marker opens it)."""
-        if self.think_start is None or self.think_end is None:
-            return False
-        return last_marker(prompt, self.think_start, self.think_end) == self.think_start
 
     def _handoff(self, work: EngineWork) -> dict[str, object] | None:
         """A prefill engine asked for remote decode answers with where its KV blocks are,

@@ -303,3 +303,58 @@ async def test_n_choices_run_as_separate_sequences(engine: SimEngine) -> None:
     assert all(len(ids) == 8 for ids in by_choice.values())
     assert len({tuple(ids) for ids in by_choice.values()}) == 3  # each its own seed
     assert by_choice[0] == (await run(engine, work(seed=5, max_tokens=8, ignore_eos=True))).tokens()
+
+
+def markers(tokenizer: Tokenizer) -> tuple[int, int]:
+    start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    assert start is not None and end is not None
+    return start, end
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_open_reasoning_ends_by_itself_and_the_answer_follows(
+    engine: SimEngine, tokenizer: Tokenizer, seed: int
+) -> None:
+    """A prompt that leaves the model reasoning, with no budget: it reasons a while (never
+    stopping there), ends its reasoning at a sentence end, then answers and stops."""
+    start, end = markers(tokenizer)
+    emits = await run(engine, work(prompt=[0, 6366, start], seed=seed, max_tokens=1000))
+    tokens = emits.tokens()
+    assert tokens.count(end) == 1 and EOS not in tokens[: tokens.index(end)]
+    thought, answer = tokens[: tokens.index(end)], tokens[tokens.index(end) + 1 : -1]
+    assert OUTPUT_LEN // 4 <= len(thought) and answer, tokens
+    assert emits.finish == ("stop", None) and tokens[-1] == EOS
+    ends = {s[-1] for s in corpus_sentences(tokenizer)}
+    assert thought[-1] in ends  # a thought ends with its sentence
+    again = await run(engine, work("r2", prompt=[0, 6366, start], seed=seed, max_tokens=1000))
+    assert again.tokens() == tokens
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+async def test_a_relayed_reasoning_ends_where_the_unbroken_one_does(
+    engine: SimEngine, tokenizer: Tokenizer, seed: int
+) -> None:
+    start, end = markers(tokenizer)
+    prompt = [0, 6366, start]
+    whole = (await run(engine, work(prompt=prompt, seed=seed, max_tokens=1000))).tokens()
+    at = whole.index(end)
+    for k in (1, at - 1, at, at + 1, at + 2):
+        rest = await run(engine, work(prompt=prompt + whole[:k], seed=seed, max_tokens=1000 - k))
+        assert rest.tokens() == whole[k:], k
+
+
+async def test_a_thinking_budget_ends_the_reasoning_after_that_many_tokens(
+    engine: SimEngine, tokenizer: Tokenizer
+) -> None:
+    start, end = markers(tokenizer)
+    prompt = [0, 6366, start]
+    free = (await run(engine, work(prompt=prompt, seed=2, max_tokens=1000))).tokens()
+    cut = (await run(engine, work(prompt=prompt, seed=2, max_tokens=1000,
+                                  thinking_token_budget=3))).tokens()  # fmt: skip
+    assert cut[:4] == [*free[:3], end] and cut.count(end) == 1 and cut[4:-1]
+    late = free.index(end) + 5  # a budget beyond the model's own end changes nothing
+    assert (await run(engine, work(prompt=prompt, seed=2, max_tokens=1000,
+                                   thinking_token_budget=late))).tokens() == free  # fmt: skip
+    closed = [0, 6366, start, 6366, end]  # the prompt's reasoning is over: nothing to end
+    assert end not in (await run(engine, work(prompt=closed, seed=2, max_tokens=200,
+                                              thinking_token_budget=0))).tokens()  # fmt: skip
