@@ -134,9 +134,27 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+def _yield_cpu(process: subprocess.Popen[bytes]) -> None:
+    """The server's processes (API server, engine core, worker) at the lowest CPU priority.
+
+    vLLM's CPU engine keeps about two cores busy (the worker computing, the engine core and
+    its gloo threads polling it), so on a small machine whatever else runs — tokenway's stages
+    and the client in a tier test — waited seconds, once over a minute, for a CPU while vLLM
+    streamed on. Behind a GPU the engine would not compete for those cores. With autogroups
+    (Linux's default) niceness weighs only within a session, and the server has a session
+    of its own: that session's group yields too."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PGRP, process.pid, 19)
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{process.pid}/autogroup").write_text("19")
+
+
 @contextlib.contextmanager
-def launched(command: list[str], port: int, model: Path, log: Path) -> Iterator[VllmServer]:
-    """A vLLM process in its own process group, from ready until stopped."""
+def launched(
+    command: list[str], port: int, model: Path, log: Path, yield_cpu: bool = False
+) -> Iterator[VllmServer]:
+    """A vLLM process in its own process group, from ready until stopped; with `yield_cpu`,
+    it runs at the lowest CPU priority once ready (it starts at the usual one)."""
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
@@ -150,6 +168,8 @@ def launched(command: list[str], port: int, model: Path, log: Path) -> Iterator[
     server = VllmServer(url=f"http://127.0.0.1:{port}", model_dir=model, log=log, process=process)
     try:
         _wait_ready(server)
+        if yield_cpu:
+            _yield_cpu(process)
         yield server
     finally:
         _stop(process)

@@ -76,13 +76,16 @@ def _require_vllm() -> tuple[Path, Path]:
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """`python -m vllm.entrypoints.openai.api_server --enable-scale-out` on the tiny model,
     with the tool and reasoning parsers tokenway's stack is given (`TOOL_PARSING`,
-    `REASONING`): both hold tool calls to its structural tag and parse alike."""
+    `REASONING`): both hold tool calls to its structural tag and parse alike. It yields the
+    CPU to this process (tokenway's stages, the tests' clients): on two cores vLLM's CPU
+    engine starved them for a minute while it streamed on, and a client never saw its first
+    chunk."""
     python, model = _require_vllm()
     port = free_port()
     log = Path(os.environ.get(LOG_ENV) or tmp_path_factory.mktemp("vllm") / "server.log")
     command = server_command(python, model, port, SERVED_NAME, MAX_MODEL_LEN, True)
     command += TOOL_PARSING + REASONING
-    with launched(command, port, model, log) as server:
+    with launched(command, port, model, log, yield_cpu=True) as server:
         yield server
 
 
@@ -101,7 +104,7 @@ def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vll
         *TOOL_PARSING,
     ]  # fmt: skip
     log = _log_path(tmp_path_factory, "render")
-    with launched(command, port, model, log) as server:
+    with launched(command, port, model, log, yield_cpu=True) as server:
         yield server
 
 
