@@ -92,6 +92,45 @@ async def test_sse_is_framed_as_vllm_frames_it_data_events_then_one_done(stack: 
     assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] <= 8
 
 
+async def test_a_chat_stream_opens_with_a_role_chunk_per_choice_as_vllms(stack: Stack) -> None:
+    """vLLM's framing: each choice's first event is the role alone (content "", no output,
+    the prompt's ids on it); the output follows in chunks without the role, stop_reason on
+    each choice's last chunk only. Resuming counts the role chunks as the events they are."""
+    body = {"messages": CHAT, "max_tokens": 3, "stream": True, "seed": 5, "n": 2,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    async with httpx.AsyncClient() as http:
+        async with http.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            raw = b"".join([part async for part in resp.aiter_bytes()]).decode()
+    docs = [json.loads(e[len("data: ") :]) for e in raw.split("\n\n")[:-2]]
+    by_choice: dict[int, list[dict]] = {}
+    for doc in docs[:-1]:  # the last: the usage chunk
+        [choice] = doc["choices"]
+        by_choice.setdefault(choice["index"], []).append(doc)
+    assert sorted(by_choice) == [0, 1]
+    prompt = docs[0]["usage"]["prompt_tokens"]
+    for index, (role, *output) in by_choice.items():
+        assert role == {
+            "id": role["id"], "object": "chat.completion.chunk", "created": role["created"],
+            "model": "deepseek-v4",
+            "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt},
+            "prompt_token_ids": role["prompt_token_ids"], "prompt_text": None,
+        }  # fmt: skip
+        assert len(role["prompt_token_ids"]) == prompt
+        assert output and all("role" not in d["choices"][0]["delta"] for d in output)
+        assert all("prompt_token_ids" not in d for d in output)
+        assert ["stop_reason" in d["choices"][0] for d in output] == [False] * (len(output) - 1) + [
+            True
+        ]
+    async with httpx.AsyncClient() as http:  # the same request resumed after the first event
+        rid = resp.headers["x-request-id"]
+        rest = await http.get(f"{stack.url}/v1/streams/{rid}", headers={"Last-Event-ID": "1"})
+    assert rest.text == raw.split("\n\n", 1)[1]
+
+
 async def test_event_ids_on_request_number_every_data_event(stack: Stack) -> None:
     plain = await raw_stream(stack)
     numbered = await raw_stream(stack, {"X-Tokenway-Event-Ids": "1"})

@@ -291,11 +291,8 @@ class FakeVllmRender:
         if not stream:
             await send_json(send, 200, msgspec.json.decode(result.chunks[0]))
             return
-        doc = (
-            msgspec.json.decode(result.chunks[0])
-            if result.chunks
-            else _empty_chunk(ctx, api, choice["index"])
-        )
+        docs = [msgspec.json.decode(c) for c in result.chunks]
+        doc = _one_chunk(docs) if docs else _empty_chunk(ctx, api, choice["index"])
         new_state = {
             "tw": base64.b64encode(result.state or b"").decode(),
             "pad": "x" * self.knobs.state_pad,
@@ -313,6 +310,20 @@ def _logprobs(doc: dict[str, Any] | None) -> list[LogprobEntry] | None:
     return [
         LogprobEntry(e["token_id"], e["logprob"], e.get("rank"), top(e)) for e in doc["content"]
     ]
+
+
+def _one_chunk(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's derender route answers one chunk a call: the role rides on the first chunk
+    with output (its chat route, like tokenway's core, sends it in a chunk of its own)."""
+    first, *rest = docs
+    delta = first["choices"][0].get("delta") if first["choices"] else None
+    if not rest or delta != {"role": "assistant", "content": ""}:
+        return first
+    doc = rest[0]
+    doc["choices"][0]["delta"] = {"role": "assistant", **doc["choices"][0]["delta"]}
+    if first.get("prompt_token_ids") is not None:
+        doc["prompt_token_ids"] = first["prompt_token_ids"]
+    return doc
 
 
 def _empty_chunk(ctx: OutputContext, api: Api, index: int) -> dict[str, Any]:

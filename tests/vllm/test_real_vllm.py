@@ -502,6 +502,69 @@ async def test_same_reasoning_as_vllm(vllm_stack: VllmStack, stream: bool) -> No
     assert_same(ours, theirs, "chat")
 
 
+# Fields vLLM sends and tokenway does not: its build (`system_fingerprint`) and, with a
+# reasoning parser, its count of reasoning tokens in the usage.
+VLLM_ONLY = {"system_fingerprint", "completion_tokens_details"}
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+FRAMINGS = {
+    "plain": {"return_token_ids": False},
+    "ids-logprobs": {"logprobs": True, "top_logprobs": 2},
+    "n2-usage": {"n": 2, "seed": 1, "temperature": 1.0, "stream_options": USAGE},
+    "continuous": {"stream_options": CONTINUOUS},
+    "reasoning": {"thinking_token_budget": BUDGET, **THINKING},
+}
+
+
+def framing(docs: list[Any]) -> dict[str, Any]:
+    """A chat stream's framing: each choice's first chunk (what each server makes up
+    aside: ids, timestamps), which fields its chunks between carry and its last one carries,
+    and the closing usage chunk's."""
+
+    def keys(doc: dict[str, Any]) -> tuple[list[str], list[str]]:
+        top = [k for k in doc if k not in VLLM_ONLY]
+        return top, [k for c in doc["choices"] for k in c]
+
+    def usage(doc: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in doc["usage"].items() if k not in VLLM_ONLY}
+
+    choices: dict[int, list[dict[str, Any]]] = {}
+    closing = None
+    for doc in docs:
+        if not doc["choices"]:
+            closing = (keys(doc)[0], usage(doc))
+            continue
+        [choice] = doc["choices"]
+        choices.setdefault(choice["index"], []).append(doc)
+    out: dict[str, Any] = {"closing": closing}
+    for index, (first, *later) in sorted(choices.items()):
+        first = {k: v for k, v in first.items() if k not in {"id", "created", *VLLM_ONLY}}
+        if "usage" in first:
+            first["usage"] = usage(first)
+        out[f"choice {index}"] = {
+            "first": first,
+            "later": sorted({(tuple(top), tuple(ch)) for top, ch in map(keys, later[:-1])}),
+            "last": keys(later[-1]) if later else None,
+        }
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(FRAMINGS))
+async def test_same_chat_stream_framing_as_vllm(vllm_stack: VllmStack, case: str) -> None:
+    """The chunks vLLM's own chat route streams, field for field: a chunk of its own that
+    opens each choice (the role, content "", nulls and the prompt's ids on it), later
+    chunks without a stop_reason until the last, the usage chunk's fields."""
+    body = chat_body(True, max_tokens=8, **FRAMINGS[case])
+    theirs = framing(await post(vllm_stack.server.url, PATHS["chat"], body))
+    ours = framing(await post(vllm_stack.url, PATHS["chat"], body))
+    assert theirs["choice 0"]["first"]["choices"][0]["delta"] == {"role": "assistant",
+                                                                  "content": ""}  # fmt: skip
+    assert ours.keys() == theirs.keys() and ours["closing"] == theirs["closing"]
+    for choice in theirs.keys() - {"closing"}:
+        us, them = ours[choice], theirs[choice]
+        assert (us["first"], us["last"]) == (them["first"], them["last"]), choice
+        assert set(us["later"]) <= set(them["later"]), choice  # merged steps: fewer chunks
+
+
 async def message_of(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """What must agree of an Anthropic message, whole or streamed: its content blocks (a
     streamed tool_use block's input as the JSON text its deltas sent), why it stopped, and

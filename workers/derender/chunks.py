@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 from tokenway.wire import OutputContext
 
@@ -36,7 +36,6 @@ class Usage(Struct, kw_only=True):
 
 
 class Delta(Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[Any] = []
@@ -47,8 +46,34 @@ class ChatChunkChoice(Struct, kw_only=True):
     delta: Delta
     logprobs: Any = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | UnsetType | None = UNSET  # on the finishing chunk only
     token_ids: list[int] | None = None
+
+
+class RoleDelta(Struct):
+    role: str = "assistant"
+    content: str = ""
+
+
+class RoleChoice(Struct, kw_only=True):
+    index: int
+    delta: RoleDelta
+    logprobs: None = None
+    finish_reason: None = None
+
+
+class RoleChunk(Struct, kw_only=True, omit_defaults=True):
+    """A chat choice's first chunk, as vLLM opens each choice's stream: the role and empty
+    content, nothing of the output yet; the prompt's ids (or null) on it alone."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[RoleChoice]
+    usage: Usage | UnsetType = UNSET  # with continuous_usage_stats: no output tokens yet
+    prompt_token_ids: list[int] | None
+    prompt_text: None
 
 
 class CompletionChoice(Struct, kw_only=True):
@@ -68,7 +93,6 @@ class ChatChunk(Struct, kw_only=True, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None  # first chunk, with return_token_ids
 
 
 class CompletionChunk(Struct, kw_only=True, omit_defaults=True):
@@ -138,14 +162,27 @@ def _completion_choice(index: int, out: Out) -> CompletionChoice:
     )
 
 
-def stream_chunk(
-    ctx: OutputContext, index: int, out: Out, *, role: bool, usage_: Usage | None
+def role_chunk(
+    ctx: OutputContext, index: int, prompt_token_ids: list[int] | None, usage_: Usage | None
 ) -> bytes:
-    if ctx.api == "chat":
+    return _json.encode(
+        RoleChunk(
+            id=ctx.response_id,
+            object=CHAT_CHUNK,
+            created=ctx.created,
+            model=ctx.model,
+            choices=[RoleChoice(index=index, delta=RoleDelta())],
+            usage=UNSET if usage_ is None else usage_,
+            prompt_token_ids=prompt_token_ids,
+            prompt_text=None,
+        )
+    )
+
+
+def stream_chunk(ctx: OutputContext, index: int, out: Out, *, usage_: Usage | None) -> bytes:
+    if ctx.api == "chat":  # after the choice's role chunk
         delta = Delta(
-            role="assistant" if role else None,
-            # The role chunk carries "" as vLLM's does; otherwise content only when there is some.
-            content=out.text if out.text or role else None,
+            content=out.text or None,
             reasoning=out.reasoning or None,
             tool_calls=out.tool_calls,
         )
@@ -154,7 +191,7 @@ def stream_chunk(
             delta=delta,
             logprobs=out.logprobs,
             finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
+            stop_reason=UNSET if out.finish_reason is None else out.stop_reason,
             token_ids=out.token_ids,
         )
         return _json.encode(
@@ -165,7 +202,6 @@ def stream_chunk(
                 model=ctx.model,
                 choices=[choice],
                 usage=usage_,
-                prompt_token_ids=out.prompt_token_ids,
             )
         )
     return _json.encode(

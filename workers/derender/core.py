@@ -194,11 +194,16 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         state.role_sent = True
         docs += events
     else:
+        continuous = ctx.include_usage and ctx.continuous_usage_stats
+        if first_chat:  # vLLM opens each choice with a chunk of its own: the role, no output
+            shown_prompt = prompt_ids if ctx.return_token_ids else None
+            none_yet = chunks.usage(ctx, 0) if continuous else None
+            docs.append(chunks.role_chunk(ctx, index, shown_prompt, none_yet))
+            out.prompt_token_ids = None  # on the role chunk alone
         shown = out.text or out.reasoning or out.tool_calls or (entry.logprobs and kept)
-        if shown or done or first_chat or (ctx.return_token_ids and kept):
-            continuous = ctx.include_usage and ctx.continuous_usage_stats
+        if shown or done or (ctx.return_token_ids and kept):
             usage = chunks.usage(ctx, state.completion_tokens) if continuous else None
-            docs.append(chunks.stream_chunk(ctx, index, out, role=first_chat, usage_=usage))
+            docs.append(chunks.stream_chunk(ctx, index, out, usage_=usage))
         if done and ctx.include_usage and ctx.closing_usage and ctx.n == 1:
             docs.append(chunks.usage_chunk(ctx, state.completion_tokens))
     # Derender decided the end itself (a stop string): the owner must learn it.

@@ -25,7 +25,9 @@ from tokenway.wire import (
     Api,
     DerenderEntry,
     FinishReason,
+    LogprobEntry,
     OutputContext,
+    ParseContext,
 )
 from workers.derender import state as states
 from workers.derender.core import derender
@@ -189,6 +191,84 @@ def test_the_role_chunk_goes_out_even_before_any_text_is_visible(
     assert doc["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
+# vLLM's role chunk (0.32 and 0.33 alike): every field it sets, nulls too; no stop_reason or
+# token_ids on its choice, the prompt's ids (with return_token_ids) on it alone.
+ROLE_CHOICE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+               "finish_reason": None}  # fmt: skip
+
+
+def role_chunk(prompt_ids: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+    return {"id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 1,
+            "model": "deepseek-v4", "choices": [ROLE_CHOICE], **fields,
+            "prompt_token_ids": prompt_ids, "prompt_text": None}  # fmt: skip
+
+
+def test_a_chat_stream_opens_with_vllms_role_chunk_then_the_content(
+    detok: Detokenizer, tokenizer: Tokenizer
+) -> None:
+    ids = encode(tokenizer, ["Hello", ", world"])
+    docs, _ = stream(detok, context(stream=True), [[i] for i in ids])
+    assert docs[0] == role_chunk()
+    assert list(docs[0]) == list(role_chunk())  # vLLM's order of fields, too
+    assert all(list(d["choices"][0]["delta"]) == ["content"] for d in docs[1:])
+    assert streamed_text(docs) == "Hello, world"
+    assert all("prompt_token_ids" not in d for d in docs[1:])
+
+
+def test_the_role_chunk_carries_the_prompt_ids_and_no_token_ids_or_logprobs(
+    detok: Detokenizer, tokenizer: Tokenizer
+) -> None:
+    ids = encode(tokenizer, ["Hi", " there"])
+    entries = [LogprobEntry(token_id=i, logprob=-0.5) for i in ids]
+    ctx = context(stream=True, return_token_ids=True, logprobs=0)
+    first = derender(detok, DerenderEntry(context=ctx, token_ids=ids[:1], logprobs=entries[:1],
+                                          prompt_token_ids=PROMPT))  # fmt: skip
+    role, content = [json.loads(c) for c in first.chunks]
+    assert role == role_chunk(PROMPT)
+    assert content["choices"][0]["token_ids"] == ids[:1]
+    assert content["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
+    assert "prompt_token_ids" not in content and "role" not in content["choices"][0]["delta"]
+
+
+def test_with_continuous_usage_the_role_chunk_counts_no_output_yet(
+    detok: Detokenizer, tokenizer: Tokenizer
+) -> None:
+    ctx = context(stream=True, include_usage=True, continuous_usage_stats=True)
+    docs, _ = stream(detok, ctx, [encode(tokenizer, ["Hi"])])
+    usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "total_tokens": len(PROMPT)}
+    assert docs[0] == role_chunk(usage=usage)
+
+
+def test_each_choice_opens_with_its_own_role_chunk(
+    detok: Detokenizer, tokenizer: Tokenizer
+) -> None:
+    """n > 1, and a prompt's choices numbered from its `index_base` (multi-prompt)."""
+    ctx = context(stream=True, n=2, index_base=4)
+    ids = encode(tokenizer, ["Hi"])
+    for index in (0, 1):
+        result = derender(detok, DerenderEntry(context=ctx, token_ids=ids, index=index))
+        role, content = [json.loads(c) for c in result.chunks]
+        assert role["choices"] == [{**ROLE_CHOICE, "index": 4 + index}]
+        assert content["choices"][0]["index"] == 4 + index
+
+
+def test_the_first_reasoning_goes_out_after_the_role_chunk_as_vllm_sends_it(
+    detok: Detokenizer, tokenizer: Tokenizer
+) -> None:
+    parse = ParseContext(reasoning_parser="deepseek_v3", reasoning_start="open")
+    docs, _ = stream(detok, context(stream=True, parse=parse), [encode(tokenizer, ["Hmm"])])
+    assert docs[0] == role_chunk()
+    assert docs[1]["choices"][0]["delta"] == {"reasoning": "Hmm"}
+
+
+def test_stop_reason_is_on_the_last_chunk_alone(detok: Detokenizer, tokenizer: Tokenizer) -> None:
+    """vLLM sets it on a choice's finishing chunk only (null when nothing stopped it)."""
+    ids = encode(tokenizer, ["One", " two", " three"])
+    docs, _ = stream(detok, context(stream=True), [[i] for i in ids], "length")
+    assert ["stop_reason" in d["choices"][0] for d in docs] == [False] * len(ids) + [True]
+    assert docs[-1]["choices"][0]["stop_reason"] is None
+
+
 def test_a_completion_chunk_without_visible_text_is_not_sent(
     detok: Detokenizer, tokenizer: Tokenizer
 ) -> None:
@@ -285,9 +365,10 @@ def test_continuous_usage_stats_puts_the_running_usage_on_every_chunk(
     ctx = context(stream=True, include_usage=True, continuous_usage_stats=True)
     chunks = split(ids, [3])
     docs, _ = stream(detok, ctx, chunks, "stop")
-    assert len(docs) == len(chunks) + 1
+    assert len(docs) == 1 + len(chunks) + 1  # the role chunk, the output, the usage
+    assert docs[0]["usage"]["completion_tokens"] == 0
     running = [len(c) for c in chunks]
-    for i, doc in enumerate(docs[:-1]):
+    for i, doc in enumerate(docs[1:-1]):
         assert doc["usage"]["completion_tokens"] == sum(running[: i + 1])
         assert doc["usage"]["total_tokens"] == len(PROMPT) + sum(running[: i + 1])
     assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] == len(ids)
