@@ -104,6 +104,7 @@ class Bridge:
         self.idle.set()
         self.problem: str | None = None  # why the last health check kept it out, if it did
         self.checked = asyncio.Event()  # a health check has answered
+        self.started = asyncio.Event()  # it takes work
 
     async def _healthy(self) -> str | None:
         self.problem = await self.engine.healthy()
@@ -130,6 +131,7 @@ class Bridge:
                 self.engine.info().model,
                 f", token IDs obfuscated (key {self.fingerprint})" if self.fingerprint else "",
             )
+            self.started.set()
             await stop.wait()
             for task in list(self.tasks.values()):
                 task.cancel()

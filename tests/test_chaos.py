@@ -23,7 +23,7 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import nats_server
+from tests.conftest import guarded_bus
 from tests.stages import StageProcesses, stage_processes
 from tests.streams import Streamed, post, resume, until
 from tests.test_cancel import consumer_names
@@ -111,8 +111,8 @@ async def nothing_left(c: StageProcesses, consumers: set[str]) -> None:
             await changed.wait()
     assert all(not b.tasks for b in stack.by_name.get("engine", []))
     assert not stack.ingress.router.slots
-    assert await consumer_names(stack.settings.nats) == consumers
-    nc = await nats.connect(servers=bus.seeds(stack.settings.nats))
+    assert await consumer_names(stack.observer) == consumers
+    nc = await nats.connect(servers=bus.seeds(stack.observer))
     try:
         js = nc.jetstream()
         model = stack.model
@@ -183,18 +183,20 @@ async def test_restarting_the_nats_server_mid_stream_loses_nothing_silently(
     """The server stops and starts again on the same port and file store while every stream
     runs: core NATS messages in flight are lost, connections reconnect, streams and
     consumers come back from disk. Every stream completes, or ends with an explicit error."""
-    async with nats_server(tmp_path / "nats", port=free_port()) as server:
+    async with guarded_bus(tmp_path / "nats", port=free_port()) as server:
+        assert server.natsd is not None
+        natsd = server.natsd
         async with stage_processes(server.url, tmp_path, "engine", processes=2) as c:
             expected = await run_load(c, c.url)
 
             async def restart() -> None:
-                await asyncio.to_thread(server.stop)
-                await server.start()
+                await asyncio.to_thread(natsd.stop)
+                await natsd.start()
 
             got = await run_load(c, c.url, started(5), restart)
             failed = check(got, expected, errors_allowed=True)
             report("nats", got, expected, failed)
-            await nothing_left(c, await consumer_names(server.url))
+            await nothing_left(c, await consumer_names(server.watch))
             async with httpx.AsyncClient() as http:  # the ingress counted losing NATS
                 page = (await http.get(f"{c.url}/metrics")).text
             lost = re.search(r'^tokenway_bus_errors_total\{stage="ingress"\} (\S+)$', page, re.M)

@@ -16,7 +16,7 @@ import nats
 import openai
 import pytest
 
-from tests.conftest import nats_server, wait_engines
+from tests.conftest import guarded_bus, nats_server, wait_engines
 from tokenway import bus
 from tokenway.config import Settings
 from tokenway.registry import EngineRegistry
@@ -79,18 +79,24 @@ async def test_up_serves_a_stream_and_stops_cleanly_on_ctrl_c(up) -> None:
 
 
 async def test_each_stage_runs_as_its_own_process(tmp_path: Path) -> None:
-    async with nats_server(tmp_path / "nats") as server:
-        common = ["--nats", server.url, "--data-dir", str(tmp_path / "data")]
+    """As an operator deploys it: the streams made as the provision role, then each process
+    as its role, with the env file `tokenway nats-auth` writes for it."""
+    async with guarded_bus(tmp_path / "nats") as server:
+        common = ["--data-dir", str(tmp_path / "data")]
+        provision = await spawn("provision", *common, env=server.env("provision"))
+        _, err = await provision.communicate()
+        assert provision.returncode == 0, err.decode()
         port, metrics = str(free_port()), free_port()
         procs = [
-            await spawn("ingress", *common, "--port", port),
-            await spawn("render", *common),
-            await spawn("schedule", *common, "--metrics-port", str(metrics)),
-            await spawn("derender", *common),
-            await spawn("engine", "sim", *common),
-        ]
+            await spawn("ingress", *common, "--port", port, env=server.env("ingress")),
+            await spawn("render", *common, env=server.env("render")),
+            await spawn("schedule", *common, "--metrics-port", str(metrics),
+                        env=server.env("schedule")),
+            await spawn("derender", *common, env=server.env("derender")),
+            await spawn("engine", "sim", *common, env=server.env("engine")),
+        ]  # fmt: skip
         try:
-            await _wait_ready(server.url, procs[0])
+            await _wait_ready(server.watch, procs[0])
             assert await stream_text(f"http://127.0.0.1:{port}/v1")
             async with httpx.AsyncClient() as http:  # the schedule process's own page
                 page = (await http.get(f"http://127.0.0.1:{metrics}/metrics")).text
@@ -157,13 +163,13 @@ async def test_engine_vllm_bridges_a_vllm_server_as_its_own_process(tmp_path: Pa
     fake = FakeVllm.for_tokenizer(
         tokenizer, model.eos_token_ids[0], Knobs(itl=0.001, output_len=20)
     )
-    async with nats_server(tmp_path / "nats") as server, fake:
+    async with guarded_bus(tmp_path / "nats") as server, fake:
         stack = await start_stack(
             server.url, settings, ["ingress", "render", "schedule", "derender"]
         )
         bridge = await spawn(
-            "engine", "vllm", "--nats", server.url, "--data-dir", str(tmp_path / "data"),
-            "--served-model-name", served, "--vllm-url", fake.url, "--engine-id", "vllm-cli-0",
+            "engine", "vllm", "--data-dir", str(tmp_path / "data"), "--served-model-name", served,
+            "--vllm-url", fake.url, "--engine-id", "vllm-cli-0", env=server.env("engine"),
         )  # fmt: skip
         try:
             await wait_engines(stack.ingress.registry, 1)
@@ -181,7 +187,9 @@ async def announcement(proc: asyncio.subprocess.Process) -> dict[str, str]:
     """`tokenway up`'s block once the API listens: the API URL, then a line per part."""
     url = await announced_url(proc)
     assert proc.stdout is not None
-    lines = [(await asyncio.wait_for(proc.stdout.readline(), 10)).decode() for _ in range(4)]
+    lines = [(await asyncio.wait_for(proc.stdout.readline(), 10)).decode()]
+    while not lines[-1].lstrip().startswith("metrics"):
+        lines.append((await asyncio.wait_for(proc.stdout.readline(), 10)).decode())
     return {"api": url} | dict(line.strip().split(None, 1) for line in lines)
 
 
@@ -351,6 +359,7 @@ async def test_a_stage_gives_up_on_nats_after_the_connect_timeout(tmp_path: Path
 
 
 async def test_a_seed_list_connects_through_any_live_server(tmp_path: Path) -> None:
+    # An open bus: this is about reaching a server, which comes before who may do what.
     async with nats_server(tmp_path / "nats", port=free_port()) as server:
         nc = await bus.connect(f"nats://127.0.0.1:1, {server.url}", "test-seeds")
         try:
@@ -403,6 +412,7 @@ async def test_a_second_up_on_one_data_dir_refuses_naming_the_first(up, tmp_path
 
 async def test_a_stage_whose_nats_went_away_stops_on_sigterm(tmp_path: Path) -> None:
     """Nothing to drain into: the stage closes its connection and exits cleanly."""
+    # An open bus: the test stops the server itself, which `guarded_bus` does not hand out.
     async with nats_server(tmp_path / "nats", port=free_port()) as server:
         proc = await spawn("schedule", "--nats", server.url, "--data-dir", str(tmp_path / "d"))
         await logged(proc, b"owning")

@@ -13,13 +13,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypeVar
 
+import nats
 import nats.errors
 import pytest
 
-from tests.conftest import Logged, Stack, make_settings, nats_server, start_stack
+from tests.conftest import Logged, Stack, guarded_bus, make_settings, start_stack
 from tests.streams import until
 from tokenway import bus
-from tokenway.client import Client, RequestFailed
+from tokenway.client import Client, Refused, RequestFailed
+from tokenway.errors import CannotStart
 from tokenway.wire import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -38,7 +40,7 @@ def engine_runs(stack: Stack, rid: str) -> int:
 
 
 async def test_an_openai_body_and_a_token_request_run_and_read_back_later(stack: Stack) -> None:
-    async with await Client.connect(stack.settings.nats, stack.model) as tw:
+    async with await stack.direct() as tw:
         done = await tw.run(chat(1))
         assert done["object"] == "chat.completion" and done["choices"][0]["message"]["content"]
         params = SamplingParams(max_tokens=5, logprobs=0, seed=2)
@@ -51,7 +53,7 @@ async def test_an_openai_body_and_a_token_request_run_and_read_back_later(stack:
         rid = await tw.submit({"prompt": "Later", "max_tokens": 3})
         reply = tw.reply
     # another process, later: the same names find the stored output
-    async with await Client.connect(stack.settings.nats, stack.model, reply=reply) as later:
+    async with await stack.direct(reply=reply) as later:
         assert (await later.result(rid))["usage"]["completion_tokens"] == 3
         assert (await later.result("tok-1"))["choices"] == tokens["choices"]
         with pytest.raises(RequestFailed) as failed:
@@ -61,7 +63,7 @@ async def test_an_openai_body_and_a_token_request_run_and_read_back_later(stack:
 
 async def test_many_at_once_each_run_once_even_submitted_again(stack: Stack) -> None:
     named = [(f"many-{i}", chat(i)) for i in range(12)]
-    async with await Client.connect(stack.settings.nats, stack.model) as tw:
+    async with await stack.direct() as tw:
         first = {rid: r async for rid, r in tw.submit_many(named, concurrency=4)}
         again = {rid: r async for rid, r in tw.submit_many(named, concurrency=4)}
     assert sorted(first) == sorted(rid for rid, _ in named) and again == first
@@ -79,19 +81,19 @@ async def test_a_full_queue_is_waited_out_not_an_error(
     logging.getLogger("workers.render.service").addHandler(held)
     stacks = []
     try:
-        async with nats_server(tmp_path / "nats") as server:
-            settings = make_settings(tmp_path / "d", queue_max_msgs=1, nats=server.url)
-            nc = await bus.connect(server.url, "provision", settings)
+        async with guarded_bus(tmp_path / "nats") as own:
+            settings = make_settings(tmp_path / "d", queue_max_msgs=1)
+            nc = await bus.connect(own.url, "provision", own.role(settings, "provision"))
             await bus.provision_streams(nc.jetstream(), settings)
             await nc.close()
-            async with await Client.connect(server.url, "deepseek-v4") as tw:
+            async with await Client.connect(own.url, "deepseek-v4", **own.client_options()) as tw:
                 bodies = [chat(i) for i in range(4)]
                 waiting = asyncio.create_task(_collect(tw.submit_many(bodies)))
                 await until(tw.waited, lambda: tw.waits > 0)
-                stacks.append(await start_stack(server.url, settings, ["render"]))
+                stacks.append(await start_stack(own.url, settings, ["render"]))
                 async with asyncio.timeout(30):
                     await held.event.wait()  # the schedule queue is full: render holds on
-                stacks.append(await start_stack(server.url, settings, STAGES))
+                stacks.append(await start_stack(own.url, settings, STAGES))
                 results = await asyncio.wait_for(waiting, 60)
             for stack in stacks:
                 await stack.close()
@@ -106,12 +108,14 @@ async def _collect(results: AsyncIterator[T]) -> list[T]:
 
 @pytest.mark.parametrize("example", ["rl_tokens.py", "batch_many.py"])
 async def test_the_examples_run_as_their_docstrings_say(stack: Stack, example: str) -> None:
-    args = ["--nats", stack.settings.nats, "--model", stack.model]
+    """With the environment of the file `up` writes for a tenant's jobs, and nothing else."""
+    args = ["--model", stack.model]
     if example == "batch_many.py":
         args += ["--count", "6", "--job", f"example-{os.getpid()}"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(ROOT / "examples" / example), *args, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **stack.bus.env("client-default")},
     )  # fmt: skip
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
@@ -126,28 +130,42 @@ async def test_a_client_closed_right_after_a_result_leaves_no_failing_task(stack
     errors: list[dict] = []
     old = loop.get_exception_handler()
     loop.set_exception_handler(lambda _, context: errors.append(context))
+    observer = await nats.connect(stack.observer)
     try:
-        async with await Client.connect(stack.settings.nats, stack.model) as tw:
-            before = {c.name for c in await tw.js.consumers_info(bus.OUT_STREAM)}
+        before = {c.name for c in await observer.jetstream().consumers_info(bus.OUT_STREAM)}
+        async with await stack.direct() as tw:
             assert (await tw.run(chat(7)))["choices"]
         for _ in range(3):  # what closing the client scheduled runs
             await asyncio.sleep(0)
         gc.collect()  # a failed task nobody awaited is reported when it is collected
+        after = {c.name for c in await observer.jetstream().consumers_info(bus.OUT_STREAM)}
     finally:
         loop.set_exception_handler(old)
+        await observer.close()
     assert not errors, errors
-    async with await Client.connect(stack.settings.nats, stack.model) as tw:
-        after = {c.name for c in await tw.js.consumers_info(bus.OUT_STREAM)}
     assert after <= before  # its consumer deleted once the result was had
 
 
 async def test_a_wait_for_a_result_ends_when_its_reader_cannot_go_on(stack: Stack) -> None:
     """The connection goes: whoever waits for a result hears it, instead of waiting for
     ever on a reader that stopped."""
-    tw = await Client.connect(stack.settings.nats, stack.model)
+    tw = await stack.direct()
     async with tw.finished() as finished:
         waiting = asyncio.ensure_future(finished.wait("never-sent"))
         await tw.nc.close()
         with pytest.raises(nats.errors.Error):
             async with asyncio.timeout(30):
                 await waiting
+
+
+async def test_a_client_the_bus_refuses_hears_it_at_once(stack: Stack) -> None:
+    """No credentials, or a publish its user may not make (another tenant's lane): an error
+    naming the refusal, not a request that waits for ever."""
+    with pytest.raises(CannotStart, match="refused this process's credentials"):
+        await Client.connect(stack.settings.nats or "", stack.model)
+    options = {**stack.bus.client_options("acme"), "tenant": "rival"}
+    async with await Client.connect(stack.settings.nats or "", stack.model, **options) as tw:
+        for _ in range(2):  # and every call after the first refusal
+            with pytest.raises(Refused, match="permissions violation"):
+                async with asyncio.timeout(30):
+                    await tw.run(chat(1))

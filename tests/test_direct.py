@@ -26,7 +26,7 @@ PROMPT = [6366, 33, 1040, 285]
 async def publish(stack: Stack, request: GenerateRequest) -> list[Msg]:
     """Publish as a direct client does; every output message up to the terminal one."""
     reply = f"job{secrets.token_hex(3)}"
-    nc = await nats.connect(stack.settings.nats)
+    nc = await nats.connect(stack.observer)
     try:
         js = nc.jetstream()
         out = await js.subscribe(bus.out_subject(reply, request.request_id),

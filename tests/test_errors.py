@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import msgspec
@@ -10,7 +11,7 @@ import nats
 import openai
 import pytest
 
-from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tests.conftest import Stack, guarded_bus, make_settings, start_stack
 from tests.workers.render.test_render_core import deep_json
 from tokenway import bus
 
@@ -95,7 +96,7 @@ async def test_streaming_request_errors_before_the_stream_starts(stack: Stack) -
 
 async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:
     """No render worker drains the queue; once it holds its limit, the next request is refused."""
-    async with nats_server(tmp_path / "nats") as server:
+    async with guarded_bus(tmp_path / "nats") as server:
         settings = make_settings(tmp_path / "data", queue_max_msgs=2, request_timeout=30)
         stack = await start_stack(server.url, settings, ["ingress"])
         body = {"messages": [{"role": "user", "content": "hi"}]}
@@ -104,7 +105,7 @@ async def test_full_render_queue_is_429_with_retry_after(tmp_path) -> None:
                 asyncio.create_task(http.post(f"{stack.url}/v1/chat/completions", json=body))
                 for _ in range(2)
             ]
-            nc = await nats.connect(server.url)
+            nc = await nats.connect(server.watch)
             js = nc.jetstream()
             queued = await js.subscribe(
                 bus.render_subject("deepseek-v4"), stream=bus.RENDER_STREAM, manual_ack=True
@@ -249,3 +250,52 @@ async def test_the_version_is_served(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
         resp = await http.get("/version")
     assert resp.status_code == 200 and resp.json()["version"]
+
+
+SECRET = "the server's secret: /etc/tokenway/keys.txt"
+
+
+def logged_under(caplog: pytest.LogCaptureFixture, rid: str) -> logging.LogRecord:
+    """The log record of a bug that names `rid`, with the traceback the client did not get."""
+    (record,) = [r for r in caplog.records if rid in r.getMessage() and r.exc_info]
+    assert SECRET in str(record.exc_info[1])
+    return record
+
+
+async def test_a_bug_answers_500_with_its_request_id_and_logs_what_broke(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception's text can hold paths, keys or another request's data: the client hears
+    that a bug happened and the id to find it by; the log has the traceback under that id."""
+
+    async def broken(request: object) -> object:
+        raise RuntimeError(SECRET)
+
+    monkeypatch.setattr(stack.by_name["render"][0].backend, "render", broken)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for stream in (False, True):
+        caplog.clear()
+        resp = await post(stack, "/v1/chat/completions", json={**body, "stream": stream})
+        rid = resp.headers["x-request-id"]
+        error = assert_error(resp, 500, f"internal error in request {rid}")
+        assert "secret" not in resp.text and "RuntimeError" not in resp.text
+        assert error["type"] == "InternalServerError"
+        logged_under(caplog, rid)
+
+
+async def test_a_bug_in_any_other_route_answers_500_with_its_request_id(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> list:
+        raise RuntimeError(SECRET)
+
+    monkeypatch.setattr(stack.ingress.registry, "alive", broken)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        resp = await http.get("/v1/models", headers={"X-Request-Id": "mine-1"})
+        assert_error(resp, 500, "internal error in request mine-1")
+        assert resp.headers["x-request-id"] == "mine-1" and "secret" not in resp.text
+        logged_under(caplog, "mine-1")
+        anonymous = await http.get("/v1/models")  # without an id of its own, it gets one
+        rid = anonymous.headers["x-request-id"]
+        assert_error(anonymous, 500, f"internal error in request {rid}")
+        logged_under(caplog, rid)

@@ -27,11 +27,11 @@ from workers.schedule.owned import Owned
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def derender_process(nats_url: str, data: Path, model: str) -> asyncio.subprocess.Process:
-    """A `tokenway derender` process, once it serves (it logs so after subscribing)."""
-    proc = await spawn(
-        "derender", "--nats", nats_url, "--data-dir", str(data), "--served-model-name", model
-    )
+async def derender_process(stack: Stack, data: Path, model: str) -> asyncio.subprocess.Process:
+    """A `tokenway derender` process on `stack`'s bus as its role, once it serves (it logs
+    so after subscribing)."""
+    proc = await spawn("derender", "--data-dir", str(data), "--served-model-name", model,
+                       env=stack.bus.env("derender"))  # fmt: skip
     await logged(proc, b"derender serving")
     return proc
 
@@ -65,8 +65,8 @@ async def test_a_derender_worker_that_hangs_then_dies_mid_stream_loses_nothing(
     settings = make_settings(tmp_path, derender_timeout=1.0, sim_itl=0.004, served_model_name=model,
                              derender_placement="pool")  # fmt: skip
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
-    doomed = await derender_process(stack.settings.nats, tmp_path, model)
-    survivor = await derender_process(stack.settings.nats, tmp_path, model)
+    doomed = await derender_process(stack, tmp_path, model)
+    survivor = await derender_process(stack, tmp_path, model)
     retried = _Retried()
     owner_log = logging.getLogger("workers.schedule.derendering")
     owner_log.addHandler(retried)
@@ -122,8 +122,8 @@ async def test_a_client_whose_ingress_dies_resumes_on_another_with_last_event_id
     )
     port = str(free_port())
     doomed = await spawn(
-        "ingress", "--nats", stack.settings.nats, "--data-dir", str(tmp_path),
-        "--served-model-name", model, "--port", port,
+        "ingress", "--data-dir", str(tmp_path), "--served-model-name", model, "--port", port,
+        env=stack.bus.env("ingress"),
     )  # fmt: skip
     body = {"model": model, "prompt": "A long story", "max_tokens": 300, "ignore_eos": True,
             "seed": 9, "stream": True}  # fmt: skip
@@ -169,7 +169,7 @@ async def test_a_new_owner_that_finds_the_end_stored_delivers_it_to_the_waiting_
     rid, reply = f"end-{secrets.token_hex(4)}", stack.ingress.ingress_id
     slot = router.open(rid)
     try:
-        nc = await nats.connect(stack.settings.nats)
+        nc = await nats.connect(stack.observer)
         try:  # stored, never delivered
             hdrs = ledger.out_headers(rid, 1, h.KIND_END)
             await ledger.publish(nc.jetstream(), bus.out_subject(reply, rid), b"data: {}\n\n",

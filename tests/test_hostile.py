@@ -11,7 +11,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tests.conftest import Stack, guarded_bus, make_settings, start_stack
 from tests.test_errors import assert_error
 
 LIMIT = 128 * 1024  # the bus's message limit here: a whole response above it cannot commit
@@ -36,7 +36,7 @@ async def test_a_response_too_big_for_the_bus_is_a_400_and_spares_the_others(
 ) -> None:
     """n=128 × top_logprobs=20 once failed every request of its commit round with a 500
     (owner) or was retried into a 504 two minutes later, derender busy all along (pool)."""
-    async with nats_server(tmp_path / "js", max_payload=LIMIT) as server:
+    async with guarded_bus(tmp_path / "js", max_payload=LIMIT) as server:
         settings = make_settings(
             tmp_path, derender_placement=placement, request_timeout=30, sim_output_len=100_000,
             served_model_name=f"small-bus-{placement}",

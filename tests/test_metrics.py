@@ -71,7 +71,7 @@ async def test_the_request_families_count_what_was_served(stack: Stack) -> None:
 async def test_dead_letters_are_counted_by_stage(stack: Stack) -> None:
     key = ("tokenway_dead_letters_total", (("stage", "render"),))
     before = (await scrape(stack)).get(key, 0.0)
-    await dead_letter_one(stack.settings.nats)
+    await dead_letter_one(stack.observer)
     assert (await scrape(stack)).get(key, 0.0) == before + 1
 
 

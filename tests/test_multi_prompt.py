@@ -35,7 +35,7 @@ def sse(raw: str) -> list[dict]:
 
 async def committed(stack: Stack, rid: str) -> list[list[dict]]:
     """The documents of each message the request's ledger holds, in order."""
-    nc = await nats.connect(stack.settings.nats)
+    nc = await nats.connect(stack.observer)
     try:
         subject = bus.out_subject(stack.ingress.ingress_id, rid)
         return [sse(m.data.decode()) async for m in ledger.stored(nc.jetstream(), subject)]

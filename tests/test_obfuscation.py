@@ -93,7 +93,7 @@ async def registry_until(
 async def bridged(front: Stack, *engines: tuple[Engine, Permutation | None]) -> AsyncIterator[None]:
     """Engines behind bridges (keyed by their permutation), registered, then gone again."""
     stop = asyncio.Event()
-    bridges = [Bridge(front.settings, engine, obf) for engine, obf in engines]
+    bridges = [Bridge(front.role("engine"), engine, obf) for engine, obf in engines]
     tasks = [asyncio.create_task(b.run(front.settings.nats or "", stop)) for b in bridges]
     registry = front.ingress.registry
     try:
@@ -197,7 +197,7 @@ async def test_a_bridge_declines_work_mapped_for_another_key(
 ) -> None:
     """The last guard, for an owner whose registry view is stale: nothing reaches the engine."""
     engine = sim(front, tokenizer, "guard", perm)
-    nc = await bus.connect(front.settings.nats or "", "obf-test")
+    nc = await bus.connect(front.observer, "obf-test")
     try:
         async with bridged(front, (engine, perm)):
             for fingerprint in (None, permutation(front, OTHER_KEY).fingerprint):

@@ -79,8 +79,9 @@ async def test_an_engine_closing_its_socket_mid_stream_is_relayed(
             await fake.__aenter__()
             endpoint = VllmEndpoint(url=fake.url, id=f"relay-{i}", model=served, max_seqs=8)
             engines.append(VllmEngine(endpoint))
+        as_engine = stack.role("engine")
         bridges = [
-            asyncio.create_task(Bridge(stack.settings, e).run(nats_url, stop_bridges))
+            asyncio.create_task(Bridge(as_engine, e).run(stack.settings.nats, stop_bridges))
             for e in engines
         ]
         await wait_engines(stack.by_name["schedule"][0].registry, 2)

@@ -40,7 +40,7 @@ async def pipeline(
     stack = await start_stack(nats_url, s, ["ingress", "render", "schedule", "derender"])
     tokenizer = Tokenizer.from_file(str(stack.ingress.models[0].info.path / "tokenizer.json"))
     sims = [SimEngine(dataclasses.replace(c, model=model), tokenizer) for c in engines]
-    bridges = [Bridge(stack.settings, sim) for sim in sims]
+    bridges = [Bridge(stack.role("engine"), sim) for sim in sims]
     stack.by_name["engine"] = bridges
     stop = asyncio.Event()
     tasks = [asyncio.create_task(b.run(stack.settings.nats, stop)) for b in bridges]
@@ -169,7 +169,7 @@ async def test_a_cancelled_request_delivered_again_is_not_run_again(stack: Stack
     """JetStream delivers a request again when its owner's ack came late (a loop busy past
     the ack wait): once its client has left, no delivery may run it again for nobody."""
     schedule = stack.by_name["schedule"][0]
-    nc, rid = await nats.connect(stack.settings.nats), ""
+    nc, rid = await nats.connect(stack.observer), ""
     try:
         seen = await nc.subscribe(bus.sched_subject(stack.model))
         body = {"prompt": "An endless tale", "max_tokens": 100_000, "ignore_eos": True,

@@ -15,15 +15,16 @@ from tokenway import bus
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def status(nats_url: str, *flags: str) -> tuple[int, str, str]:
-    proc = await spawn("status", "--nats", nats_url, *flags)
+async def status(stack: Stack, *flags: str) -> tuple[int, str, str]:
+    """`tokenway status` run as an operator runs it: with the `ops` role's env file."""
+    proc = await spawn("status", *flags, env=stack.bus.env("ops"))
     out, err = await proc.communicate()
     return proc.returncode or 0, out.decode(), err.decode()
 
 
 async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack) -> None:
-    await dead_letter_one(stack.settings.nats)
-    code, out, err = await status(stack.settings.nats, "--json")
+    await dead_letter_one(stack.observer)
+    code, out, err = await status(stack, "--json")
     assert code == 0, err
     doc = json.loads(out)
     ours = {bridge.id for bridge in stack.by_name["engine"]}
@@ -35,7 +36,7 @@ async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack
     queues = {c["name"] for s in streams.values() for c in s["consumers"]}
     assert {"render-deepseek-v4", "schedule-deepseek-v4"} <= queues
     assert doc["dead_letters"]["render"] >= 1 and doc["missing"] == []
-    code, text, err = await status(stack.settings.nats)
+    code, text, err = await status(stack)
     assert code == 0, err
     for heading in ("engines", "queues", "dead letters", "batches", "streams"):
         assert f"\n{heading}\n" in f"\n{text}"
@@ -50,8 +51,8 @@ async def test_status_shows_what_each_owner_holds(stack: Stack) -> None:
             assert running.status_code == 200
             lines = running.aiter_lines()  # kept: a dropped one closes the stream
             assert (await anext(lines)).startswith("data: ")  # it runs on an engine
-            code, out, err = await status(stack.settings.nats, "--json")
-            _, text, _ = await status(stack.settings.nats)
+            code, out, err = await status(stack, "--json")
+            _, text, _ = await status(stack)
     assert code == 0, err
     owners = {o["id"]: o for o in json.loads(out)["owners"]}
     ours = {owner.owner_id for owner in stack.by_name["schedule"]}
@@ -76,8 +77,8 @@ async def test_status_shows_the_batches_that_run(stack: Stack) -> None:
             async with asyncio.timeout(30):  # until its one line runs
                 while not stack.by_name["schedule"][0].requests:  # noqa: ASYNC110 - the runner's
                     await asyncio.sleep(0.05)
-            code, out, err = await status(stack.settings.nats, "--json")
-            _, text, _ = await status(stack.settings.nats)
+            code, out, err = await status(stack, "--json")
+            _, text, _ = await status(stack)
         finally:
             await http.post(f"/v1/batches/{batch_id}/cancel")
     assert code == 0, err

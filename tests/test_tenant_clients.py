@@ -1,5 +1,5 @@
 """A tenant's batch and RL jobs on the bus (`tokenway.client` as the `client-<tenant>`
-NATS user), on a real nats-server that lets in the generated users only: the client runs,
+NATS user), on the bus as `tokenway up` guards it: the client runs,
 reads and cancels its own requests, and nothing it publishes on its lane reaches another
 client's request or runs as another tenant."""
 
@@ -18,55 +18,24 @@ import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.js.api import DeliverPolicy
 
-from tests.conftest import Stack, make_settings, nats_server, start_stack
+from tests.conftest import Stack
 from tests.test_cli import spawn
 from tokenway import bus
 from tokenway import headers as h
-from tokenway.client import Client
-from tokenway.nats_users import NatsUsers
 from tokenway.wire import DeadLetter, GenerateRequest, RenderRequest, SamplingParams
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 MODEL = "deepseek-v4"
-OBSERVER = "observer-0123456789abcdef"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def users(tmp_path_factory: pytest.TempPathFactory) -> NatsUsers:
-    return NatsUsers.prepare(tmp_path_factory.mktemp("auth"), ["acme", "rival"])
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def guarded(
-    users: NatsUsers, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Stack]:
-    """The pipeline, each stage as its role, on a server that lets in those users only (and
-    the test's observer, who may read everything)."""
-    store = tmp_path_factory.mktemp("js")
-    everyone = [*users.authorization["users"], {"user": "observer", "password": OBSERVER}]
-    async with nats_server(store, config={"authorization": {"users": everyone}}) as server:
-        settings = make_settings(tmp_path_factory.mktemp("data"), sim_itl=0.005)
-        stack = await start_stack(server.url, settings, ["ingress", "render", "schedule", "sim"],
-                                  users)  # fmt: skip
-        try:
-            yield stack
-        finally:
-            await stack.close()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def observer(guarded: Stack) -> AsyncIterator[NATS]:
-    nc = await nats.connect(guarded.settings.nats, user="observer", password=OBSERVER)
+@pytest_asyncio.fixture(loop_scope="session")
+async def observer(stack: Stack) -> AsyncIterator[NATS]:
+    """The test's connection, which may read everything (the session's stack runs every
+    stage as its role, and lets in `client-<tenant>` users as `up` does)."""
+    nc = await nats.connect(stack.observer)
     yield nc
     await nc.close()
-
-
-async def client(stack: Stack, users: NatsUsers, tenant: str) -> Client:
-    env = users.env(f"client-{tenant}")
-    return await Client.connect(stack.settings.nats, MODEL, tenant=tenant,
-                                nkeys_seed=env["nats_nkey_file"],
-                                inbox_prefix=env["nats_inbox_prefix"])  # fmt: skip
 
 
 def chat(text: str, max_tokens: int = 6) -> dict:
@@ -79,9 +48,9 @@ async def tenant_of(js: nats.js.JetStreamContext, reply: str, rid: str) -> str:
 
 
 async def test_a_tenants_client_runs_reads_and_cancels_its_own_requests(
-    guarded: Stack, users: NatsUsers, observer: NATS
+    stack: Stack, observer: NATS
 ) -> None:
-    async with await client(guarded, users, "acme") as tw:
+    async with await stack.direct("acme") as tw:
         assert tw.reply.startswith("tenant.acme.")
         done = await tw.run(chat("hello"))
         assert done["choices"][0]["message"]["content"]
@@ -106,7 +75,7 @@ async def test_a_tenants_client_runs_reads_and_cancels_its_own_requests(
         assert await tenant_of(observer.jetstream(), tw.reply, rid) == "acme"
         assert await tenant_of(observer.jetstream(), tw.reply, "acme-tokens") == "acme"
 
-        schedule = guarded.by_name["schedule"][0]
+        schedule = stack.by_name["schedule"][0]
         endless = {**chat("an endless tale", 100_000), "ignore_eos": True, "stream": True}
         rid = await tw.submit(endless)
         async for _ in tw.outputs(rid):
@@ -118,25 +87,25 @@ async def test_a_tenants_client_runs_reads_and_cancels_its_own_requests(
 
 
 async def test_nothing_on_a_tenants_lane_reaches_another_clients_request(
-    guarded: Stack, users: NatsUsers, observer: NATS
+    stack: Stack, observer: NATS
 ) -> None:
     """While an HTTP client streams, tenant acme's client names that request's reply, then
     its id on acme's own reply, then cancels it from its own reply: the first two are dead
     letters, the cancel is nobody's, and the stream runs on."""
-    schedule = guarded.by_name["schedule"][0]
+    schedule = stack.by_name["schedule"][0]
     letters = await observer.jetstream().subscribe(
         bus.dlq_subject("*"), stream=bus.DLQ_STREAM, ordered_consumer=True,
         deliver_policy=DeliverPolicy.NEW,
     )  # fmt: skip
     endless = {"prompt": "A long tale", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
-    async with await client(guarded, users, "acme") as tw:
+    async with await stack.direct("acme") as tw:
         own = await tw.submit(endless)  # acme's own, to cancel last
         async for _ in tw.outputs(own):
             break
         async with httpx.AsyncClient(timeout=30) as http:
-            async with http.stream("POST", f"{guarded.url}/v1/completions", json=endless) as r:
+            async with http.stream("POST", f"{stack.url}/v1/completions", json=endless) as r:
                 victim = r.headers["x-tokenway-stream-id"]
-                ingress = guarded.ingress.router.ingress_id
+                ingress = stack.ingress.router.ingress_id
                 lines = r.aiter_lines()  # held: a dropped iterator closes the response
                 assert (await anext(lines)).startswith("data: ")  # it streams
 

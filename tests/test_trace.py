@@ -39,7 +39,8 @@ async def traced(
     stop = asyncio.Event()
     await fake.__aenter__()
     engine = VllmEngine(VllmEndpoint(url=fake.url, id="trace-0", model=served, max_seqs=8))
-    bridge = asyncio.create_task(Bridge(stack.settings, engine).run(nats_url, stop))
+    bridged = Bridge(stack.role("engine"), engine)
+    bridge = asyncio.create_task(bridged.run(stack.settings.nats, stop))
     try:
         await wait_engines(stack.by_name["schedule"][0].registry, 1)
         yield stack, fake

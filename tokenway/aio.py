@@ -24,6 +24,23 @@ class Signal:
         return self._event
 
 
+class Stop(asyncio.Event):
+    """A stage's stop that carries when its process's grace period ends (loop time): the
+    stages of one process stop one after another, and share one grace to drain in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.until: float | None = None
+
+
+def grace(stop: asyncio.Event, default: float) -> float:
+    """Seconds a stopping stage may drain for: what is left of its process's grace where
+    `stop` carries one (`Stop`), else `default`, the stage's own."""
+    if isinstance(stop, Stop) and stop.until is not None:
+        return max(0.0, stop.until - asyncio.get_running_loop().time())
+    return default
+
+
 async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
     """Until one of `events` is set or `timeout` passes."""
     waits = [asyncio.ensure_future(e.wait()) for e in events]

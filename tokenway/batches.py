@@ -91,6 +91,7 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     runner: str = ""  # the runner that holds it
     lease_until: float = 0.0  # until when (epoch seconds): after that another may take it
     parts: int = 0  # output parts written (`workers.batch.service.PART_LINES` lines each)
+    failures: int = 0  # runs of it that failed in a row (`workers.batch.service.RUNS`)
 
 
 class Line(msgspec.Struct, kw_only=True):

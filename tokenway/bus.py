@@ -18,6 +18,7 @@ import re
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 import nats.errors
@@ -340,17 +341,21 @@ async def connect(
     *,
     reconnected: Callable[[], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
+    noted: Callable[[Exception], Awaitable[None]] | None = None,
+    **options: Any,
 ) -> NATS:
     """A service connection over a seed list: reconnect forever, notice a dead server
     within seconds; `reconnected` runs after each reconnect (subscriptions are back by then).
-    The settings' credentials authenticate it (`tokenway.credentials`).
+    The settings' credentials authenticate it (`tokenway.credentials`), or `options`
+    (nats-py's: `nkeys_seed`, `inbox_prefix`, `tls`...); `noted` hears every error of the
+    server once connected (a permissions violation among them).
 
     Reaching NATS the first time takes at most the settings' connect timeout (30 s without
     settings; then `CannotStart`), one log line per failed attempt; a set `stop` ends the
     attempt at once, and so does a server refusing the credentials (`CannotStart` both).
     """
     timeout = settings.connect_timeout if settings is not None else 30.0
-    options = connect_options(settings) if settings is not None else {}
+    options = {**(connect_options(settings) if settings is not None else {}), **options}
     last: list[BaseException] = []
     shown = redacted(url)
     # The server's refusal of our credentials, when it comes (a reset may follow it).
@@ -362,6 +367,8 @@ async def connect(
         if attempt.done():  # connected once: reconnects, slow consumers, server errors
             errors.inc()
             log.warning("%s: NATS error (%s): %r", name, shown, exc)
+            if noted is not None:
+                await noted(exc)
             return
         log.warning("%s cannot reach NATS (%s): %r", name, shown, exc)
         if _refusal(exc) and not refused.done():

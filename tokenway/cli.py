@@ -23,6 +23,7 @@ import msgspec
 from nats.aio.client import Client
 
 from tokenway import asyncapi, bus, spans
+from tokenway.aio import Stop
 from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
@@ -40,6 +41,7 @@ log = logging.getLogger("tokenway")
 
 class Stage(Protocol):
     name: str
+    started: asyncio.Event  # it does its work: what `up`'s ready block waits for
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None: ...
 
@@ -170,6 +172,8 @@ async def serve(
                 url = await natsd.start()
             except (RuntimeError, TimeoutError) as exc:
                 raise CannotStart(f"the embedded nats-server did not start: {exc}") from None
+            if users is not None:  # a process that loads a role's env file finds the server
+                users.write_env(url)
         provisioner = s if users is None else users.settings(s, "provision")
         nc = await bus.connect(url, "tokenway-provision", provisioner, stop=stop)
         if provisioner.provision:
@@ -177,25 +181,41 @@ async def serve(
         else:
             await bus.check_streams(nc.jetstream(), s)
         await nc.close()
-        # Stages that drain first (the ingress: its streams need the others) stop on
-        # `stop`; the rest of this process once those have drained.
-        drained = [e for stage in stages if (e := getattr(stage, "drained", None))]
-        rest = asyncio.Event() if drained else stop
         async with asyncio.TaskGroup() as group:
-            for stage in stages:
-                until = rest if getattr(stage, "drained", None) is None else stop
-                group.create_task(stage.run(url, until), name=stage.name)
-            if drained:
-                group.create_task(_after(stop, drained, rest))
+            tiers = []
+            for tier in _in_data_order(stages):
+                tier_stop = Stop()
+                runs = [group.create_task(t.run(url, tier_stop), name=t.name) for t in tier]
+                tiers.append((tier_stop, runs))
+            if tiers:  # (no stages: nothing to run, nothing to stop)
+                group.create_task(_stop_in_order(stop, s.drain_timeout, tiers))
             if announce:
                 group.create_task(_announce(stages, url, users))
 
 
-async def _after(stop: asyncio.Event, drained: list[asyncio.Event], then: asyncio.Event) -> None:
+# Stages stop in the order the data flows: what takes requests in first, each next one
+# once those before it are done (their requests in flight still go through it), the engines
+# last; a stage not named here stops with the engines.
+_DATA_ORDER = {"ingress": 0, "batch": 0, "render": 1, "schedule": 2}
+
+
+def _in_data_order(stages: Sequence[Stage]) -> list[list[Stage]]:
+    ranks = sorted({_DATA_ORDER.get(stage.name, len(_DATA_ORDER)) for stage in stages})
+    return [[st for st in stages if _DATA_ORDER.get(st.name, len(_DATA_ORDER)) == rank]
+            for rank in ranks]  # fmt: skip
+
+
+async def _stop_in_order(
+    stop: asyncio.Event, within: float, tiers: list[tuple[Stop, list[asyncio.Task[None]]]]
+) -> None:
+    """Once `stop` is set, stop each tier of stages after the one before it has ended, all
+    within one grace of `within` seconds (a later tier drains for what is left of it)."""
     await stop.wait()
-    for event in drained:
-        await event.wait()
-    then.set()
+    until = asyncio.get_running_loop().time() + within
+    for tier_stop, runs in tiers:
+        tier_stop.until = until
+        tier_stop.set()
+        await asyncio.wait(runs)
 
 
 @contextlib.contextmanager
@@ -220,14 +240,16 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
         yield
 
 
-def _tenants(s: Settings, named: Sequence[str] = ()) -> list[str]:
-    """The tenants that get a client user on the bus: the API keys' and those named."""
-    from ingress.auth import tenants
+def _tenants(s: Settings, named: Sequence[str] = (), up: bool = False) -> list[str]:
+    """The tenants that get a client user on the bus: the API keys' and those named; under
+    `up` without keys, `default` (so a job on the bus has a user to run as)."""
+    from ingress.auth import DEFAULT_TENANT, tenants
 
     try:
-        return tenants(s.api_key, s.api_key_file, named)
+        found = tenants(s.api_key, s.api_key_file, named)
     except ValueError as exc:
         raise CannotStart(str(exc)) from None
+    return found or ([DEFAULT_TENANT] if up else [])
 
 
 async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None) -> None:
@@ -236,10 +258,14 @@ async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None)
     from ingress.service import IngressService
 
     nats = bus.redacted(nats_url)
+    jobs = ""
     if users is not None:
         nats += f"  (its users in {users.directory})"
+        envs = " ".join(str(users.directory / f"client-{t}.env") for t in users.tenants)
+        jobs = f"\n  jobs     batch/RL jobs on the bus load {envs} (README: Publishing directly)"
     ingress = next(stage for stage in stages if isinstance(stage, IngressService))
-    await ingress.started.wait()
+    for stage in stages:  # the block comes after every stage's line of the log
+        await stage.started.wait()
     bridges = [stage for stage in stages if isinstance(stage, Bridge)]
     if bridges:
         log.info("waiting for the first health check of %d engine(s)", len(bridges))
@@ -250,7 +276,7 @@ async def _announce(stages: list[Stage], nats_url: str, users: NatsUsers | None)
         f"tokenway serving the OpenAI API at {ingress.url}/v1\n"
         f"  models   {', '.join(m.name for m in ingress.models)}\n"
         f"  engines  {engines}\n"
-        f"  NATS     {nats}\n"
+        f"  NATS     {nats}{jobs}\n"
         f"  metrics  {ingress.url}/metrics",
         flush=True,
     )
@@ -272,12 +298,15 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        running = asyncio.current_task()
-        assert running is not None
 
         def on_signal() -> None:
-            if stopping.is_set():  # a second signal: no more draining
-                running.cancel()
+            if stopping.is_set():  # a second signal: no more draining, and no tracebacks of
+                # requests cut short; an embedded nats-server stops too (told as we exit)
+                print("tokenway: stopped at once, without draining (a second signal)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(130)
+            log.warning("stopping: open requests have %gs to finish (a second Ctrl-C or "
+                        "SIGTERM stops at once)", s.drain_timeout)  # fmt: skip
             stopping.set()
             stop.set()
 
@@ -290,10 +319,10 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
                 spans.configure(s.otlp_endpoint)
             except ValueError as exc:
                 raise CannotStart(str(exc)) from None
-        # An embedded server lets in its own users only, one per role (and a client of
-        # each tenant the API keys name, for its batch jobs on the bus).
+        # An embedded server lets in its own users only, one per role, and a client of each
+        # tenant the API keys name for its jobs on the bus (of `default` without keys).
         users = None if s.nats is not None else NatsUsers.prepare(s.data_path / "nats-auth",
-                                                                  _tenants(s))  # fmt: skip
+                                                                  _tenants(s, up=True))  # fmt: skip
         stages = build_stages(s, stage_names, users)
         # What start-up made (modules, tokenizers, templates) lives as long as the process.
         # Frozen out of the collector's reach, it is no longer walked by full collections,
@@ -307,8 +336,6 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
     except* CannotStart as group:
         if not stopping.is_set():
             raise SystemExit(f"tokenway: {group.exceptions[0]}") from None
-    except* asyncio.CancelledError:
-        raise SystemExit("tokenway: stopped without draining (a second signal)") from None
     finally:
         spans.shutdown()  # the spans still batched go out before the process does
 

@@ -30,15 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -48,10 +48,14 @@ from nats.js.errors import APIError
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import Signal
+from tokenway.config import ENV_PREFIX, TENANT_ENV, load_settings
+from tokenway.credentials import connect_options
+from tokenway.errors import CannotStart
 from tokenway.out_reader import Reader
 from tokenway.wire import TERMINAL_KINDS, Api, GenerateRequest, RenderRequest
 
 Request = dict[str, Any] | bytes | GenerateRequest
+T = TypeVar("T")
 
 _BACKOFF, _MAX_BACKOFF = 0.05, 2.0  # seconds between tries while a queue is full
 
@@ -86,18 +90,35 @@ class Output:
         return [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
 
 
+class Refused(PermissionError):
+    """The bus refused what this client sent: its NATS user may not publish there (another
+    tenant's lane, a reply not its own, or no client user at all)."""
+
+
 class Client:
     """Submit requests to tokenway's bus and read their output (see the module's text)."""
 
-    def __init__(self, nc: NATS, model: str, reply: str | None = None, tenant: str = "") -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        model: str,
+        reply: str | None = None,
+        tenant: str = "",
+        refused: asyncio.Future[Exception] | None = None,
+    ) -> None:
+        """`refused`: set by the connection with the server's first refusal of anything
+        this client sent (`connect` wires it), which fails every call from then on."""
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.model = model
         self.tenant = tenant
         job = reply or f"job{secrets.token_hex(6)}"
-        self.reply = bus.tenant_reply(tenant, job) if tenant else job
+        # a tenant's reply given back whole (another process reading its `reply`) is kept
+        mine = not tenant or bus.owns_reply(tenant, job)
+        self.reply = job if mine else bus.tenant_reply(tenant, job)
         self.waits = 0  # publishes that found the queue full (or NATS away) and waited
         self.waited = Signal()  # fired at each
+        self._refused = refused or asyncio.get_running_loop().create_future()
 
     @classmethod
     async def connect(
@@ -108,8 +129,55 @@ class Client:
         tenant: str = "",
         **options: Any,
     ) -> Client:
-        """Connect to NATS (`options`: nats-py's, e.g. `nkeys_seed`, `inbox_prefix`, `tls`)."""
-        return cls(await nats.connect(servers, **options), model, reply, tenant)
+        """Connect to NATS (`options`: nats-py's, e.g. `nkeys_seed`, `inbox_prefix`, `tls`).
+        Credentials the server refuses raise `CannotStart` at once."""
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+        async def noted(exc: Exception) -> None:
+            # A denied publish is answered on the connection, never on the publish (whose
+            # ack would only time out): it fails what waits for it here instead.
+            if "permissions violation" in str(exc).lower() and not refused.done():
+                refused.set_result(exc)
+
+        url = servers if isinstance(servers, str) else ",".join(servers)
+        nc = await bus.connect(url, "tokenway-client", noted=noted, **options)
+        return cls(nc, model, reply, tenant, refused)
+
+    @classmethod
+    async def from_env(
+        cls, model: str, reply: str | None = None, env: Mapping[str, str] | None = None
+    ) -> Client:
+        """Connect as the environment says, the way every tokenway process reads it:
+        `TOKENWAY_NATS`, the credentials (`TOKENWAY_NATS_NKEY_FILE`, `_CREDS`, `_USER`...),
+        `TOKENWAY_NATS_INBOX_PREFIX` and `TOKENWAY_TENANT`. `tokenway up` writes them for
+        each tenant's jobs in `<data-dir>/nats-auth/client-<tenant>.env`."""
+        env = os.environ if env is None else env
+        s = load_settings(env=env)
+        if s.nats is None:
+            raise CannotStart(
+                f"{ENV_PREFIX}NATS is not set: load the environment file `tokenway up` wrote "
+                "for your tenant's jobs, <data-dir>/nats-auth/client-<tenant>.env"
+            )
+        tenant = env.get(TENANT_ENV, "")
+        return await cls.connect(s.nats, model, reply, tenant, **connect_options(s))
+
+    async def _unless_refused(self, work: Awaitable[T]) -> T:
+        """`work`, or `Refused` the moment the server refuses something of this client's."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self._refused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        with contextlib.suppress(BaseException):
+            await task
+        raise Refused(
+            f"NATS refused this client ({self._refused.result()}): its user may not do this; a "
+            f"tenant's job connects as the tenant's client user (`Client.from_env` with its "
+            f"client-<tenant>.env) and publishes as that tenant (tenant={self.tenant!r} here)"
+        )
 
     async def __aenter__(self) -> Client:
         return self
@@ -123,7 +191,7 @@ class Client:
         """Queue the request; its id. A full queue is waited out; an id whose output has
         begun is not published again."""
         rid, subject, payload = self._prepared(request, rid)
-        if not await self._begun(rid):
+        if not await self._unless_refused(self._begun(rid)):
             await self._publish(rid, subject, payload)
         return rid
 
@@ -147,7 +215,7 @@ class Client:
         wait = _BACKOFF
         while True:
             try:
-                await self.js.publish(subject, payload, headers=headers)
+                await self._unless_refused(self.js.publish(subject, payload, headers=headers))
                 return
             except nats.errors.Error as exc:
                 full = isinstance(exc, APIError) and bus.is_stream_full(exc)
@@ -162,7 +230,7 @@ class Client:
         """The request's output from its first message to its end, live or stored
         (`timeout`: seconds to wait for each next message; None waits as long as it takes)."""
         reader = Reader(self.js, bus.out_subject(self.reply, rid), DeliverPolicy.ALL)
-        await reader.open()
+        await self._unless_refused(reader.open())
         messages = reader.messages()
         seen = 0
         try:
@@ -238,7 +306,7 @@ class Client:
     async def finished(self) -> AsyncIterator[Finished]:
         """A reader of how this client's requests ended (`Finished`), open while in use."""
         reader = Finished(self.js, self.reply)
-        await reader.start()
+        await self._unless_refused(reader.start())
         try:
             yield reader
         finally:

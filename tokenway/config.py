@@ -13,6 +13,9 @@ import msgspec
 from msgspec import Meta
 
 ENV_PREFIX = "TOKENWAY_"
+# A direct publisher's tenant (`tokenway.client.Client.from_env`), beside its credentials in
+# the `client-<tenant>.env` file `tokenway nats-auth` and `up` write.
+TENANT_ENV = f"{ENV_PREFIX}TENANT"
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}  # fmt: skip
 

@@ -229,10 +229,12 @@ class DlqMover:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.started = asyncio.Event()  # it moves dead letters
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = await bus.connect(nats_url, "tokenway-dlq", self.settings, stop=stop)
         js = nc.jetstream()
+        self.started.set()
         await consume(js, mover_consumer(self.settings), lambda msg: self.handle(js, msg), stop)
         await bus.drain(nc)
 

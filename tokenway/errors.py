@@ -171,10 +171,12 @@ def too_big_for_the_bus(size: int, limit: int, *, at_least: bool = False) -> Inv
     )
 
 
-def internal(exc: BaseException) -> ErrorInfo:
-    """A bug: say what broke, never swallow it."""
+def internal(rid: str) -> ErrorInfo:
+    """A bug, as its client hears of it: that it happened and under which request id. What
+    broke goes to the log under that id (the caller logs the traceback), never to the
+    client: an exception's text can hold paths, keys or another request's data."""
     return ErrorInfo(
-        message=f"internal error: {type(exc).__name__}: {exc}",
+        message=f"internal error in request {rid}; the server's log has the details",
         type="InternalServerError",
         status=500,
     )

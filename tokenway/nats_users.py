@@ -19,7 +19,7 @@ import msgspec
 import nkeys
 
 from tokenway import bus
-from tokenway.config import NATS_CREDENTIALS, Settings
+from tokenway.config import ENV_PREFIX, NATS_CREDENTIALS, TENANT_ENV, Settings
 from tokenway.roles import roles, server_users
 
 AUTH_FILE = "auth.conf"
@@ -43,6 +43,7 @@ def _seed(path: Path) -> nkeys.KeyPair:
 class NatsUsers:
     directory: Path
     authorization: dict[str, object]  # the server configuration's `authorization` block
+    tenants: tuple[str, ...] = ()  # each has a client role, `client-<tenant>`
 
     @classmethod
     def prepare(cls, directory: Path, tenants: Sequence[str] = ()) -> NatsUsers:
@@ -51,17 +52,26 @@ class NatsUsers:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         every = roles(tenants)
         keys = {r.name: _seed(_seed_path(directory, r.name)).public_key.decode() for r in every}
-        users = cls(directory, {"users": server_users(keys, tenants)})
+        users = cls(directory, {"users": server_users(keys, tenants)}, tuple(tenants))
         (directory / AUTH_FILE).write_text(
             "# nats-server authorization for tokenway, one nkey user per role; generated\n"
             "# by `tokenway nats-auth` from tokenway/roles.py. Include it in the server's\n"
             "# configuration: `include auth.conf` at the top level.\n"
             f"authorization: {json.dumps(users.authorization, indent=2)}\n"
         )
-        for role in every:
-            env = "".join(f"TOKENWAY_{k.upper()}={v}\n" for k, v in users.env(role.name).items())
-            (directory / f"{role.name}.env").write_text(f"# {role.name}: {role.does}\n{env}")
+        users.write_env()
         return users
+
+    def write_env(self, url: str | None = None) -> None:
+        """Each role's `<role>.env`: what makes a process that loads it connect as the role
+        (to `url`, where given: `up` adds its server's once it listens), a client role's
+        tenant included (`tokenway.client.Client.from_env`)."""
+        for role in roles(self.tenants):
+            env = {**({"nats": url} if url else {}), **self.env(role.name)}
+            lines = "".join(f"{ENV_PREFIX}{k.upper()}={v}\n" for k, v in env.items())
+            if role.tenant:
+                lines += f"{TENANT_ENV}={role.tenant}\n"
+            (self.directory / f"{role.name}.env").write_text(f"# {role.name}: {role.does}\n{lines}")
 
     def _role(self, role: str) -> dict[str, object]:
         """The settings that make a process connect as `role`."""

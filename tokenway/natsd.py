@@ -6,6 +6,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -85,8 +86,11 @@ class EmbeddedNats:
             "-js",
             "--ports_file_dir", self._ports_dir,
         ]  # fmt: skip
-        # Its log goes to a file: a pipe nobody reads fills up, then blocks the server.
-        with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - once, at start
+        # Its log goes to a file: a pipe nobody reads fills up, then blocks the server. The
+        # owner's alone, as the rest of the data dir (it names clients, subjects, errors).
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)  # one an older version made
+        with open(fd, "ab") as log_file:  # noqa: ASYNC230 - once, at start
             self._proc = subprocess.Popen(  # noqa: ASYNC220 - a fork+exec, it does not wait
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent,

@@ -29,6 +29,7 @@ class Role:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     responds: bool = False  # answers requests (on the requester's reply subject)
+    tenant: str = ""  # a client role's tenant
 
     @property
     def inbox(self) -> str:
@@ -81,9 +82,10 @@ _TENANTS = (bus.TENANTS_KEYS, _api("DIRECT.GET", bus.TENANTS_STREAM, ">"))
 # every reply's, a tenant client's (`tenant.<tenant>.<job>`) included
 _LEDGER_WRITE = (bus.OUTPUTS, bus.DELIVERIES, _gets(bus.OUT_STREAM))
 # The Batch API's files and batches (`tokenway.batch_store`): objects are written in chunks
-# and read through ordered consumers; a batch record is read, watched, written back.
+# and read through ordered consumers; a batch record is read, watched, written back. nats-py's
+# object store finds its stream by subject before it reads an object (STREAM.NAMES: only names).
 _BATCH_STORE = (
-    bus.FILES_SUBJECTS, *_reads(bus.FILES_STREAM), _gets(bus.FILES_STREAM),
+    bus.FILES_SUBJECTS, *_reads(bus.FILES_STREAM), _gets(bus.FILES_STREAM), _api("STREAM.NAMES"),
     _api("STREAM.PURGE", bus.FILES_STREAM),
     bus.BATCHES_KEYS, *_reads(bus.BATCHES_STREAM), _gets(bus.BATCHES_STREAM),
 )  # fmt: skip
@@ -111,6 +113,7 @@ def client(tenant: str) -> Role:
             _api("CONSUMER.DELETE", bus.OUT_STREAM, "*"),
         ),
         subscribe=(bus.sse_subject(replies),),
+        tenant=tenant,
     )
 
 
@@ -194,7 +197,7 @@ def _stages() -> list[Role]:
         Role(
             "derender",
             "turns token IDs into OpenAI chunks for schedulers that call the pool",
-            publish=(),
+            publish=_INFO,  # a process checks at start that the streams are there
             subscribe=(bus.derender_subject(bus.ANY),),
             responds=True,
         ),

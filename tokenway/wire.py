@@ -203,6 +203,7 @@ class TokenizeCall(Struct, kw_only=True):
 
     route: TokenizeRoute
     body: bytes
+    rid: str = ""  # the id its answer goes out under (X-Request-Id): what a bug is logged by
 
 
 class TokenizeAnswer(Struct, kw_only=True):

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from engines.bridge import Bridge, Emit, Engine
 from engines.sim import SimConfig, SimEngine
-from tests.conftest import make_settings, wait_engines
+from tests.conftest import Bus, make_settings, wait_engines
 from tokenway import bus
 from tokenway.model import default_model_dir
 from tokenway.registry import EngineRegistry
@@ -33,14 +33,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 @contextlib.asynccontextmanager
 async def running_bridge(
-    nats_url: str, tmp_path: Path, engine: Engine, owner: str
+    on: Bus, tmp_path: Path, engine: Engine, owner: str
 ) -> AsyncIterator[tuple[Bridge, nats.NATS, asyncio.Queue[TokenStep]]]:
-    """`engine` behind a running bridge, registered; every TokenStep sent to `owner`."""
+    """`engine` behind a running bridge (as the engine role), registered; every TokenStep
+    sent to `owner` (the test's observer connection plays the owner)."""
     settings = make_settings(tmp_path)
-    bridge = Bridge(settings, engine)
+    bridge = Bridge(on.role(settings, "engine"), engine)
     stop = asyncio.Event()
-    running = asyncio.create_task(bridge.run(nats_url, stop))
-    nc = await nats.connect(nats_url)
+    running = asyncio.create_task(bridge.run(on.url, stop))
+    nc = await nats.connect(on.watch)
     registry = EngineRegistry(
         await bus.engines_kv(nc.jetstream(), settings), [engine.info().model], 3.0
     )
@@ -61,7 +62,7 @@ async def running_bridge(
 
 
 async def test_work_orphaned_for_a_new_owner_tells_the_old_owner_it_was_dropped(
-    nats_url: str, tmp_path: Path
+    session_bus: Bus, tmp_path: Path
 ) -> None:
     """A new owner drops the dead one's work on `tw.orphan.<rid>`; if the old owner is
     alive after all (it only stalled), it must hear that its attempt ended."""
@@ -69,7 +70,7 @@ async def test_work_orphaned_for_a_new_owner_tells_the_old_owner_it_was_dropped(
     engine_id = model = f"bridge-{uuid.uuid4().hex[:8]}"
     config = SimConfig(id=engine_id, model=model, eos_token_id=1, ttft=0, itl=0.001)
     engine = SimEngine(config, tokenizer)
-    async with running_bridge(nats_url, tmp_path, engine, "old") as (bridge, nc, steps):
+    async with running_bridge(session_bus, tmp_path, engine, "old") as (bridge, nc, steps):
         work = EngineWork(
             rid="r1", attempt=1, owner="old", token_ids=[0, 6366],
             sampling_params=SamplingParams(max_tokens=100_000, ignore_eos=True),
@@ -120,7 +121,7 @@ class Turns:
 
 
 async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
-    nats_url: str, tmp_path: Path
+    session_bus: Bus, tmp_path: Path
 ) -> None:
     engine_id = model = f"turns-{uuid.uuid4().hex[:8]}"
     engine = Turns(engine_id, model, ["a", "b"])
@@ -128,7 +129,7 @@ async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
     def entries(step: TokenStep) -> list[tuple[str, int]]:
         return sorted((e.rid, e.seq) for e in step.entries)
 
-    async with running_bridge(nats_url, tmp_path, engine, "o1") as (_, nc, steps):
+    async with running_bridge(session_bus, tmp_path, engine, "o1") as (_, nc, steps):
         subject = bus.engine_subject(engine_id, "generate")
         async with asyncio.timeout(10):
             for rid in ("a", "b"):

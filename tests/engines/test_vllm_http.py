@@ -30,7 +30,7 @@ from engines.vllm_http import (
     vllm_engines,
 )
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH, completions_request, vllm_request
-from tests.conftest import make_settings, resolve_model, start_stack, wait_engines
+from tests.conftest import Bus, make_settings, resolve_model, start_stack, wait_engines
 from tests.engines.emits import Emits
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
@@ -510,7 +510,8 @@ async def test_chat_streams_through_the_pipeline_and_a_client_leaving_aborts_vll
         stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
         engine = VllmEngine(VllmEndpoint(url=fake.url, id="vllm-e2e", model=served, max_seqs=8))
         stop = asyncio.Event()
-        bridge = asyncio.create_task(Bridge(stack.settings, engine).run(nats_url, stop))
+        bridged = Bridge(stack.role("engine"), engine)
+        bridge = asyncio.create_task(bridged.run(stack.settings.nats, stop))
         try:
             await wait_engines(stack.ingress.registry, 1)
             client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0)
@@ -549,7 +550,7 @@ async def test_chat_streams_through_the_pipeline_and_a_client_leaving_aborts_vll
 
 
 async def test_the_bridge_is_registered_only_while_vllm_answers_its_health_check(
-    fake: FakeVllm, make_engine: MakeEngine, nats_url: str, tmp_path: Path
+    fake: FakeVllm, make_engine: MakeEngine, session_bus: Bus, tmp_path: Path
 ) -> None:
     """A bridge in front of a vLLM that is not up yet (or whose engine died) would take
     requests that then hang: it joins the registry once `/health` answers 200, leaves it
@@ -559,8 +560,10 @@ async def test_the_bridge_is_registered_only_while_vllm_answers_its_health_check
     engine = make_engine(id=name, model=name)
     settings = make_settings(tmp_path, engine_ttl=1.5)
     stop = asyncio.Event()
-    running = asyncio.create_task(Bridge(settings, engine).run(nats_url, stop))
-    nc = await nats.connect(nats_url)
+    running = asyncio.create_task(
+        Bridge(session_bus.role(settings, "engine"), engine).run(session_bus.url, stop)
+    )
+    nc = await nats.connect(session_bus.watch)
     kv = await bus.engines_kv(nc.jetstream(), settings)
     registry = EngineRegistry(kv, [name], settings.engine_ttl)
     watching = asyncio.create_task(registry.run(stop))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
-from tests.conftest import make_settings, nats_server, start_stack
+from tests.conftest import Bus, guarded_bus, make_settings, start_stack
 from tokenway import bus, dlq, ledger
 from tokenway import headers as h
 from tokenway.cli import _dlq, dlq_parser, main
@@ -31,18 +32,19 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def server(tmp_path: Path) -> AsyncIterator[str]:
-    """A server of this test's own, with the streams provisioned: TW_DLQ holds only its letters."""
-    async with nats_server(tmp_path / "nats") as natsd:
-        nc = await nats.connect(natsd.url)
+async def server(tmp_path: Path) -> AsyncIterator[Bus]:
+    """A bus of this test's own, as `up` guards it, with the streams provisioned: TW_DLQ
+    holds only its letters. The commands run as `ops`, the mover as `dlq`."""
+    async with guarded_bus(tmp_path / "nats") as own:
+        nc = await nats.connect(own.watch)
         await bus.provision_streams(nc.jetstream(), make_settings(tmp_path / "data"))
         await nc.close()
-        yield natsd.url
+        yield own
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def js(server: str) -> AsyncIterator[JetStreamContext]:
-    nc = await nats.connect(server)
+async def js(server: Bus) -> AsyncIterator[JetStreamContext]:
+    nc = await nats.connect(server.watch)  # the test's own: it seeds and reads letters
     yield nc.jetstream()
     await nc.close()
 
@@ -65,9 +67,9 @@ async def seed(js: JetStreamContext, dead: DeadLetter) -> int:
 
 
 async def test_undecodable_render_requests_are_dead_lettered_with_a_reason(
-    server: str, js: JetStreamContext, tmp_path: Path
+    server: Bus, js: JetStreamContext, tmp_path: Path
 ) -> None:
-    stack = await start_stack(server, make_settings(tmp_path / "data"), ["render"])
+    stack = await start_stack(server.url, make_settings(tmp_path / "data"), ["render"])
     try:
         subject = bus.render_subject(stack.by_name["render"][0].model)
         headers = ledger.Identity("r1", "i1").headers()
@@ -88,9 +90,9 @@ async def test_undecodable_render_requests_are_dead_lettered_with_a_reason(
 
 
 async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
-    server: str, js: JetStreamContext, tmp_path: Path
+    server: Bus, js: JetStreamContext, tmp_path: Path
 ) -> None:
-    settings = make_settings(tmp_path / "data")
+    settings = server.role(make_settings(tmp_path / "data"), "dlq")
     spec = bus.ConsumerSpec(
         stream=bus.RENDER_STREAM,
         durable="render-poison",
@@ -111,7 +113,7 @@ async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
         await sub.fetch(1, timeout=0.3)
 
     stop = asyncio.Event()
-    mover = asyncio.create_task(dlq.DlqMover(settings).run(server, stop))
+    mover = asyncio.create_task(dlq.DlqMover(settings).run(server.url, stop))
     (moved,) = await wait_letters(js, 1)
     stop.set()
     await mover  # finishes the advisory in hand: the delete and the ack
@@ -236,14 +238,14 @@ async def test_show_replay_once_and_purge(js: JetStreamContext) -> None:
 
 
 async def test_cli_prints_tables_and_json_and_refuses_a_second_replay(
-    server: str, js: JetStreamContext, capsys: pytest.CaptureFixture[str]
+    server: Bus, js: JetStreamContext, capsys: pytest.CaptureFixture[str]
 ) -> None:
     a, _, _ = [await seed(js, x) for x in letters_fixture(time.time())]
 
     async def run(*argv: str) -> tuple[int, str]:
-        args = dlq_parser().parse_args([*argv, "--nats", server])
+        args = dlq_parser().parse_args([*argv, "--nats", server.url])
         try:
-            rc = await _dlq(args, Settings(nats=server))
+            rc = await _dlq(args, server.role(Settings(), "ops"))
         except SystemExit as exc:
             rc = str(exc)  # type: ignore[assignment]
         return rc, capsys.readouterr().out
@@ -261,11 +263,12 @@ async def test_cli_prints_tables_and_json_and_refuses_a_second_replay(
 
 
 async def test_cli_subprocess_lists_letters_as_json_lines(
-    server: str, js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+    server: Bus, js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ids = [await seed(js, x) for x in letters_fixture(time.time())]
-    proc = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "tokenway.cli", "dlq", "ls", "--nats", server, "--json"],
+    proc = await asyncio.create_subprocess_exec(  # as the README says: with `ops.env` loaded
+        *[sys.executable, "-m", "tokenway.cli", "dlq", "ls", "--json"],
+        env={**os.environ, **server.env("ops")},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -45,6 +45,8 @@ async def test_the_watch_outlives_an_outage_longer_than_the_ttl(tmp_path: Path) 
     logging.getLogger("tokenway.registry").addHandler(renewal_failed)
     settings = make_settings(tmp_path / "data", engine_ttl=1.0)  # the bucket's TTL
     try:
+        # An open bus: the registry's own reading of the bucket is what is tested, with a
+        # connection that also plays the engines (which `up`'s roles split).
         async with nats_server(tmp_path / "nats", port=free_port()) as server:
             nc = await bus.connect(server.url, "test-registry")
             kv = await bus.engines_kv(nc.jetstream(), settings)

@@ -144,9 +144,9 @@ async def vllm_stack(
     )
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
     engines = vllm_engines(stack.settings, [SERVED_NAME])
-    bridges = [Bridge(stack.settings, engine) for engine in engines]
+    bridges = [Bridge(stack.role("engine"), engine) for engine in engines]
     stop = asyncio.Event()
-    runs = [asyncio.create_task(b.run(nats_url, stop), name=b.id) for b in bridges]
+    runs = [asyncio.create_task(b.run(stack.settings.nats, stop), name=b.id) for b in bridges]
     try:
         await wait_engines(stack.ingress.registry, len(bridges))
         yield VllmStack(stack=stack, bridges=bridges, server=vllm_server)

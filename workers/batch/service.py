@@ -27,6 +27,7 @@ import time
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.js.errors import ObjectNotFoundError
 
 from tokenway import batches, bus
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 PART_LINES = 100
 _PROGRESS_EVERY = 1.0  # seconds between stores of a running batch's counts
+# Runs of a batch that may fail in a row (a bug, a permission the runner lacks) before the
+# batch fails saying so; each next try waits longer (a third of the lease, doubled each time).
+RUNS = 5
 
 
 def part_id(batch_id: str, kind: str, part: int) -> str:
@@ -59,6 +63,7 @@ class BatchRunner:
         self.settings = settings
         self.model = model  # for lines whose body names none
         self.runner_id = f"b{secrets.token_hex(4)}"
+        self.started = asyncio.Event()  # it watches for batches
         self.running: dict[str, asyncio.Task[None]] = {}
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
@@ -67,10 +72,15 @@ class BatchRunner:
         store = await BatchStore.bind(nc.jetstream(), self.settings)
         watcher = await store.kv.watchall()
         log.info("batch runner %s running batches", self.runner_id)
+        self.started.set()
         try:
             while not stop.is_set():
-                for record in await store.records():
-                    self._maybe_take(nc, store, record)
+                try:
+                    for record in await store.records():
+                        self._maybe_take(nc, store, record)
+                except NatsError as exc:  # JetStream busy or electing: the next look will do
+                    log.warning("batch runner %s could not list the batches: %r",
+                                self.runner_id, exc)  # fmt: skip
                 # woken by any change of a batch, else in time to take over a lapsed lease
                 update = asyncio.ensure_future(watcher.updates(self.settings.batch_lease / 3))
                 await wait_any(stop, _done(update))
@@ -88,8 +98,8 @@ class BatchRunner:
         bid = r.batch.id
         if bid in self.running or r.batch.status in ENDED:
             return
-        if r.runner and r.runner != self.runner_id and r.lease_until > time.time():
-            return  # another runner holds it
+        if r.runner != self.runner_id and r.lease_until > time.time():
+            return  # another runner holds it, or a failed run's next try is not due yet
         task = asyncio.create_task(self._hold(nc, store, bid), name=f"batch-{bid}")
         self.running[bid] = task
         task.add_done_callback(lambda _: self.running.pop(bid, None))
@@ -101,7 +111,7 @@ class BatchRunner:
         def take(r: Record) -> Record | None:
             if r.batch.status in ENDED:
                 return None
-            if r.runner and r.runner != self.runner_id and r.lease_until > now:
+            if r.runner != self.runner_id and r.lease_until > now:
                 return None
             return msgspec.structs.replace(r, runner=self.runner_id,
                                            lease_until=now + self.settings.batch_lease)  # fmt: skip
@@ -112,6 +122,7 @@ class BatchRunner:
         log.info("batch %s taken (%s)", bid, record.batch.status)
         work = asyncio.create_task(self._run(nc, store, record))
         finished = _done(work)
+        release = self._release
         try:
             while not work.done():
                 await wait_any(finished, timeout=self.settings.batch_lease / 3)
@@ -123,10 +134,12 @@ class BatchRunner:
                     work.cancel()
             await work
         except Exception:
-            log.exception("running batch %s failed; another runner will take it over", bid)
+            log.exception("running batch %s failed (run %d of %d)", bid,
+                          record.failures + 1, RUNS)  # fmt: skip
+            release = self._failed
         finally:
             work.cancel()
-            await store.change(bid, self._release)
+            await store.change(bid, release)
 
     def _renewal(self, r: Record) -> Record | None:
         if r.runner != self.runner_id:
@@ -136,7 +149,26 @@ class BatchRunner:
     def _release(self, r: Record) -> Record | None:
         if r.runner != self.runner_id:
             return None
-        return msgspec.structs.replace(r, runner="", lease_until=0.0)
+        return msgspec.structs.replace(r, runner="", lease_until=0.0, failures=0)
+
+    def _failed(self, r: Record) -> Record | None:
+        """Released after a failed run: tried again later by any runner, or, its runs used
+        up, failed with a reason its client reads (the log has the traceback)."""
+        if r.runner != self.runner_id:
+            return None
+        failures = r.failures + 1
+        if failures < RUNS:
+            later = time.time() + self.settings.batch_lease / 3 * 2 ** (failures - 1)
+            return msgspec.structs.replace(r, runner="", lease_until=later, failures=failures)
+        why = batches.LineError(
+            code="batch_failed",
+            message=f"the batch could not be run: {failures} runs of it failed; the server's "
+            f"log has the reason under {r.batch.id}",
+        )
+        batch = msgspec.structs.replace(r.batch, status="failed", failed_at=int(time.time()),
+                                        errors=Errors(data=[why]))  # fmt: skip
+        return msgspec.structs.replace(r, batch=batch, runner="", lease_until=0.0,
+                                       failures=failures)  # fmt: skip
 
     async def _run(self, nc: NATS, store: BatchStore, r: Record) -> None:
         bid = r.batch.id

@@ -11,6 +11,7 @@ server's message.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,8 @@ from tokenway.wire import DerenderEntry, DerenderResult
 from workers.derender import vllm_http as v
 from workers.derender.core import derender_call, merge_choices
 from workers.derender.detok import Detokenizer
+
+log = logging.getLogger(__name__)
 
 
 class DerenderBackend(Protocol):
@@ -72,8 +75,9 @@ class VllmBackend:
             return await self._derender(entry)
         except TokenwayError as exc:
             return DerenderResult(error=exc.info())
-        except Exception as exc:  # a bug must still answer the caller, with what broke
-            return DerenderResult(error=internal(exc))
+        except Exception:  # a bug must still answer the caller
+            log.exception("derendering %s failed", entry.context.response_id)
+            return DerenderResult(error=internal(entry.context.response_id))
 
     async def _derender(self, entry: DerenderEntry) -> DerenderResult:
         ctx = entry.context

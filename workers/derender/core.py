@@ -9,6 +9,7 @@ token and the finish reason.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from workers.derender import state as states
 from workers.derender.chunks import Out
 from workers.derender.detok import Detokenizer, seed
 from workers.derender.state import Opened, StreamState
+
+log = logging.getLogger(__name__)
 
 MAX_DELTA_TOKENS = 1 << 20
 
@@ -251,8 +254,9 @@ def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[
             result = derender(detok, entry)
         except TokenwayError as exc:
             result = DerenderResult(error=exc.info())
-        except Exception as exc:  # a bug must still answer the caller, with what broke
-            result = DerenderResult(error=internal(exc))
+        except Exception:  # a bug must still answer the caller
+            log.exception("derendering %s failed", entry.context.response_id)
+            result = DerenderResult(error=internal(entry.context.response_id))
         results.append(result)
     return merge_choices(entries, results)
 

@@ -64,6 +64,7 @@ class DerenderService:
 
     def __init__(self, settings: Settings, model_dir: Path, model: str) -> None:
         self.settings = settings
+        self.started = asyncio.Event()  # it answers calls
         self.model = model
         self.backend = derender_backend(settings, model_dir)
 
@@ -91,6 +92,7 @@ class DerenderService:
             subject = bus.derender_subject(self.model)
             sub = await nc.subscribe(subject, queue=bus.DERENDER_QUEUE, cb=on_call)
             log.info("derender serving %s (%s backend)", self.model, self.settings.derender_backend)
+            self.started.set()
             await stop.wait()
             await sub.drain()  # takes what was received; the task group awaits the answers
         await bus.drain(nc)

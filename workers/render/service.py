@@ -53,6 +53,7 @@ class RenderService:
         self, settings: Settings, model: ModelInfo, served_model_name: str, flags: ParserFlags
     ) -> None:
         self.settings = settings
+        self.started = asyncio.Event()  # it takes requests
         self.model = served_model_name
         self.backend = render_backend(settings, model, served_model_name, flags)
         self.max_payload = 0  # the server's, known once connected
@@ -81,6 +82,7 @@ class RenderService:
 
                 subject = bus.tokenize_subject(self.model)
                 sub = await nc.subscribe(subject, queue=bus.RENDER_QUEUE, cb=on_call)
+                self.started.set()
                 try:
                     await consume(js, spec, lambda msg: self.handle(js, msg), stop,
                                   behind=batch)  # fmt: skip
@@ -139,7 +141,7 @@ class RenderService:
         except Exception as exc:  # a bug: the client still hears about it
             log.exception("render failed for %s", who.rid)
             span.end(repr(exc))
-            await self._fail(who, internal(exc))
+            await self._fail(who, internal(who.rid))
         await msg.ack()
 
     def _tenants(self) -> TenantBook:

@@ -67,7 +67,7 @@ async def answer(renderer: Renderer, data: bytes, max_payload: int) -> TokenizeA
         info = InvalidRequest(f"undecodable tokenize call: {exc}").info()
     except TokenwayError as exc:
         info = exc.info()
-    except Exception as exc:  # a bug: the client still hears what broke
-        log.exception("tokenize failed")
-        info = internal(exc)
+    except Exception:  # a bug: the client still hears of it
+        log.exception("tokenize failed for %s", call.rid)
+        info = internal(call.rid)
     return TokenizeAnswer(status=info.status, body=error_body(info))

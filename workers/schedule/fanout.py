@@ -30,7 +30,7 @@ from nats.js.errors import APIError, NotFoundError
 from ingress.router import Event, OutputRouter, Slot
 from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.aio import wait_any
+from tokenway.aio import grace, wait_any
 from tokenway.bus import is_stream_full
 from tokenway.config import Settings
 from tokenway.errors import (
@@ -145,7 +145,8 @@ class FanOut:
                 self.started.set()
                 await stop.wait()
                 try:
-                    await asyncio.wait_for(self.empty.wait(), self.settings.drain_timeout)
+                    await asyncio.wait_for(self.empty.wait(),
+                                           grace(stop, self.settings.drain_timeout))  # fmt: skip
                 except TimeoutError:
                     for p in list(self.parents.values()):
                         self._end(p, StageUnavailable("the schedule worker shut down").info())
@@ -210,9 +211,9 @@ class FanOut:
                     return
                 log.warning("multi-prompt request %s failed before output (%s); attempt %d",
                             p.rid, error.message, attempt + 1)  # fmt: skip
-        except Exception as exc:  # a bug fails this request, never the worker
+        except Exception:  # a bug fails this request, never the worker
             log.exception("fanning out %s failed", p.rid)
-            self._end(p, internal(exc))
+            self._end(p, internal(p.rid))
         finally:
             await self._finish(p)
 

@@ -29,7 +29,7 @@ from nats.js.errors import APIError
 from tokenway import bus, ledger, ledger_writer, spans
 from tokenway import headers as h
 from tokenway import metrics as stage_metrics
-from tokenway.aio import wait_any
+from tokenway.aio import grace, wait_any
 from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
@@ -102,6 +102,7 @@ class ScheduleService:
         self.owner_id = f"s{secrets.token_hex(4)}"
         self.requests: dict[str, Owned] = {}
         self.empty = asyncio.Event()
+        self.started = asyncio.Event()  # it owns requests
         self.empty.set()
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reply, rid)
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # → last abort
@@ -156,27 +157,28 @@ class ScheduleService:
             rounds = group.create_task(self._rounds())
             await self.fanout.started.wait()  # its subscription made
             log.info("schedule %s owning %s", self.owner_id, self.model)
+            self.started.set()
             await consume(
                 js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
                 batch=self._capacity, freed=self.dispatcher.freed,
                 behind=Behind(bus.sched_consumer(self.settings, self.model, batch=True),
                               partial(self.dispatcher.may_pull, batch=True)),
             )  # fmt: skip
-            await self._shutdown()
+            await self._shutdown(grace(stop, self.settings.drain_timeout))
             drained.set()
             rounds.cancel()
         await bus.drain(nc)
         await self.derenderer.aclose()
 
-    async def _shutdown(self) -> None:
-        """Stop fetching (done by now), let owned requests finish within the drain timeout,
+    async def _shutdown(self, within: float) -> None:
+        """Stop fetching (done by now), let owned requests finish within `within` seconds,
         then hand the rest over: a NAK redelivers each at once to a peer, which continues
         it from the ledger (no waiting out the owner's ack wait)."""
         self._draining = True
         if self.requests:
             log.info("schedule %s draining: %d requests", self.owner_id, len(self.requests))
         try:
-            await asyncio.wait_for(self.empty.wait(), self.settings.drain_timeout)
+            await asyncio.wait_for(self.empty.wait(), within)
         except TimeoutError:
             for r in list(self.requests.values()):
                 r.hand_over()
@@ -288,9 +290,9 @@ class ScheduleService:
             InvalidRequest,
         ) as exc:
             r.fail(exc.info())
-        except Exception as exc:  # a bug fails this request, never the worker
+        except Exception:  # a bug fails this request, never the worker
             log.exception("owning %s failed", r.rid)
-            r.fail(internal(exc))
+            r.fail(internal(r.rid))
         finally:
             await self._finish(r)
 
@@ -519,10 +521,11 @@ class ScheduleService:
         except (StageUnavailable, StageTimeout) as exc:
             for r, _, _ in items:
                 r.fail(exc.info())
-        except Exception as exc:  # a bug fails these requests, never the worker
-            log.exception("derendering or committing %d entries failed", len(items))
+        except Exception:  # a bug fails these requests, never the worker
+            log.exception("derendering or committing failed for %s",
+                          ", ".join(sorted({r.rid for r, _, _ in items})))  # fmt: skip
             for r, _, _ in items:
-                r.fail(internal(exc))
+                r.fail(internal(r.rid))
         finally:
             for _, choice, _ in items:
                 if choice is not None:
