@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request, Response
 
 from tokenway import sse
 from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
+from tokenway.protocol import not_json
 from tokenway.response_store import NotStored, ResponseStore, Stored
 from tokenway.responses import COMPLETED, RESPONSE_ID_PREFIX
 
@@ -74,7 +75,7 @@ async def conversation(store: ResponseStore, body: bytes, tenant: str) -> Conver
     try:
         doc = _decode.decode(body)
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        raise not_json(body, exc) from exc
     if not isinstance(doc, dict):
         raise InvalidRequest("a Responses request is a JSON object")
     items = _items(doc.get("input") or [])

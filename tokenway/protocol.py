@@ -7,6 +7,7 @@ fields are ignored, as vLLM and OpenAI do.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -314,11 +315,67 @@ def decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
         raise InvalidRequest(f"invalid request: {exc}", param=param) from exc
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        raise not_json(body, exc) from exc
     except RecursionError:
         raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels") from None
     _check_depth(req)
     return req
+
+
+# Half of a UTF-16 pair: a `\uD800`-`\uDBFF` escape without a `\uDC00`-`\uDFFF` one after
+# it, or one of those without the first before it. An even run of backslashes before it (none)
+# makes it an escape, not the text `\\ud800`.
+_LONE_SURROGATE = re.compile(
+    rb"(?<!\\)(?:\\\\)*"
+    rb"(\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
+_MARK = "\x00lone surrogate\x00"  # in a string that holds no text: where the escape was
+
+
+def not_json(body: bytes, exc: msgspec.DecodeError) -> InvalidRequest:
+    """A body that does not decode, as the client's 400. msgspec reads a lone surrogate's
+    escape at the end of a string as "Input data was truncated", which sends a client looking
+    for a body cut short: that one is named, with its byte and the field it is in."""
+    lone = _LONE_SURROGATE.search(body)
+    if lone is None:
+        return InvalidRequest(f"request body is not valid JSON: {exc}")
+    param = _field_of(body, lone)
+    return InvalidRequest(
+        f"request body is not valid JSON: {lone.group(1).decode()} at byte {lone.start(1)}"
+        f"{f' in {param}' if param else ''} is a lone UTF-16 surrogate, half of a pair that "
+        "stands for no character; a character past U+FFFF is escaped as a pair "
+        "(\\ud83d\\ude00) or sent as UTF-8",
+        param=param,
+    )
+
+
+def _replaced(lone: re.Match[bytes]) -> bytes:
+    """The escape `lone` found as U+FFFD, the backslashes before it kept."""
+    return lone.group(0)[: lone.start(1) - lone.start(0)] + rb"\ufffd"
+
+
+def _field_of(body: bytes, lone: re.Match[bytes]) -> str | None:
+    """The field holding the escape `lone` found (`messages[0].content`), read from the body
+    with a mark in its place; None when the body does not decode even so, or at the top."""
+    marked = body[: lone.start(1)] + msgspec.json.encode(_MARK)[1:-1] + body[lone.end(1) :]
+    marked = _LONE_SURROGATE.sub(_replaced, marked)  # any other lone one
+    try:
+        doc = msgspec.json.decode(marked)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    todo: list[tuple[str, object]] = [("", doc)]
+    while todo:  # a walk without recursion: the body may nest deep
+        path, value = todo.pop()
+        if isinstance(value, str) and _MARK in value:
+            return path or None
+        if isinstance(value, dict):
+            if any(_MARK in key for key in value):
+                return path or None
+            todo.extend((f"{path}.{k}" if path else k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 def _check_depth(req: object) -> None:
