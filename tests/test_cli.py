@@ -447,3 +447,46 @@ async def test_the_embedded_nats_server_logs_to_the_data_dir_and_dies_with_up(
     async with asyncio.timeout(10):
         while running(server):  # noqa: ASYNC110 - another process: nothing to wait on
             await asyncio.sleep(0.05)
+
+
+# -- secrets on the command line ---------------------------------------------------------------
+
+SECRET = "sk-cmdline-0123456789abcdef"
+NO_NATS = ["--nats", "nats://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "env"),
+    [
+        (["ingress", *NO_NATS, "--api-key", SECRET], "--api-key", "TOKENWAY_API_KEY"),
+        (["schedule", *NO_NATS, "--obfuscation-key", SECRET], "--obfuscation-key",
+         "TOKENWAY_OBFUSCATION_KEY"),
+        (["status", *NO_NATS, "--nats-user", "u", "--nats-password", SECRET], "--nats-password",
+         "TOKENWAY_NATS_PASSWORD"),
+        (["status", *NO_NATS, "--nats-token", SECRET], "--nats-token", "TOKENWAY_NATS_TOKEN"),
+        (["status", "--nats", f"nats://u:{SECRET}@127.0.0.1:1"], "--nats", "TOKENWAY_NATS"),
+    ],
+    ids=["api-key", "obfuscation-key", "nats-password", "nats-token", "nats-url"],
+)  # fmt: skip
+async def test_a_secret_on_the_command_line_starts_with_a_warning_naming_the_safe_ways(
+    tmp_path: Path, args: list[str], flag: str, env: str
+) -> None:
+    """Every local user reads a process's arguments (`ps`, /proc/PID/cmdline); the same secret
+    from the environment or a file starts without a word about it."""
+    common = ["--connect-timeout", "1", "--data-dir", str(tmp_path)] if args[0] != "status" else []
+    proc = await spawn(*args, *common)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    warnings = [line for line in err.decode().splitlines() if line.startswith("tokenway: warning")]
+    assert len(warnings) == 1, err.decode()
+    [warning] = warnings
+    assert warning.startswith(f"tokenway: warning: {flag} ") and "/proc/" in warning
+    assert env in warning and SECRET not in warning
+
+    value = args[args.index(flag) + 1]
+    rest = [a for i, a in enumerate(args) if a != flag and (i == 0 or args[i - 1] != flag)]
+    if flag != "--nats":
+        rest += NO_NATS * ("--nats" not in rest)
+    proc = await spawn(*rest, *common, env={env: value})
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode != 0  # (no NATS: it got as far as looking for one)
+    assert "tokenway: warning" not in err.decode(), err.decode()

@@ -923,6 +923,28 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+# Secrets a flag may carry, and the ways to give them that other users cannot read: every
+# local user reads a process's arguments (`ps`, /proc/PID/cmdline) for as long as it runs.
+_SECRET_FLAGS = {
+    "api_key": "TOKENWAY_API_KEY or --api-key-file",
+    "obfuscation_key": "TOKENWAY_OBFUSCATION_KEY or --obfuscation-key-file",
+    "nats_password": "TOKENWAY_NATS_PASSWORD or --nats-password-file",
+    "nats_token": "TOKENWAY_NATS_TOKEN or --nats-token-file",
+    "nats": "TOKENWAY_NATS, or --nats-user with --nats-password-file",  # `user:pass@` in it
+}
+
+
+def _warn_secret_flags(flags: dict[str, object]) -> None:
+    """One line on stderr per secret given as a flag, naming the safe ways to give it."""
+    for name, safe in _SECRET_FLAGS.items():
+        value = flags.get(name)
+        if not value or (name == "nats" and bus.redacted(str(value)) == value):
+            continue  # not given, or a `--nats` URL without credentials
+        flag = "--" + name.replace("_", "-")
+        print(f"tokenway: warning: {flag} on the command line is readable by every local user "
+              f"(ps, /proc/PID/cmdline); use {safe}", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     # We only use transformers' tokenizers; its "PyTorch was not found" advice is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -933,6 +955,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("vllm_url", "api_key", "allowed_origins", "models"):  # repeatable: one setting
         if isinstance(flags.get(name), list):
             flags[name] = ",".join(flags[name])
+    _warn_secret_flags(flags)
     settings = load_settings(flags)
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
