@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from tokenway import bus
@@ -31,6 +31,10 @@ class NotStored(LookupError):
     """No such response (or another tenant's: as absent as one that never was)."""
 
 
+class AlreadyStored(LookupError):
+    """A response is stored under this id already: storing never replaces one."""
+
+
 class ResponseStore:
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
@@ -40,7 +44,12 @@ class ResponseStore:
         return cls(await bus.responses_kv(js, s))
 
     async def put(self, response_id: str, stored: Stored) -> None:
-        await self.kv.put(response_id, _json.encode(stored))
+        """Store a new response. Ids are the server's own (`resp_<stream id>`), so one is
+        never stored twice; were it ever, the first stays: `AlreadyStored`."""
+        try:
+            await self.kv.create(response_id, _json.encode(stored))
+        except KeyWrongLastSequenceError:
+            raise AlreadyStored(response_id) from None
 
     async def get(self, response_id: str, tenant: str) -> Stored:
         try:

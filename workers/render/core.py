@@ -212,7 +212,12 @@ class RequestBuilder:
     @staticmethod
     def _id(request: RenderRequest, req: OpenAIRequest) -> str:
         """What the response's id is made of, as vLLM makes it: the client's X-Request-Id,
-        else the body's `request_id`, else the stream's own id."""
+        else the body's `request_id`, else the stream's own id. A Responses API response is
+        stored under its id, so its id is always the stream's own (as vLLM's Responses route
+        ignores X-Request-Id): an id a client chose would name whatever is stored under it,
+        another tenant's response or an earlier one of its own."""
+        if request.api == "responses":
+            return request.request_id
         return request.client_request_id or req.request_id or request.request_id
 
     def _budget(

@@ -1,0 +1,149 @@
+"""Ids a client chooses name nothing of anyone else's: a Responses API response's id (which
+names its stored record), a response id two requests share (`X-Request-Id`), and a direct
+publisher's request id on the bus. Two tenants' keys on an ingress in front of the
+session's pipeline, and the session's own keyless ingress (an open deployment)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+
+import msgspec
+import nats
+import openai
+import pytest
+import pytest_asyncio
+from openai.types.responses import Response
+
+from tests.conftest import Stack, start_stack
+from tokenway.response_store import AlreadyStored, NotStored, ResponseStore, Stored
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+KEY_ACME, KEY_RIVAL = "sk-acme-chosen-0123456789ab", "sk-rival-chosen-0123456789ab"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """An ingress with the keys of two tenants, acme and rival, on the session's bus."""
+    key_file = tmp_path_factory.mktemp("chosen") / "keys"
+    key_file.write_text(f"acme {KEY_ACME}\nrival {KEY_RIVAL}\n")
+    settings = msgspec.structs.replace(stack.settings, api_key_file=str(key_file))
+    ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
+    yield ingress
+    await ingress.close()
+
+
+def _client(stack: Stack, key: str = "-") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
+
+
+def _as(request_id: str) -> dict[str, str]:
+    return {"X-Request-Id": request_id}
+
+
+async def _asked(client: openai.AsyncOpenAI, model: str, text: str, request_id: str) -> Response:
+    """A whole (and stored) response."""
+    return await client.responses.create(model=model, input=text, max_output_tokens=8,
+                                         extra_headers=_as(request_id))  # fmt: skip
+
+
+async def _streamed(client: openai.AsyncOpenAI, model: str, text: str, request_id: str) -> str:
+    """A streamed (and stored) response's id, from its closing event."""
+    stream = await client.responses.create(model=model, input=text, max_output_tokens=8,
+                                           stream=True, extra_headers=_as(request_id))  # fmt: skip
+    ids = [event.response.id async for event in stream if event.type == "response.completed"]
+    assert len(ids) == 1
+    return ids[0]
+
+
+async def _said(client: openai.AsyncOpenAI, response_id: str) -> list[str]:
+    """The texts of a stored response's input messages, oldest first."""
+    items = [i async for i in client.responses.input_items.list(response_id, order="asc")]
+    return [i.content[0].text for i in items if i.type == "message"]
+
+
+async def test_another_tenant_cannot_replace_or_read_a_response_by_choosing_its_id(
+    keyed: Stack,
+) -> None:
+    """rival sends acme's response id (less its `resp_`) as its X-Request-Id, whole and
+    streamed: each of its responses is its own, and acme's stays acme's, to read, to list
+    and to go on from."""
+    async with _client(keyed, KEY_ACME) as acme, _client(keyed, KEY_RIVAL) as rival:
+        raw = await acme.responses.with_raw_response.create(
+            model=keyed.model, input="My name is Ada. Say hi.", max_output_tokens=8,
+            extra_headers=_as("ada-1"),
+        )  # fmt: skip
+        assert raw.headers["x-request-id"] == "ada-1"  # echoed, as vLLM echoes it
+        mine = raw.parse()
+        chosen = mine.id.removeprefix("resp_")
+        theirs = await _asked(rival, keyed.model, "I am Eve. Say hi.", chosen)
+        streamed = await _streamed(rival, keyed.model, "I am Eve, streaming.", chosen)
+        again = await acme.responses.retrieve(mine.id)
+        assert again.id == mine.id and again.output_text == mine.output_text
+        assert await _said(acme, mine.id) == ["My name is Ada. Say hi."]
+        follow = await acme.responses.create(
+            model=keyed.model, input="What is my name?", previous_response_id=mine.id
+        )
+        assert follow.previous_response_id == mine.id
+        assert await _said(acme, follow.id) == ["My name is Ada. Say hi.", mine.output_text,
+                                                "What is my name?"]  # fmt: skip
+
+        assert mine.id not in (theirs.id, streamed)
+        assert (await rival.responses.retrieve(theirs.id)).output_text == theirs.output_text
+        assert await _said(rival, streamed) == ["I am Eve, streaming."]
+        with pytest.raises(openai.NotFoundError):
+            await rival.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            await rival.responses.input_items.list(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            await rival.responses.create(model=keyed.model, input="And?", max_output_tokens=4,
+                                         previous_response_id=mine.id)  # fmt: skip
+
+
+async def test_in_an_open_deployment_no_client_replaces_anothers_response(stack: Stack) -> None:
+    """No keys: every client is the same tenant (""). A second client sending the first's
+    X-Request-Id, or its response's id as one, gets responses of its own."""
+    async with _client(stack) as first, _client(stack) as second:
+        mine = await _asked(first, stack.model, "Remember 41.", "shared-7")
+        same = await _asked(second, stack.model, "Remember 99.", "shared-7")
+        named = await _streamed(second, stack.model, "Remember 5.", mine.id.removeprefix("resp_"))
+        assert len({mine.id, same.id, named}) == 3
+        again = await first.responses.retrieve(mine.id)
+        assert again.output_text == mine.output_text
+        assert await _said(first, mine.id) == ["Remember 41."]
+        assert await _said(second, same.id) == ["Remember 99."]
+        assert await _said(second, named) == ["Remember 5."]
+
+
+async def test_a_tenant_sending_one_request_id_twice_keeps_both_responses(keyed: Stack) -> None:
+    """Requests sharing an X-Request-Id each run (a retry that reuses one, say): each is
+    stored as its own response, the later one replacing nothing."""
+    async with _client(keyed, KEY_ACME) as acme:
+        one, two = await asyncio.gather(
+            *(_asked(acme, keyed.model, f"Attempt {i}.", "retry-3") for i in (1, 2))
+        )
+        assert one.id != two.id
+        assert await _said(acme, one.id) == ["Attempt 1."]
+        assert await _said(acme, two.id) == ["Attempt 2."]
+        assert (await acme.responses.retrieve(one.id)).output_text == one.output_text
+
+
+async def test_a_stored_response_is_never_replaced(stack: Stack) -> None:
+    """Whatever makes the id, storing one twice keeps the first (read by the test's own
+    connection, as the ingress stores them)."""
+    nc = await nats.connect(stack.observer)
+    try:
+        store = await ResponseStore.bind(nc.jetstream(), stack.settings)
+        response_id = f"resp_{secrets.token_hex(12)}"
+        first = b'{"id": "%s", "output": []}' % response_id.encode()
+        await store.put(response_id, Stored(response=msgspec.Raw(first), input=[], tenant="acme"))
+        other = Stored(response=msgspec.Raw(b'{"output": []}'), input=[], tenant="rival")
+        with pytest.raises(AlreadyStored):
+            await store.put(response_id, other)
+        assert bytes((await store.get(response_id, "acme")).response) == first
+        with pytest.raises(NotStored):
+            await store.get(response_id, "rival")
+    finally:
+        await nc.close()
