@@ -147,3 +147,25 @@ async def test_a_stored_response_is_never_replaced(stack: Stack) -> None:
             await store.get(response_id, "rival")
     finally:
         await nc.close()
+
+
+async def test_requests_of_two_tenants_sharing_a_response_id_keep_their_own_choices(
+    keyed: Stack,
+) -> None:
+    """acme and rival name their chat completions alike (`chatcmpl-<X-Request-Id>`, as vLLM
+    names them), n = 2, all at once: each gets its own two choices, none of another's."""
+    async with _client(keyed, KEY_ACME) as acme, _client(keyed, KEY_RIVAL) as rival:
+        calls = [
+            client.chat.completions.create(
+                model=keyed.model, messages=[{"role": "user", "content": f"{who} {i}"}],
+                n=2, max_tokens=3, seed=i, logprobs=True, extra_headers=_as("same-9"),
+            )
+            for i in range(4) for who, client in (("acme", acme), ("rival", rival))
+        ]  # fmt: skip
+        async with asyncio.timeout(30):
+            done = await asyncio.gather(*calls)
+    for answer in done:
+        assert answer.id == "chatcmpl-same-9"
+        assert [c.index for c in answer.choices] == [0, 1]
+        assert all(c.finish_reason == "length" and len(c.logprobs.content) == 3
+                   for c in answer.choices)  # fmt: skip

@@ -265,14 +265,36 @@ def merge_choices(
     entries: Sequence[DerenderEntry], results: list[DerenderResult]
 ) -> list[DerenderResult]:
     """The non-streaming choices of one response merged into its first entry's document
-    (the others carry none), whichever backend derendered them."""
-    firsts: dict[tuple[str, int], int] = {}  # by response and prompt (sub-requests share ids)
-    for i, (entry, result) in enumerate(zip(entries, results, strict=True)):
-        ctx = entry.context
-        if ctx.stream or ctx.n == 1 or result.error is not None:
-            continue
-        first = firsts.setdefault((ctx.response_id, ctx.index_base), i)
-        if first != i:
-            merged = chunks.merge_responses(results[first].chunks[0], result.chunks[0])
-            results[first].chunks, result.chunks = [merged], []
+    (the others carry none), whichever backend derendered them.
+
+    A response's `n` choices come side by side, as its owner takes them. Runs say which
+    entries are one response's, not ids: a response's id is the client's to choose (its
+    X-Request-Id), so two requests in one call, of one tenant or of two, may share one."""
+    start = 0
+    while start < len(entries):
+        ctx = entries[start].context
+        end = start + 1
+        if not ctx.stream and ctx.n > 1:
+            end = _run_end(entries, start)
+            kept = [r for r in results[start:end] if r.error is None]
+            for other in kept[1:]:
+                kept[0].chunks = [chunks.merge_responses(kept[0].chunks[0], other.chunks[0])]
+                other.chunks = []
+        start = end
     return results
+
+
+def _run_end(entries: Sequence[DerenderEntry], start: int) -> int:
+    """Past the last entry of the response whose first is `start`: at most its `n` choices,
+    of its id and prompt (a multi-prompt request's sub-requests share an id), none twice."""
+    ctx = entries[start].context
+    seen = {entries[start].index}
+    end = start + 1
+    while end < min(len(entries), start + ctx.n):
+        other = entries[end]
+        same = (other.context.response_id, other.context.index_base, other.context.stream)
+        if same != (ctx.response_id, ctx.index_base, False) or other.index in seen:
+            break
+        seen.add(other.index)
+        end += 1
+    return end

@@ -30,7 +30,7 @@ from tokenway.wire import (
     ParseContext,
 )
 from workers.derender import state as states
-from workers.derender.core import derender
+from workers.derender.core import derender, derender_call
 from workers.derender.detok import SEED_TOKENS, Detokenizer
 from workers.derender.state import MAX_WINDOW_TOKENS, DetokState, StreamState
 
@@ -500,3 +500,20 @@ def test_an_out_of_bounds_stream_state_is_invalid_request(
     )
     with pytest.raises(InvalidRequest):
         derender(detok, entry)
+
+
+def test_two_responses_sharing_a_client_chosen_id_keep_their_own_choices(
+    detok: Detokenizer, tokenizer: Tokenizer
+) -> None:
+    """A response's id is the client's to choose (its X-Request-Id): two requests of n = 2
+    that share one, whole in one call (an owner's round), are each answered with their own
+    two choices, not one with four and the other with none."""
+    ctx = context(n=2)
+    texts = [["Alpha"], ["Beta"], ["Gamma"], ["Delta"]]  # two requests, two choices each
+    entries = [DerenderEntry(context=ctx, token_ids=encode(tokenizer, text), index=i % 2,
+                             finish_reason="length") for i, text in enumerate(texts)]  # fmt: skip
+    results = derender_call(detok, entries)
+    answered = [[c["message"]["content"] for c in json.loads(r.chunks[0])["choices"]]
+                for r in results if r.chunks]  # fmt: skip
+    assert answered == [["Alpha", "Beta"], ["Gamma", "Delta"]]
+    assert [bool(r.chunks) for r in results] == [True, False, True, False]
