@@ -18,6 +18,7 @@ from openai.types.responses import Response
 
 from tests.conftest import Stack, start_stack
 from tokenway.response_store import AlreadyStored, NotStored, ResponseStore, Stored
+from tokenway.wire import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -169,3 +170,19 @@ async def test_requests_of_two_tenants_sharing_a_response_id_keep_their_own_choi
         assert [c.index for c in answer.choices] == [0, 1]
         assert all(c.finish_reason == "length" and len(c.logprobs.content) == 3
                    for c in answer.choices)  # fmt: skip
+
+
+async def test_a_tenants_job_may_use_a_request_id_another_tenant_used(stack: Stack) -> None:
+    """Request ids of direct publishers are each job's to choose: rival's jobs ran "twin-1"
+    (a body) and "twin-2" (token IDs) a moment ago; acme's jobs naming theirs the same run
+    and get their own answers."""
+    prompt = GenerateRequest(request_id="", token_ids=[6366, 33],
+                             sampling_params=SamplingParams(max_tokens=3))  # fmt: skip
+    runs = {}
+    for tenant in ("rival", "acme"):
+        async with await stack.direct(tenant) as tw, asyncio.timeout(20):
+            body = {"messages": [{"role": "user", "content": f"I am {tenant}."}], "max_tokens": 4}
+            runs[tenant] = (await tw.run(body, rid="twin-1"), await tw.run(prompt, rid="twin-2"))
+    for chat, tokens in runs.values():
+        assert chat["choices"][0]["finish_reason"] == "length"
+        assert tokens["choices"][0]["finish_reason"] == "length"

@@ -40,10 +40,11 @@ MSGPACK, JSON, SSE = "application/msgpack", "application/json", "text/event-stre
 
 # Header → what it says, for the messages that carry it.
 REQUEST_HEADERS = {
-    h.RID: "The request id (also its `Nats-Msg-Id`: JetStream drops a resubmission within "
-    "the stream's two-minute duplicate window).",
+    h.RID: "The request id (with `Tw-Reply`, its `Nats-Msg-Id`: JetStream drops a resubmission "
+    "within the stream's two-minute duplicate window).",
     h.REPLY: "Where the output goes: the ledger subject is `tw.out.<Tw-Reply>.<Tw-Rid>`.",
-    h.MSG_ID: "The request id, for JetStream's de-duplication.",
+    h.MSG_ID: "`<Tw-Reply>.<Tw-Rid>`, for JetStream's de-duplication (another job may pick "
+    "the same rid).",
     h.DEADLINE: "Optional: epoch seconds after which the request ends with a 504.",
     h.TENANT: "The API key's tenant (set by the ingress).",
     h.LIMITS: "The tenant's limits (set by the ingress).",
@@ -61,7 +62,7 @@ OUTPUT_HEADERS = {
     h.STREAM_STATE: "Derender's state after this message (base64url), for resuming.",
     h.TOKENS: "The output token IDs the message holds, comma separated.",
     h.TOKEN_COUNT: "Of a whole response: how many output tokens it holds.",
-    h.MSG_ID: "`<rid>:<seq>`, for JetStream's de-duplication.",
+    h.MSG_ID: "`<reply>.<rid>:<seq>`, for JetStream's de-duplication.",
     h.TENANT: "The tenant whose request it is (`GET /v1/streams` serves only that tenant).",
 }
 

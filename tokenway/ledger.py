@@ -48,12 +48,15 @@ def out_headers(
     retry_after: int = 0,
     after: int | None = None,
     tenant: str = "",
+    reply: str = "",
 ) -> dict[str, str]:
     """`after`: the stream sequence of the request's last ledger message as its owner knows
     it; a publish from an owner that lost the request (another one published since) fails.
-    `tenant`: whose request it is, for whoever reads the ledger back for a client."""
+    `tenant`: whose request it is, for whoever reads the ledger back for a client. `reply`:
+    where its output goes, which with the rid names its messages for JetStream's
+    de-duplication (a direct publisher picks its rids: another job's may be the same)."""
     # Lean: every header costs the ingress parsing time, and the subject names the rid.
-    hdrs = {h.MSG_ID: f"{rid}:{seq}", h.SEQ: str(seq)}
+    hdrs = {h.MSG_ID: f"{reply}.{rid}:{seq}", h.SEQ: str(seq)}
     if after is not None:
         hdrs[h.EXPECTED_LAST_SUBJECT_SEQ] = str(after)
     if kind != h.KIND_CHUNK:
@@ -88,7 +91,7 @@ async def publish_error(
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
     hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, retry_after=info.retry_after,
-                       after=after, tenant=tenant)  # fmt: skip
+                       after=after, tenant=tenant, reply=reply)  # fmt: skip
     await commit(nc, reply, rid, seq, h.KIND_ERROR, error_body(info), hdrs, status=info.status,
                  retry_after=info.retry_after)  # fmt: skip
 
@@ -262,7 +265,9 @@ class Identity:
     batch: bool = False
 
     def headers(self) -> dict[str, str]:
-        hdrs = {h.MSG_ID: self.rid, h.RID: self.rid, h.REPLY: self.reply}
+        # JetStream drops a message id it saw within its window, whatever the subject: the
+        # id is the request's reply and rid, since each job (each tenant's) picks its rids.
+        hdrs = {h.MSG_ID: f"{self.reply}.{self.rid}", h.RID: self.rid, h.REPLY: self.reply}
         if self.batch:
             hdrs[h.BATCH] = "1"
         if self.trace:

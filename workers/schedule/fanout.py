@@ -279,7 +279,7 @@ class FanOut:
         # Counted before the publish: an unanswered publish may still have been stored, so
         # the request counts as having shown output (no retry after it).
         p.out_seq += 1
-        hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind, tenant=p.tenant)
+        hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind, tenant=p.tenant, reply=p.reply)
         try:
             await ledger.commit(self.nc, p.reply, p.rid, p.out_seq, out.kind, out.payload, hdrs)
         except Exception as exc:

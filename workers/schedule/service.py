@@ -569,7 +569,7 @@ class ScheduleService:
         _, res, kind, payload, tokens = pub
         hdrs = ledger.out_headers(
             r.rid, r.out_seq + 1, kind, attempt=r.attempt, state=res.state, tokens=tokens,
-            after=r.ledger_seq, tenant=r.tenant,
+            after=r.ledger_seq, tenant=r.tenant, reply=r.reply,
         )  # fmt: skip
         return bus.out_subject(r.reply, r.rid), payload, hdrs
 
