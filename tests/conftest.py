@@ -18,6 +18,7 @@ import nats
 import pytest
 import pytest_asyncio
 
+from engines.sim import SimEngine
 from tokenway import bus
 from tokenway.cli import build_stages, serve
 from tokenway.client import Client
@@ -251,6 +252,8 @@ async def start_stack(
     stack = Stack(settings=settings, stages=stages, stop=stop, task=task, bus=bus)
     for stage in stages:
         stack.by_name.setdefault(stage.name, []).append(stage)
+        if isinstance(getattr(stage, "engine", None), SimEngine):
+            recording(stage.engine)
     if "ingress" in stack.by_name:
         started = asyncio.ensure_future(stack.ingress.started.wait())
         await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -259,6 +262,12 @@ async def start_stack(
         if "sim" in names:
             await wait_engines(stack.ingress.registry, len(stack.by_name["engine"]))
     return stack
+
+
+def recording(engine: SimEngine) -> SimEngine:
+    """`engine`, keeping every attempt's work it is sent (in `received`) for the test."""
+    engine.received = []
+    return engine
 
 
 async def dead_letter_one(nats_url: str, model: str = "deepseek-v4") -> None:

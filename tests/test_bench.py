@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from bench import batch_interference, e2e, ledger_writer, owner_memory
+from bench import batch_interference, e2e, ledger_writer, owner_memory, soak
 from tokenway.model import default_model_dir, load_model_info
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
 
 CONCURRENCY, MAX_TOKENS = 4, 10
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @in_session_loop
@@ -122,3 +124,15 @@ async def test_tiny_batch_interference_benchmark_reports_both_runs() -> None:
     assert report["batch"]["lines_answered"] >= 4 and report["batch"]["lines_per_s"] > 0
     assert set(report["ttft_ratio"]) == {"p50", "p99"}
     assert "ttft p50" in batch_interference.table(report)
+
+
+@in_session_loop
+@pytest.mark.timeout(120)
+async def test_a_tiny_soak_reports_every_process_and_its_growth() -> None:
+    args = argparse.Namespace(code=ROOT, minutes=0.1, warmup_minutes=0.02, clients=2,
+                              sample=1.0, itl=0.001, json=None)  # fmt: skip
+    report = await soak.run(args)
+    assert report["requests"] > 0 and report["errors"] == {}, report["outcomes"]
+    assert set(report["growth_after_warmup_mb"]) == {"up", "nats-server"}
+    assert len(report["samples"]) >= 2 and all(s["up"] > 0 for s in report["samples"])
+    assert "growth after the warm-up" in soak.table(report)

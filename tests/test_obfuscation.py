@@ -23,7 +23,7 @@ from engines.bridge import Bridge, Engine
 from engines.sim import SimConfig, SimEngine
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH
-from tests.conftest import Stack, make_settings, start_stack
+from tests.conftest import Stack, make_settings, recording, start_stack
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
 from tokenway.cli import build_stages
@@ -110,7 +110,7 @@ def sim(front: Stack, tokenizer: Tokenizer, id: str, trained_on: Permutation | N
         id=id, model=MODEL, eos_token_id=front.ingress.models[0].info.eos_token_ids[0],
         ttft=0, itl=0.001, output_len=30,
     )  # fmt: skip
-    return SimEngine(config, tokenizer, trained_on=trained_on)
+    return recording(SimEngine(config, tokenizer, trained_on=trained_on))
 
 
 async def chat_text(front: Stack, seed: int) -> str:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from engines.bridge import Bridge
 from engines.sim import SimConfig, SimEngine
-from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.conftest import Stack, make_settings, recording, start_stack, wait_engines
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.config import Settings
@@ -39,7 +39,7 @@ async def pipeline(
     s: Settings = make_settings(data, served_model_name=model, **settings)
     stack = await start_stack(nats_url, s, ["ingress", "render", "schedule", "derender"])
     tokenizer = Tokenizer.from_file(str(stack.ingress.models[0].info.path / "tokenizer.json"))
-    sims = [SimEngine(dataclasses.replace(c, model=model), tokenizer) for c in engines]
+    sims = [recording(SimEngine(dataclasses.replace(c, model=model), tokenizer)) for c in engines]
     bridges = [Bridge(stack.role("engine"), sim) for sim in sims]
     stack.by_name["engine"] = bridges
     stop = asyncio.Event()

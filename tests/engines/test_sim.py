@@ -358,3 +358,11 @@ async def test_a_thinking_budget_ends_the_reasoning_after_that_many_tokens(
     closed = [0, 6366, start, 6366, end]  # the prompt's reasoning is over: nothing to end
     assert end not in (await run(engine, work(prompt=closed, seed=2, max_tokens=200,
                                               thinking_token_budget=0))).tokens()  # fmt: skip
+
+
+async def test_a_simulated_engine_keeps_none_of_the_work_it_is_sent(tokenizer: Tokenizer) -> None:
+    """As `tokenway up` builds it: it kept every attempt's work (prompt IDs and all) for
+    tests to read, so `up`'s memory grew by the prompts of every request it served."""
+    served = SimEngine(SimConfig(id="kept", model="m", eos_token_id=1, itl=0.0), tokenizer)
+    await run(served, work("r1", prompt=list(range(100, 600)), max_tokens=2))
+    assert served.received is None
