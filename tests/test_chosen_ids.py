@@ -105,17 +105,21 @@ async def test_another_tenant_cannot_replace_or_read_a_response_by_choosing_its_
 
 async def test_in_an_open_deployment_no_client_replaces_anothers_response(stack: Stack) -> None:
     """No keys: every client is the same tenant (""). A second client sending the first's
-    X-Request-Id, or its response's id as one, gets responses of its own."""
+    X-Request-Id, or its response's id as one, or that id as the body's `request_id` (what
+    vLLM names a response by), gets responses of its own."""
     async with _client(stack) as first, _client(stack) as second:
         mine = await _asked(first, stack.model, "Remember 41.", "shared-7")
         same = await _asked(second, stack.model, "Remember 99.", "shared-7")
         named = await _streamed(second, stack.model, "Remember 5.", mine.id.removeprefix("resp_"))
-        assert len({mine.id, same.id, named}) == 3
+        bodied = await second.responses.create(model=stack.model, input="Remember 6.",
+                                               extra_body={"request_id": mine.id})  # fmt: skip
+        assert len({mine.id, same.id, named, bodied.id}) == 4
         again = await first.responses.retrieve(mine.id)
         assert again.output_text == mine.output_text
         assert await _said(first, mine.id) == ["Remember 41."]
         assert await _said(second, same.id) == ["Remember 99."]
         assert await _said(second, named) == ["Remember 5."]
+        assert await _said(second, bodied.id) == ["Remember 6."]
 
 
 async def test_a_tenant_sending_one_request_id_twice_keeps_both_responses(keyed: Stack) -> None:
