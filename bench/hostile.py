@@ -11,7 +11,11 @@ request (no `max_tokens`). Each scenario adds one kind of hostility beside it, f
   receive buffer);
 - `huge-prompts`: two loops of `--huge-mb` MB prompts (far past the context: a 400 once
   tokenized);
-- `default-n8`: one stream with `n=8`, `ignore_eos` and no `max_tokens`.
+- `default-n8`: one stream with `n=8`, `ignore_eos` and no `max_tokens`;
+- `slow-headers`: `--dripping` connections that each send a request head a byte every
+  `--drip` seconds and never finish it, opening another whenever the server closes one
+  (what they got: how many the server closed, how many were open at the end, and how long
+  the server held each one it closed, p50).
 
 Reported per scenario: the calm tenant's time to first token and end-to-end latency
 (p50/p99) and their ratio to the calm-only baseline of the same run, the calm requests
@@ -19,7 +23,8 @@ that failed, what the hostile requests got, and how much the `up` process grew.
 
     python -m bench.hostile [--code DIR] [--flood-limit 0] [--json out.json]
 
-`--code DIR` runs `tokenway up` from another checkout (for a before/after table).
+`--code DIR` runs `tokenway up` from another checkout (for a before/after table); the
+`up` process takes the `TOKENWAY_*` variables of the bench's environment.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from bench.e2e import percentile, rss_kb
 
 CALM_KEY, FLOOD_KEY = "sk-calm-0123456789abcdef", "sk-flood-0123456789abcdef"
 CHAT = [{"role": "user", "content": "Tell me about the pipeline."}]
-SCENARIOS = ["flood", "slow-readers", "huge-prompts", "default-n8"]  # each after a baseline
+SCENARIOS = ["flood", "slow-readers", "huge-prompts", "default-n8", "slow-headers"]
 
 
 async def calm_stream(http: httpx.AsyncClient) -> tuple[float, float] | None:
@@ -68,7 +73,9 @@ async def loop(until: float, once: Callable[[], Awaitable[None]]) -> None:
         await once()
 
 
-async def flood(http: httpx.AsyncClient, until: float, width: int, seen: Counter[int]) -> None:
+async def flood(
+    http: httpx.AsyncClient, until: float, width: int, seen: Counter[int | str]
+) -> None:
     body = {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 64}
 
     async def once() -> None:
@@ -77,7 +84,7 @@ async def flood(http: httpx.AsyncClient, until: float, width: int, seen: Counter
     await asyncio.gather(*(loop(until, once) for _ in range(width)))
 
 
-async def slow_readers(url: str, until: float, count: int, seen: Counter[int]) -> None:
+async def slow_readers(url: str, until: float, count: int, seen: Counter[int | str]) -> None:
     # Logprobs make each token ~1 KB of output: more than the kernel's socket buffers
     # (a few MB per connection) hold within the scenario.
     body = {"model": "deepseek-v4", "messages": CHAT, "stream": True, "max_tokens": 100_000,
@@ -97,7 +104,9 @@ async def slow_readers(url: str, until: float, count: int, seen: Counter[int]) -
         await asyncio.gather(*(one() for _ in range(count)))
 
 
-async def huge_prompts(http: httpx.AsyncClient, until: float, mb: int, seen: Counter[int]) -> None:
+async def huge_prompts(
+    http: httpx.AsyncClient, until: float, mb: int, seen: Counter[int | str]
+) -> None:
     body = json.dumps({"model": "deepseek-v4", "prompt": "word " * (mb * 200_000)}).encode()
 
     async def once() -> None:
@@ -108,7 +117,7 @@ async def huge_prompts(http: httpx.AsyncClient, until: float, mb: int, seen: Cou
     await asyncio.gather(*(loop(until, once) for _ in range(2)))
 
 
-async def default_n8(http: httpx.AsyncClient, until: float, seen: Counter[int]) -> None:
+async def default_n8(http: httpx.AsyncClient, until: float, seen: Counter[int | str]) -> None:
     body = {"model": "deepseek-v4", "messages": CHAT, "stream": True, "n": 8, "ignore_eos": True}
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(max(until - time.perf_counter(), 0)):
@@ -116,6 +125,39 @@ async def default_n8(http: httpx.AsyncClient, until: float, seen: Counter[int]) 
                 seen[resp.status_code] += 1
                 async for _ in resp.aiter_bytes():
                     pass
+
+
+async def slow_headers(
+    url: str, until: float, count: int, drip: float, seen: Counter[int | str], held: list[float]
+) -> None:
+    """`count` connections dripping a request head that never ends; `held`: how long the
+    server kept each one it closed."""
+    where = httpx.URL(url)
+    head = b"GET /health HTTP/1.1\r\nHost: tokenway\r\nX-Drip: "
+
+    async def one() -> None:
+        while time.perf_counter() < until:
+            reader, writer = await asyncio.open_connection(where.host, where.port)
+            opened = time.perf_counter()
+            closed = asyncio.ensure_future(reader.read(1))  # b"" once the server closes it
+            closed.add_done_callback(lambda f: f.cancelled() or f.exception())  # a reset too
+            try:
+                writer.write(head)
+                while time.perf_counter() < until:
+                    await asyncio.wait({closed}, timeout=min(drip, until - time.perf_counter()))
+                    if closed.done():
+                        break
+                    writer.write(b"a")  # another byte of a header value without an end
+                if not closed.done():
+                    seen["open at end"] += 1
+                    break
+                seen["closed"] += 1
+                held.append(time.perf_counter() - opened)
+            finally:
+                closed.cancel()
+                writer.close()
+
+    await asyncio.gather(*(one() for _ in range(count)))
 
 
 @contextlib.asynccontextmanager
@@ -146,11 +188,13 @@ async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, i
 
 async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> dict[str, Any]:
     until = time.perf_counter() + args.seconds
-    seen: Counter[int] = Counter()
+    seen: Counter[int | str] = Counter()
+    held: list[float] = []  # slow-headers: seconds the server held each dripping connection
     auth = {"Authorization": f"Bearer {FLOOD_KEY}"}
     calm_results: list[tuple[float, float] | None] = []
     async with (
         httpx.AsyncClient(base_url=url, timeout=120,
+                          transport=httpx.AsyncHTTPTransport(local_address=args.calm_address),
                           headers={"Authorization": f"Bearer {CALM_KEY}"}) as calm,
         httpx.AsyncClient(base_url=url, timeout=120, headers=auth,
                           limits=httpx.Limits(max_connections=None)) as hostile,
@@ -162,6 +206,7 @@ async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> d
             "slow-readers": lambda: slow_readers(url, until, args.slow, seen),
             "huge-prompts": lambda: huge_prompts(hostile, until, args.huge_mb, seen),
             "default-n8": lambda: default_n8(hostile, until, seen),
+            "slow-headers": lambda: slow_headers(url, until, args.dripping, args.drip, seen, held),
         }[name]
 
         async def calm_once() -> None:
@@ -178,6 +223,8 @@ async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> d
         await asyncio.gather(
             hostility(), watch(), *(loop(until, calm_once) for _ in range(args.calm))
         )
+    if held:
+        seen["held p50 s"] = round(percentile(held, 50), 1)  # type: ignore[assignment]
     ok = [r for r in calm_results if r is not None]
     ttft, e2e = [r[0] for r in ok], [r[1] for r in ok]
     return {
@@ -231,11 +278,18 @@ def main() -> None:
     p.add_argument("--code", default=os.getcwd(), help="checkout whose `tokenway up` runs (.)")
     p.add_argument("--seconds", type=float, default=10.0, help="per scenario (10)")
     p.add_argument("--calm", type=int, default=4, help="calm streams at once (4)")
+    p.add_argument("--calm-address",
+                   help="the calm tenant's source address, another host's than the hostile "
+                   "clients' (e.g. 127.0.0.2; default: the system's choice, theirs)")  # fmt: skip
     p.add_argument("--flood", type=int, default=64, help="flooding request loops (64)")
     p.add_argument("--flood-limit", type=int, default=8,
                    help="requests the flooding key may run at once (8; 0: no limit)")  # fmt: skip
     p.add_argument("--slow", type=int, default=16, help="streams that read nothing (16)")
     p.add_argument("--huge-mb", type=int, default=5, help="size of a huge prompt (5)")
+    p.add_argument("--dripping", type=int, default=200,
+                   help="connections dripping a request head (200)")  # fmt: skip
+    p.add_argument("--drip", type=float, default=1.0,
+                   help="seconds between two bytes of a dripping head (1)")  # fmt: skip
     p.add_argument("--itl", type=float, default=0.01, help="engine seconds per token (0.01)")
     p.add_argument("--max-seqs", type=int, default=64, help="engine sequences at once (64)")
     p.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Iterator, Sequence
@@ -12,6 +13,7 @@ import uvicorn
 
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
+from ingress.connections import Guard, GuardedProtocol
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
 from ingress.models import Catalog
@@ -61,6 +63,8 @@ class IngressService:
                    tokens_per_minute=settings.tenant_tokens_per_minute),
         )  # fmt: skip
         self.cors = Cors.load(settings)
+        # each request head's deadline, and the connections one address may hold
+        self.guard = Guard(settings.header_timeout, settings.max_connections_per_address)
         self.models = models
         self.ingress_id = settings.resolved_ingress_id()
         self.started = asyncio.Event()
@@ -110,6 +114,7 @@ class IngressService:
             create_app(ctx),
             host=self.settings.host,
             port=self.settings.port,
+            http=functools.partial(GuardedProtocol, guard=self.guard),  # type: ignore[arg-type]
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=5,

@@ -585,6 +585,16 @@ def _http(p: argparse.ArgumentParser) -> None:
         help="seconds a client has to send its whole request body; later, a 408 (30)",
     )  # fmt: skip
     p.add_argument(
+        "--header-timeout", type=float,
+        help="seconds a client has to send a request's whole head (request line and headers) "
+        "from its first byte, or from connecting; later, a 408 and the connection closed (10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections-per-address", type=int,
+        help="connections one client address may hold open at once; past them, a 429 and the "
+        "connection closed (1024: room for a load generator or a proxy; 0: no cap)",
+    )  # fmt: skip
+    p.add_argument(
         "--stream-buffer-bytes", type=int,
         help="output bytes held for a stream whose client reads slowly; the rest is read back "
         "from TW_OUT as it catches up (1048576)",

@@ -107,6 +107,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
     body_timeout: PositiveFloat = 30.0  # a request body not all there by then: a 408
+    # a request head (request line and headers) not all there this long after it began (or
+    # after the connection opened): a 408, and the connection closed
+    header_timeout: PositiveFloat = 10.0
+    # connections one client address may hold open at once; past it, a 429 (0: no cap).
+    # `vllm bench serve --max-concurrency 512` holds 512 from one address, and a proxy in
+    # front holds one per request in flight for all its clients: 1024 leaves them room.
+    max_connections_per_address: NonNegativeInt = 1024
     # output bytes an ingress holds for one stream whose client reads slower than it is made;
     # past them, the rest is read back from TW_OUT as the client catches up
     stream_buffer_bytes: PositiveInt = 1 << 20
