@@ -64,7 +64,8 @@ class IngressService:
         )  # fmt: skip
         self.cors = Cors.load(settings)
         # each request head's deadline, and the connections one address may hold
-        self.guard = Guard(settings.header_timeout, settings.max_connections_per_address)
+        self.guard = Guard(settings.header_timeout, settings.max_connections_per_address,
+                           settings.max_header_bytes)  # fmt: skip
         self.models = models
         self.ingress_id = settings.resolved_ingress_id()
         self.started = asyncio.Event()

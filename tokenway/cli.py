@@ -590,6 +590,11 @@ def _http(p: argparse.ArgumentParser) -> None:
         "from its first byte, or from connecting; later, a 408 and the connection closed (10)",
     )  # fmt: skip
     p.add_argument(
+        "--max-header-bytes", type=int,
+        help="bytes a request's head (request line and headers) may have; past them, a 431 "
+        "and the connection closed (65536)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-connections-per-address", type=int,
         help="connections one client address may hold open at once; past them, a 429 and the "
         "connection closed (1024: room for a load generator or a proxy; 0: no cap)",

@@ -110,6 +110,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # a request head (request line and headers) not all there this long after it began (or
     # after the connection opened): a 408, and the connection closed
     header_timeout: PositiveFloat = 10.0
+    # a request head (request line and headers) over this is a 431, the connection closed:
+    # headers of long tokens and cookies fit many times over (nginx takes 32 KiB, h11 16)
+    max_header_bytes: PositiveInt = 64 * 1024
     # connections one client address may hold open at once; past it, a 429 (0: no cap).
     # `vllm bench serve --max-concurrency 512` holds 512 from one address, and a proxy in
     # front holds one per request in flight for all its clients: 1024 leaves them room.

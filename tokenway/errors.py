@@ -49,6 +49,11 @@ class TooLarge(TokenwayError):
     type = "RequestTooLargeError"
 
 
+class HeadTooLarge(TokenwayError):
+    status = 431
+    type = "RequestHeaderFieldsTooLargeError"
+
+
 class ModelNotFound(TokenwayError):
     status = 404
     type = "NotFoundError"

@@ -170,3 +170,26 @@ async def test_an_address_past_its_connections_is_refused_and_others_are_not(
         for _, writer in held:
             writer.close()
         await capped.close()
+
+
+async def test_a_request_head_over_the_limit_is_a_431_and_closed(stack: Stack) -> None:
+    """uvicorn read a request head of any size: a 64 MB header, within the head's deadline,
+    held 64 MB of the ingress for one connection. A header that fits is still served."""
+    small = await ingress(stack, max_header_bytes=4096)
+    try:
+        host, port = where(small)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            b"GET /health HTTP/1.1\r\nHost: tokenway\r\nX-Big: " + b"a" * 8192 + b"\r\n\r\n"
+        )
+        got = await asyncio.wait_for(until_closed(reader), 30)  # a safety net, not a measure
+        writer.close()
+        status, _, body = got.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 431 "), got[:200]
+        error = json.loads(body)["error"]
+        assert "4096" in error["message"] and error["code"] == 431
+        async with httpx.AsyncClient(base_url=small.url, timeout=30) as http:
+            fits = await http.get("/health", headers={"X-Fits": "a" * 2048})
+        assert fits.status_code == 200
+    finally:
+        await small.close()
