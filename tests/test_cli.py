@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -16,7 +17,7 @@ import nats
 import openai
 import pytest
 
-from tests.conftest import guarded_bus, nats_server, wait_engines
+from tests.conftest import Bus, guarded_bus, nats_server, wait_engines
 from tokenway import bus
 from tokenway.config import Settings
 from tokenway.registry import EngineRegistry
@@ -490,3 +491,25 @@ async def test_a_secret_on_the_command_line_starts_with_a_warning_naming_the_saf
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode != 0  # (no NATS: it got as far as looking for one)
     assert "tokenway: warning" not in err.decode(), err.decode()
+
+
+async def test_a_stage_raises_its_open_files_limit_to_the_systems(
+    session_bus: Bus, tmp_path: Path
+) -> None:
+    """Every connection is a file: a stage started under systemd's soft limit of 1024 ran
+    out of files near a thousand clients, before --max-connections-per-address could act."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, hard, 256)
+    env = {**session_bus.env("derender"), "TOKENWAY_LOG_LEVEL": "info"}
+    proc = await asyncio.create_subprocess_exec(
+        *TOKENWAY, "derender", "--data-dir", str(tmp_path), env={**ENV, **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)),
+    )  # fmt: skip
+    try:
+        await logged(proc, b"derender serving")
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()  # noqa: ASYNC240
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+        assert int(line.split()[3]) == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        await stop(proc, signal.SIGTERM)

@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -288,10 +289,25 @@ def _engine_line(bridge: Bridge) -> str:
     return f"{info.id} ({info.role}, {info.model}, {health})"
 
 
+def _open_files() -> None:
+    """As many open files as the system allows this process: every client connection, NATS
+    connection and engine stream is one, and systemd's soft limit of 1024 ran out near a
+    thousand clients, before `--max-connections-per-address` could act."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("open files stay at %d (the hard limit is %s): %s", soft, hard, exc)
+
+
 def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> None:
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _open_files()
 
     stopping = threading.Event()  # outlives the loop: a stop is no failure to report
 
