@@ -53,6 +53,18 @@ class Emit(Protocol):
     ) -> None: ...
 
 
+class Refused(Exception):
+    """The engine refused the request for a reason of the request's own (a grammar it cannot
+    compile, a prompt it rejects): that request's error, with the HTTP status the engine
+    answered (a 4xx), never a failure of the engine. `reason` is what the client reads (no
+    engine URL in it); `str()` is for the log."""
+
+    def __init__(self, message: str, status: int = 400, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = message if reason is None else reason
+
+
 # Longest an engine step's first delta waits for the rest of the step's deltas.
 STEP_GATHER = 0.002
 
@@ -235,6 +247,11 @@ class Bridge:
                 failed = "dropped for the request's new owner"
                 self._fail(work, seq, f"engine {self.id}: {failed}")
             # else aborted: the owner asked, so it expects nothing more
+        except Refused as exc:  # the request's own fault: its error, not the engine's
+            log.info("engine %s refused %s (%d): %s", self.id, work.rid, exc.status, exc)
+            failed = f"refused ({exc.status}): {exc.reason}"
+            self._fail(work, seq, f"engine {self.id} refused the request: {exc.reason}",
+                       exc.status)  # fmt: skip
         except Exception as exc:  # the engine failed this attempt: tell the owner why
             log.exception("engine %s failed %s", self.id, work.rid)
             failed = f"{type(exc).__name__}: {exc}"
@@ -248,11 +265,11 @@ class Bridge:
             if not self.tasks:
                 self.idle.set()
 
-    def _fail(self, work: EngineWork, seq: int, error: str) -> None:
-        """The attempt's last delta: it ended without a finish, and why."""
-        delta = TokenDelta(
-            rid=work.rid, attempt=work.attempt, seq=seq, finish_reason="error", error=error
-        )
+    def _fail(self, work: EngineWork, seq: int, error: str, refused: int | None = None) -> None:
+        """The attempt's last delta: it ended without a finish, and why (`refused`: the
+        status of the engine's refusal of the request itself)."""
+        delta = TokenDelta(rid=work.rid, attempt=work.attempt, seq=seq, finish_reason="error",
+                           error=error, refused=refused)  # fmt: skip
         self._queue(work.owner, delta)
 
     def _queue(self, owner: str, delta: TokenDelta) -> None:

@@ -23,6 +23,7 @@ from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
 from engines.arguments import openings, planned
+from engines.bridge import Refused
 from tokenway.constraints import grammar
 from tokenway.tag_grammar import Unsupported
 from tokenway.wire import StructuredOutputs
@@ -53,15 +54,19 @@ def ll_tokenizer(tokenizer: Tokenizer, eos: int) -> tuple[LLTokenizer, dict[str,
 
 async def matcher(tokenizer: Tokenizer, eos: int, so: StructuredOutputs) -> Guide:
     """What decodes under `so` (built off the loop: the vocabulary and the grammar both
-    take a while); ValueError for a constraint this engine cannot decode."""
+    take a while); `Refused` for a constraint this engine cannot decode, the request's own
+    400 (one render let through, being valid for vLLM, or one that reached the engine
+    unchecked, from a direct publisher)."""
     vocab, added = await asyncio.to_thread(ll_tokenizer, tokenizer, eos)
     try:
         text = grammar(so, added)
     except Unsupported as exc:
-        raise ValueError(f"the simulated engine cannot decode this constraint: {exc}") from None
+        raise Refused(f"the simulated engine cannot decode this constraint: {exc}") from None
+    except (ValueError, TypeError, RuntimeError) as exc:  # what the compilers raise
+        raise Refused(f"the constraint is not valid: {exc}") from None
     m = await asyncio.to_thread(LLMatcher, vocab, text)
     if m.is_error():
-        raise ValueError(f"the constraint does not compile: {m.get_error()}")
+        raise Refused(f"the constraint does not compile: {m.get_error()}")
     # The added tokens a structural tag asks for, the ones that close its structure first.
     marks = list(dict.fromkeys(int(i) for i in reversed(_TOKEN_REF.findall(text))))
     calls = list(openings(json.loads(so.structural_tag))) if so.structural_tag else []

@@ -15,7 +15,7 @@ from importlib import resources
 
 from tokenizers import Tokenizer
 
-from engines.bridge import Emit
+from engines.bridge import Emit, Refused
 from engines.guided import Guide, matcher
 from tokenway.obfuscation import Permutation
 from tokenway.wire import (
@@ -263,6 +263,8 @@ class SimEngine:
                 doomed = self.started == 1 and self.config.fail_after is not None
                 for index in range(n):
                     group.create_task(self._sequence(work, emit, index, doomed))
+        except* Refused as refused:  # a constraint it cannot decode: the request's fault
+            raise refused.exceptions[0] from None
         except* RuntimeError as failed:  # a simulated fault: the engine reports it as itself
             raise failed.exceptions[0] from None
         finally:

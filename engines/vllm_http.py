@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from engines.bridge import Emit, Engine
+from engines.bridge import Emit, Engine, Refused
 from engines.http1 import ConnectFailed, Http1Client, Response, TransportError
 from engines.vllm_wire import (
     ABORT_PATH,
@@ -105,6 +105,17 @@ class VllmHttpError(VllmError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class VllmRefused(VllmError, Refused):
+    """vLLM refused the request itself (400, 413, 422: a grammar its backend cannot compile,
+    a prompt it rejects), by its answer's status or, once the stream began, by an error
+    event with that code: the request's fault, not the engine's."""
+
+
+# vLLM's statuses for what is wrong with the request itself; any other is the engine's
+# (5xx, and 401/403/404/429, which say how the server is set up or how busy it is).
+REFUSALS = frozenset({400, 413, 422})
 
 
 class VllmTimeout(VllmError):
@@ -341,11 +352,11 @@ class VllmEngine:
     ) -> None:
         if answer.error is not None:
             status = answer.error.code or 500
-            raise VllmHttpError(
-                f"vLLM at {self.url} failed {a.vllm_id} mid-stream ({status} "
-                f"{answer.error.type}): {answer.error.message}",
-                status,
-            )
+            message = (f"vLLM at {self.url} failed {a.vllm_id} mid-stream ({status} "
+                       f"{answer.error.type}): {answer.error.message}")  # fmt: skip
+            if status in REFUSALS:
+                raise VllmRefused(message, status, answer.error.message)
+            raise VllmHttpError(message, status)
         if answer.request_id:
             a.vllm_id = answer.request_id
         usage = answer.usage.completion_tokens if answer.usage else None
@@ -382,11 +393,13 @@ class VllmEngine:
             )
 
     def _raise_status(self, status: int, body: bytes, path: str) -> None:
-        message = f"vLLM at {self.url} answered HTTP {status} on {path}: "
-        message += error_message(body)
+        reason = error_message(body)
+        message = f"vLLM at {self.url} answered HTTP {status} on {path}: {reason}"
         if status in (403, 404, 501) and path == GENERATE_PATH:
             hint = " (start vLLM with --tokens-only or --enable-scale-out)"
             raise VllmCapabilityMissing(message + hint, status)
+        if status in REFUSALS:
+            raise VllmRefused(message, status, reason)
         raise VllmHttpError(message, status)
 
     @contextlib.contextmanager

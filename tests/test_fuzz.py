@@ -140,7 +140,15 @@ REGEXES = st.sampled_from(["[a-z]{3}", "((", "", "\\d+"])
 TAGS = st.sampled_from([
     {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}},
     {"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= (("}},
+    {"type": "structural_tag", "format": {"type": "grammar", "grammar": 'root ::= "ok"'}},
     {"type": "structural_tag"},
+    {"type": "structural_tag", "format": {"type": "nope"}},
+    {"type": "structural_tag", "structures": [], "triggers": []},
+    {"type": "structural_tag", "triggers": ["<a"],
+     "structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}]},
+    # valid for vLLM, not decoded by the simulated engine: its 400, not an engine failure
+    {"type": "structural_tag",
+     "format": {"type": "qwen_xml_parameter", "json_schema": {"type": "object"}}},
 ])  # fmt: skip
 
 

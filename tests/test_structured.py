@@ -234,7 +234,7 @@ async def test_with_reasoning_open_the_grammar_starts_after_it(
          "tools", "structural_tag is not valid"),
         ({"structured_outputs": {"structural_tag": json.dumps(
           {"type": "structural_tag", "format": {"type": "tag", "begin": "{"}})}},
-         "structured_outputs", "structural_tag is not valid: a tag format needs 'end'"),
+         "structured_outputs", "structural_tag is not valid: format needs a content format"),
         ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"},
           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
          "tool_choice", "not both"),

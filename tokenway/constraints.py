@@ -2,9 +2,10 @@
 it before anything is queued, and the simulated engine decodes under it.
 
 llguidance takes JSON schemas, regular expressions and Lark grammars (GBNF converted), needs
-no torch, and is one of vLLM's own backends. Structural tags (xgrammar's format) become Lark
-grammars (`tokenway.tag_grammar`); one with a format kind that has no Lark counterpart goes
-to engines unchecked, and vLLM checks it itself.
+no torch, and is one of vLLM's own backends. Structural tags (xgrammar's format) are checked
+as xgrammar checks them and become Lark grammars (`tokenway.tag_grammar`); a well-formed one
+with a format kind that has no Lark counterpart is checked as far as llguidance can (its
+schemas, patterns and grammars compile), and vLLM decodes the rest.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import json
 from collections.abc import Mapping
 
 from llguidance import LLMatcher
-from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from tokenway import tag_grammar
-from tokenway.tag_grammar import Unsupported
+from tokenway.tag_grammar import Unsupported, lark_of_gbnf
 from tokenway.wire import StructuredOutputs
 
 
@@ -32,7 +32,7 @@ def grammar(so: StructuredOutputs, tokens: Mapping[str, int] | None = None) -> s
     if so.choice is not None:
         return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, so.choice)))
     if so.grammar is not None:
-        lark = _lark_of_gbnf(so.grammar) if "::=" in so.grammar else so.grammar
+        lark = lark_of_gbnf(so.grammar) if "::=" in so.grammar else so.grammar
         return LLMatcher.grammar_from_lark(lark)
     assert so.structural_tag is not None
     try:
@@ -42,51 +42,14 @@ def grammar(so: StructuredOutputs, tokens: Mapping[str, int] | None = None) -> s
     return LLMatcher.grammar_from_lark(tag_grammar.lark(tag, tokens))
 
 
-def _lark_of_gbnf(text: str) -> str:
-    """A GBNF grammar as Lark; ValueError where the converter cannot read it. Besides its
-    own error it raises a bare Exception for a missing rule (or no `root`), and an
-    IndexError reading past an escape the grammar's end cuts off (`root ::= "\\`): the
-    client's grammar each time. Any other exception is a bug and stays one."""
-    try:
-        return gbnf_to_lark(text)
-    except GbnfToLarkError as exc:
-        raise ValueError(str(exc)) from exc
-    except IndexError as exc:
-        raise ValueError("incomplete escape sequence at the end of the grammar") from exc
-    except Exception as exc:
-        if type(exc) is not Exception:
-            raise
-        raise ValueError(str(exc)) from exc
-
-
 def problem(so: StructuredOutputs) -> str | None:
-    """Why the constraint cannot be decoded (its schema, regex or grammar is not valid),
-    or None."""
+    """Why the constraint cannot be decoded (its schema, regex, grammar or structural tag is
+    not valid), or None."""
     try:
         text = grammar(so)
-    except Unsupported:  # goes unchecked, but for the grammars in it (vLLM refuses a bad one)
+    except Unsupported:  # vLLM decodes it: what llguidance compiles of it is checked
         assert so.structural_tag is not None
-        for inner in _grammars(so.structural_tag):
-            if not isinstance(inner, str) or not inner.strip():
-                return "a grammar format in it has no grammar text"
-            if (why := problem(StructuredOutputs(grammar=inner))) is not None:
-                return f"a grammar format in it is not valid: {why}"
-        return None
+        text = LLMatcher.grammar_from_lark(tag_grammar.checked(json.loads(so.structural_tag)))
     except (ValueError, TypeError, RuntimeError) as exc:  # what the compilers raise
         return str(exc)
     return LLMatcher.validate_grammar(text) or None
-
-
-def _grammars(tag: str) -> list[object]:
-    """The grammars of a structural tag's `grammar` formats (tag_grammar has read it as
-    far as the first format it cannot decode, so it is JSON)."""
-    found, todo = [], [json.loads(tag).get("format")]
-    while todo:
-        fmt = todo.pop()
-        if isinstance(fmt, list):
-            todo.extend(fmt)
-        elif isinstance(fmt, dict):
-            if fmt.get("type") == "grammar":
-                found.append(fmt.get("grammar"))
-            todo.extend(fmt.get(key) for key in ("content", "elements", "tags"))
-    return found

@@ -176,6 +176,13 @@ def too_big_for_the_bus(size: int, limit: int, *, at_least: bool = False) -> Inv
     )
 
 
+def refused(message: str, status: int) -> ErrorInfo:
+    """An engine's refusal of a request itself (its 4xx), as the client hears it: the
+    request's own error, of the type its status has."""
+    kind = {c.status: c for c in (TooLarge, Unprocessable)}.get(status, InvalidRequest)
+    return ErrorInfo(message=message, type=kind.type, status=status)
+
+
 def internal(rid: str) -> ErrorInfo:
     """A bug, as its client hears of it: that it happened and under which request id. What
     broke goes to the log under that id (the caller logs the traceback), never to the

@@ -280,6 +280,11 @@ class TokenDelta(Struct, kw_only=True, omit_defaults=True):
     kv_transfer_params: dict[str, object] | None = None
     index: int = 0  # the choice, for n > 1
     logprobs: list[LogprobEntry] | None = None  # one per token in token_ids
+    # With `error`: the engine refused the request itself (its parameters: a grammar it
+    # cannot compile, a prompt it rejects), and this is the HTTP status it answered (4xx).
+    # The request's own error then: it ends with it, never relayed nor held against the
+    # engine. None: the engine failed the attempt.
+    refused: int | None = None
 
 
 class TokenStep(Struct, kw_only=True):

@@ -13,7 +13,7 @@ import nats
 import pytest
 from tokenizers import Tokenizer
 
-from engines.bridge import Bridge, Emit, Engine
+from engines.bridge import Bridge, Emit, Engine, Refused
 from engines.sim import SimConfig, SimEngine
 from tests.conftest import Bus, make_settings, wait_engines
 from tokenway import bus
@@ -147,3 +147,37 @@ async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
             ends = entries(await steps.get())
             ends += [] if len(ends) == 2 else entries(await steps.get())
             assert ends == [("a", 2), ("b", 1)]
+
+
+class Refuses:
+    """An engine that refuses every request itself, as vLLM refuses a grammar it cannot
+    compile (`str()` names the server, for the log; `reason` is the client's)."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.id = engine_id
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(id=self.id, model=self.id)
+
+    async def generate(self, work: EngineWork, emit: Emit) -> None:
+        raise Refused("http://10.0.0.7:8000 answered 400: bad tag", 400, "bad tag")
+
+    async def healthy(self) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_an_engines_refusal_reaches_the_owner_as_the_requests_with_its_status(
+    session_bus: Bus, tmp_path: Path
+) -> None:
+    engine = Refuses(f"refuses-{uuid.uuid4().hex[:8]}")
+    async with running_bridge(session_bus, tmp_path, engine, "o-refused") as (_, nc, steps):
+        work = EngineWork(rid="r1", attempt=1, owner="o-refused", token_ids=[0, 6366],
+                          sampling_params=SamplingParams(max_tokens=4))  # fmt: skip
+        await nc.request(bus.engine_subject(engine.id, "generate"), msgspec.msgpack.encode(work))
+        async with asyncio.timeout(10):
+            [last] = (await steps.get()).entries
+    assert last.refused == 400 and last.finish_reason == "error"
+    assert last.error == f"engine {engine.id} refused the request: bad tag"  # no server URL

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from importlib import resources
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
+from engines.bridge import Refused
 from engines.sim import SimConfig, SimEngine, StepClock, corpus_sentences
 from tests.engines.emits import Emits
 from tokenway.model import default_model_dir
-from tokenway.wire import EngineWork, FinishReason, SamplingParams
+from tokenway.wire import EngineWork, FinishReason, SamplingParams, StructuredOutputs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -366,3 +368,21 @@ async def test_a_simulated_engine_keeps_none_of_the_work_it_is_sent(tokenizer: T
     served = SimEngine(SimConfig(id="kept", model="m", eos_token_id=1, itl=0.0), tokenizer)
     await run(served, work("r1", prompt=list(range(100, 600)), max_tokens=2))
     assert served.received is None
+
+
+@pytest.mark.parametrize(
+    ("so", "says"),
+    [(StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": {
+        "type": "qwen_xml_parameter", "json_schema": {"type": "object"}}})),
+      "cannot decode this constraint"),
+     (StructuredOutputs(regex="(("), "the constraint does not compile")],
+    ids=["not-decoded-here", "does-not-compile"],
+)  # fmt: skip
+async def test_a_constraint_it_cannot_decode_is_refused_as_the_requests_fault(
+    engine: SimEngine, so: StructuredOutputs, says: str
+) -> None:
+    """Not an engine failure (the bridge would relay it and the owner count it against the
+    engine): the request's own 400, whichever of its `n` sequences meets it first."""
+    with pytest.raises(Refused, match=says) as refused:
+        await engine.generate(work(max_tokens=5, n=2, structured_outputs=so), Emits())
+    assert refused.value.status == 400 and engine.running == 0

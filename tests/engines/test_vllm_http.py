@@ -16,13 +16,14 @@ import pytest_asyncio
 from nats.js.errors import KeyNotFoundError
 from tokenizers import Tokenizer
 
-from engines.bridge import Bridge
+from engines.bridge import Bridge, Refused
 from engines.vllm_http import (
     NATIVE_REPROBE,
     VllmCapabilityMissing,
     VllmEndpoint,
     VllmEngine,
     VllmHttpError,
+    VllmRefused,
     VllmStreamBroken,
     VllmTimeout,
     VllmUnavailable,
@@ -312,6 +313,41 @@ async def test_a_5xx_raises_with_the_status_and_vllms_message(
     assert info.value.status == 503
     assert "HTTP 503" in str(info.value) and "fake engine failure 1" in str(info.value)
     assert fake.url in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "status"),
+    [({"fail_status": 400}, 400), ({"fail_status": 422}, 422),
+     ({"error_after": 0, "error_status": 400}, 400)],
+    ids=["http-400", "http-422", "error-event-400"],
+)  # fmt: skip
+async def test_vllm_refusing_the_request_raises_refused_with_its_status_and_reason(
+    fake: FakeVllm, make_engine: MakeEngine, knobs: dict, status: int
+) -> None:
+    """A grammar vLLM cannot compile is refused with a 400, by the status or, as vLLM 0.33
+    does once its stream began, by an error event with that code: the request's fault,
+    whose reason (vLLM's message, no URL in it) the client is told."""
+    fake.reset(Knobs(**knobs, error_message="Invalid structural tag specification."))
+    with pytest.raises(VllmRefused) as info:
+        await run(make_engine(), work(max_tokens=3))
+    assert isinstance(info.value, Refused) and info.value.status == status
+    assert info.value.reason == "Invalid structural tag specification."
+    assert fake.url in str(info.value)  # the log's message says which server
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"fail_status": 500}, {"fail_status": 429}, {"fail_status": 401},
+     {"error_after": 0, "error_status": 500}],
+    ids=["http-500", "http-429", "http-401", "error-event-500"],
+)  # fmt: skip
+async def test_what_is_not_the_requests_fault_stays_the_engines(
+    fake: FakeVllm, make_engine: MakeEngine, knobs: dict
+) -> None:
+    fake.reset(Knobs(**knobs))
+    with pytest.raises(VllmHttpError) as info:
+        await run(make_engine(), work(max_tokens=3))
+    assert not isinstance(info.value, Refused)
 
 
 async def test_an_error_event_mid_stream_raises(fake: FakeVllm, make_engine: MakeEngine) -> None:

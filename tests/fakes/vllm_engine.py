@@ -75,6 +75,10 @@ class Knobs:
     die_after: int | None = None  # close the connection after K token events, no finish
     die_first: int | None = None  # … in the first N requests only (None: in every one)
     error_after: int | None = None  # an error event (vLLM's GenerationError) after K events
+    # That event's code (400: vLLM refusing the request, as it refuses a grammar it cannot
+    # compile once its stream has begun), and what it or a `fail_status` answer says.
+    error_status: int = 500
+    error_message: str | None = None
     stall_after: int | None = None  # go silent after K events until aborted or left
     # Behind a proxy that keeps its own connection to the engine open: a run outlives its
     # client's disconnect, and only an abort call stops it.
@@ -380,8 +384,8 @@ class FakeVllm:
             return 403, _error(403, "PermissionDeniedError", msg)
         if k.fail_status and (k.fail_first is None or self._failed < k.fail_first):
             self._failed += 1
-            msg = f"fake engine failure {self._failed}"
-            return k.fail_status, _error(k.fail_status, "InternalServerError", msg)
+            msg = k.error_message or f"fake engine failure {self._failed}"
+            return k.fail_status, _error(k.fail_status, _error_type(k.fail_status), msg)
         if rec.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             msg = "Unsupported Media Type: Only 'application/json' is allowed"
             return 400, _error(400, "Bad Request", msg)
@@ -520,7 +524,8 @@ class FakeVllm:
                 if k.die_after is not None and events >= k.die_after and self._dies(rec):
                     return True
                 if k.error_after is not None and events >= k.error_after:
-                    error = _error(500, "InternalServerError", "Internal server error")
+                    message = k.error_message or "Internal server error"
+                    error = _error(k.error_status, _error_type(k.error_status), message)
                     await _event(send, error)
                     await _event(send, "[DONE]", last=True)
                     return False
@@ -695,6 +700,12 @@ class FakeVllm:
 
 
 # -- wire helpers ------------------------------------------------------------------------------
+
+
+def _error_type(code: int) -> str:
+    """The error type vLLM's error responses give a status."""
+    types = {400: "BadRequestError", 422: "UnprocessableEntityError"}
+    return types.get(code, "InternalServerError")
 
 
 def _error(code: int, type_: str, message: str) -> dict[str, Any]:

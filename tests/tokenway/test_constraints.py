@@ -51,7 +51,7 @@ def test_a_grammar_that_parses_has_none() -> None:
           "content": {"type": "grammar", "grammar": "root ::= foo"}}, "Rule 'foo'"),
         ({"type": "triggered_tags", "triggers": ["<a>"], "tags": [{"type": "tag",
           "begin": "<a>", "end": "</a>", "content": {"type": "grammar", "grammar": "start: (("}}]},
-         "Expected token"),
+         "Expected ::="),
         ({"type": "sequence", "elements": [{"type": "grammar", "grammar": 5}]}, "no grammar"),
     ],
     ids=["top", "in-a-tag", "in-triggered-tags", "not-a-text"],
@@ -59,11 +59,11 @@ def test_a_grammar_that_parses_has_none() -> None:
 def test_a_grammar_in_a_structural_tag_that_does_not_parse_has_a_reason(
     fmt: dict, says: str
 ) -> None:
-    """A tag with a grammar format goes to the engine unchecked (llguidance cannot decode
-    it here), but for the grammar itself, which vLLM refuses when it does not parse."""
+    """A grammar format's grammar is EBNF (xgrammar's reading: a Lark one does not parse
+    there), which vLLM refuses when it does not parse."""
     why = problem(tag(fmt))
     assert why is not None and "grammar format" in why and says in why, why
 
 
-def test_a_structural_tag_with_a_grammar_that_parses_goes_unchecked() -> None:
+def test_a_structural_tag_with_a_grammar_that_parses_has_none() -> None:
     assert problem(tag({"type": "grammar", "grammar": 'root ::= "a"'})) is None

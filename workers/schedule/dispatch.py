@@ -200,7 +200,12 @@ class Dispatcher:
         self.freed.fire()
 
     def release(self, r: Owned) -> None:
-        """Give back what the attempt held (on every exit path, exactly once)."""
+        """Give back what the attempt held (on every exit path, exactly once); a probe of a
+        half-open breaker that got no verdict (the request ended first, or was the one at
+        fault) lets the next request probe at once, not after the probe timeout."""
+        for engine in r.probes:
+            self.breakers.abandon(engine, time.monotonic())
+        r.probes.clear()
         if r.engine is not None:
             self._release(r.engine, len(r.choices), r.held)
             self.line.stopped(r.tenant, len(r.choices))
@@ -273,7 +278,7 @@ class Dispatcher:
                     plan = self._relay_plan(r, engines, hashes, now) or self._plan(
                         r, engines, hashes, now
                     )
-                    if plan is not None and self._claim(plan, now):
+                    if plan is not None and self._claim(r, plan, now):
                         return plan
                 untried = [e for e in engines if e.role in routing.OUTPUT_ROLES]
                 if len(tried) >= _DISPATCH_TRIES or (tried and not untried):
@@ -309,11 +314,13 @@ class Dispatcher:
             )
         return left
 
-    def _claim(self, plan: Plan, now: float) -> bool:
-        """Take the engines' breaker turn (a half-open breaker lets one probe through)."""
+    def _claim(self, r: Owned, plan: Plan, now: float) -> bool:
+        """Take the engines' breaker turn (a half-open breaker lets one probe through: the
+        request holds it until the engine's verdict, or gives it back as it ends)."""
         legs = [plan.engine] + ([plan.prefill] if plan.prefill else [])
         claimed = [e for e in legs if self.breakers.allow(e.id, now)]
         if len(claimed) == len(legs):
+            r.probes.update(e.id for e in legs if self.breakers.state(e.id, now) == "half_open")
             return True
         for e in claimed:
             self.breakers.abandon(e.id, now)
@@ -450,23 +457,33 @@ class Dispatcher:
             reply = _reply_decoder.decode(msg.data)
         except (NatsTimeout, NoRespondersError, msgspec.DecodeError) as exc:
             log.warning("engine %s did not take %s: %r", engine.id, r.rid, exc)
-            self.breakers.on_failure(engine.id, time.monotonic())
+            self.engine_failed(r, engine.id)
             return False
         except BaseException:
-            self.breakers.abandon(engine.id, time.monotonic())  # cancelled: no verdict
+            self.engine_refused(r, engine.id)  # cancelled: no verdict
             raise
         if not reply.accepted:  # full: says nothing about its health
             log.info("engine %s declined %s: %s", engine.id, r.rid, reply.error)
-            self.breakers.abandon(engine.id, time.monotonic())
+            self.engine_refused(r, engine.id)
         return reply.accepted
 
-    def engine_served(self, engine: str) -> None:
+    def engine_served(self, r: Owned, engine: str) -> None:
         """An attempt's first output arrived: the engine works (closes a half-open breaker)."""
+        r.probes.discard(engine)
         self.breakers.on_success(engine, time.monotonic())
 
-    def engine_failed(self, engine: str) -> None:
+    def engine_failed(self, r: Owned, engine: str) -> None:
         """An engine-side failure of a running attempt (never render or derender ones)."""
+        r.probes.discard(engine)
         self.breakers.on_failure(engine, time.monotonic())
+
+    def engine_refused(self, r: Owned, engine: str) -> None:
+        """No verdict on the engine: it refused the request itself (the request's fault), or
+        declined or never saw the work. Its breaker stays as it was; a probe the request
+        held is given back."""
+        if engine in r.probes:
+            r.probes.discard(engine)
+            self.breakers.abandon(engine, time.monotonic())
 
     def engine_gone(self, engine: str) -> None:
         self.index.forget(engine)

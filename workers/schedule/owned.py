@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from tokenway.errors import EngineFailed
+from tokenway.errors import EngineFailed, refused
 from tokenway.spans import OFF, Span
 from tokenway.wire import (
     DerenderEntry,
@@ -31,6 +31,12 @@ from tokenway.wire import (
 
 class RelayRefused(EngineFailed):
     """An attempt failed after output that a new attempt could not continue faithfully."""
+
+
+def refusal(delta: TokenDelta) -> bool:
+    """The delta ends its attempt with the engine's refusal of the request itself (a 4xx):
+    the request's fault, which no other engine would answer otherwise."""
+    return delta.error is not None and delta.refused is not None and 400 <= delta.refused < 500
 
 
 @dataclass(eq=False)
@@ -102,6 +108,8 @@ class Owned:
     broken: ErrorInfo | None = None  # why the live attempt failed at the engine
     trouble: asyncio.Event = field(default_factory=asyncio.Event)  # set with `broken`
     avoid: set[str] = field(default_factory=set)  # engines that failed this request
+    # engines whose half-open breaker this request's attempt probes, until their verdict
+    probes: set[str] = field(default_factory=set)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # no derender in flight
     usage_busy: bool = False  # the closing usage chunk (n > 1) is being made
     # P/D handoff: the prefill leg runs as its own attempt; its tokens are never shown.
@@ -221,10 +229,20 @@ class Owned:
         self.superseded = True
         self.cancel()
 
+    def refuse(self, delta: TokenDelta) -> None:
+        """The engine refused the request itself: it ends with that error (the engine has
+        nothing more to send for the attempt)."""
+        assert delta.error is not None and delta.refused is not None
+        for c in self.choices:
+            c.engine_done = True
+        self.fail(refused(delta.error, delta.refused))
+
     def accept_prefill(self, delta: TokenDelta) -> None:
         """The prefill leg's end brings the KV hand-over parameters; its tokens are dropped."""
         if delta.error is not None:
             self.prefill_done.set()  # prefill_kv stays None: the leg failed
+            if refusal(delta):  # a prompt the engine refuses: the decode leg would too
+                self.refuse(delta)
         elif delta.finish_reason is not None:
             self.prefill_kv = delta.kv_transfer_params or {}
             self.prefill_done.set()
@@ -250,7 +268,10 @@ class Owned:
             return False
         self.next_delta += 1
         if delta.error is not None:
-            self.attempt_failed(EngineFailed(delta.error).info())
+            if refusal(delta):  # the request's own fault: it ends with it, never relayed
+                self.refuse(delta)
+            else:
+                self.attempt_failed(EngineFailed(delta.error).info())
             return False
         choice.pending.extend(delta.token_ids)
         choice.made += len(delta.token_ids)

@@ -63,7 +63,7 @@ from workers.schedule import direct, metrics
 from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import ID_IN_USE, FanOut
-from workers.schedule.owned import Choice, Owned
+from workers.schedule.owned import Choice, Owned, refusal
 
 log = logging.getLogger(__name__)
 
@@ -437,23 +437,27 @@ class ScheduleService:
             if r is None or delta.attempt not in (r.attempt, r.prefill_attempt):
                 await self._abort_unwanted(step.engine, delta)
                 continue
-            healthy = r.broken is None
+            healthy, live = r.broken is None, not r.ended.is_set()
             if delta.attempt == r.prefill_attempt:
                 r.accept_prefill(delta)
-                if delta.error is not None:
-                    self.dispatcher.engine_failed(step.engine)
+                if refusal(delta):
+                    self.dispatcher.engine_refused(r, step.engine)
+                elif delta.error is not None:
+                    self.dispatcher.engine_failed(r, step.engine)
                 elif delta.finish_reason is not None:
-                    self.dispatcher.engine_served(step.engine)
+                    self.dispatcher.engine_served(r, step.engine)
             elif r.accept(delta):
                 touched.append(r)
                 self.dispatcher.grow(r, r.choices[delta.index], len(delta.token_ids))
                 if delta.seq == 0:
-                    self.dispatcher.engine_served(step.engine)
+                    self.dispatcher.engine_served(r, step.engine)
                 now = now or time.time()
                 self.observed.output(r, now)
                 made += len(delta.token_ids)
             if healthy and r.broken is not None:
-                self.dispatcher.engine_failed(step.engine)  # an error, or lost output
+                self.dispatcher.engine_failed(r, step.engine)  # an error, or lost output
+            elif live and r.ended.is_set() and refusal(delta):  # the request's fault, its end
+                self.dispatcher.engine_refused(r, step.engine)
         self.observed.step(made)
         self._kick(touched)
 

@@ -7,6 +7,7 @@ import pytest
 from tokenway.errors import EngineFailed
 from tokenway.wire import (
     DerenderEntry,
+    ErrorInfo,
     FinishReason,
     GenerateRequest,
     OutputContext,
@@ -324,3 +325,27 @@ def test_the_summary_says_where_how_much_how_fast_and_how_it_ended() -> None:
     waiting.engine, waiting.cancelled = None, True
     assert "engine -, 2 prompt + 0 output tokens, ttft -" in waiting.summary(1.0)
     assert waiting.summary(1.0).endswith(", cancelled")
+
+
+@pytest.mark.parametrize(("status", "kind"), [(400, "BadRequestError"),
+                                              (422, "UnprocessableEntityError")])  # fmt: skip
+def test_an_engines_refusal_of_the_request_ends_it_with_its_error_never_a_relay(
+    status: int, kind: str
+) -> None:
+    r = owned(n=2)
+    reason = "engine e1 refused the request: Invalid structural tag specification."
+    refused = TokenDelta(rid="r1", attempt=0, seq=0, finish_reason="error", error=reason,
+                         refused=status)  # fmt: skip
+    assert not r.accept(refused)
+    assert r.error == ErrorInfo(message=reason, type=kind, status=status)
+    assert r.ended.is_set() and r.engine_done
+    assert r.broken is None and not r.trouble.is_set()  # nothing to relay
+
+
+@pytest.mark.parametrize("status", [None, 503, 200])
+def test_an_error_without_a_4xx_refusal_is_the_engines_failure(status: int | None) -> None:
+    r = owned()
+    failed = TokenDelta(rid="r1", attempt=0, seq=0, finish_reason="error", error="boom",
+                        refused=status)  # fmt: skip
+    assert not r.accept(failed)
+    assert r.broken is not None and r.broken.status == 502 and not r.ended.is_set()
