@@ -54,6 +54,7 @@ from tokenway.errors import (
     error_body,
     internal,
 )
+from tokenway.ledger_room import LedgerRoom
 from tokenway.response_store import ResponseStore
 from tokenway.wire import ErrorInfo
 
@@ -78,6 +79,7 @@ class IngressContext:
     response_store: Callable[[], Awaitable[ResponseStore]]
     file_max_bytes: int
     cors: Cors | None = None
+    ledger_room: LedgerRoom | None = None  # admits new requests while TW_OUT has room
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -104,6 +106,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
     completions = Completions(
         ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
         ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits, ctx.response_store,
+        quota=ctx.keys.quota, ledger_room=ctx.ledger_room,
     )  # fmt: skip
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 
@@ -164,7 +167,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             metrics.active.dec()
             await source.close()
 
-    batch_routes(app, ctx.batch_store, ctx.file_max_bytes)
+    batch_routes(app, ctx.batch_store, ctx.file_max_bytes, ctx.keys.quota)
     response_routes(app, ctx.response_store)
 
     @app.get("/v1/models")

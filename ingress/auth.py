@@ -1,9 +1,11 @@
 """API keys: which tenant a request is made for, or why it is refused.
 
 Keys come from `--api-key` / `TOKENWAY_API_KEY` (comma-separated, tenant `default`) and
-from `--api-key-file` (`TENANT KEY [concurrent=N] [tokens_per_minute=N]` per line; a
-tenant's limits, or else `--tenant-concurrency` / `--tenant-tokens-per-minute`, are shared by
-all its keys: a tenant does not get more by holding more keys). Only their SHA-256 digests
+from `--api-key-file` (`TENANT KEY [concurrent=N] [tokens_per_minute=N] [files_bytes=N]
+[files_count=N] [responses_bytes=N] [responses_count=N]` per line). A tenant's limits (or
+else `--tenant-concurrency` / `--tenant-tokens-per-minute`) and its storage quota (each
+share its lines do not give: `--tenant-files-bytes`...) are shared by all its keys: a
+tenant does not get more by holding more keys. Only their SHA-256 digests
 are kept: a key is found by the digest of what the client sent, so how long a wrong guess
 takes to fail depends on its digest, which tells nothing about any key's bytes (no prefix
 can be learnt byte by byte, the attack a plain `==` allows). No key, nor any line of the
@@ -19,7 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from tokenway.errors import TokenwayError
+from tokenway.quota import Quota
 from tokenway.tenancy import Limits
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,7 @@ OPTIONAL_OPEN = {"ready": "/ready", "metrics": "/metrics"}
 
 
 _NO_LIMITS = Limits()
+_NO_QUOTA = Quota()
 
 
 class Unauthorized(TokenwayError):
@@ -53,6 +59,12 @@ class ApiKeys:
     tenants: dict[bytes, str]  # SHA-256 of a key → its tenant; empty: no key is required
     open_paths: frozenset[str] = ALWAYS_OPEN
     limits: dict[str, Limits] = field(default_factory=dict)  # tenant → its limits, if any
+    quotas: dict[str, Quota] = field(default_factory=dict)  # tenant → its storage quota
+    default_quota: Quota = _NO_QUOTA  # of a tenant not named (a keyless deployment's "")
+
+    def quota(self, tenant: str) -> Quota:
+        """The tenant's share of the files and responses stores (`tokenway.quota`)."""
+        return self.quotas.get(tenant, self.default_quota)
 
     def tenant(self, path: str, authorization: bytes) -> str:
         """The request's tenant ("" where no key is asked for); `Unauthorized` otherwise."""
@@ -74,9 +86,11 @@ class ApiKeys:
         key_file: str | None,
         open_routes: str,
         default_limits: Limits = _NO_LIMITS,
+        default_quota: Quota = _NO_QUOTA,
     ) -> ApiKeys:
         """From the settings; ValueError (naming the flag, never a key) when they are unusable."""
-        pairs = [(DEFAULT_TENANT, k.strip(), "--api-key", None) for k in (keys or "").split(",")]
+        pairs = [(DEFAULT_TENANT, k.strip(), "--api-key", None, {})
+                 for k in (keys or "").split(",")]  # fmt: skip
         if keys is not None and not any(p[1] for p in pairs):
             raise ValueError("--api-key (or TOKENWAY_API_KEY) is set but holds no key")
         pairs = [p for p in pairs if p[1]]
@@ -84,8 +98,11 @@ class ApiKeys:
             pairs += _read_key_file(key_file)
         tenants: dict[bytes, str] = {}
         own: dict[str, Limits] = {}
-        for tenant, key, where, limits in pairs:
-            if limits is not None and own.setdefault(tenant, limits) != limits:
+        shares: dict[str, dict[str, int]] = {}
+        for tenant, key, where, limits, quota in pairs:
+            if (limits is not None and own.setdefault(tenant, limits) != limits) or (
+                quota and shares.setdefault(tenant, quota) != quota
+            ):
                 raise ValueError(f"{where}: tenant {tenant} is given other limits on another "
                                  "line; give them once, or the same on every line")  # fmt: skip
             digest = _digest(key.encode())
@@ -97,9 +114,12 @@ class ApiKeys:
                             "(e.g. `openssl rand -hex 24`)", where, tenant, len(key),
                             WEAK_KEY_CHARS)  # fmt: skip
         limits = {t: own.get(t, default_limits) for t in set(tenants.values())}
+        quotas = {t: msgspec.structs.replace(default_quota, **shares.get(t, {}))
+                  for t in set(tenants.values())}  # fmt: skip
         return cls(
-            tenants, ALWAYS_OPEN | _open_paths(open_routes), {t: x for t, x in limits.items() if x}
-        )
+            tenants, ALWAYS_OPEN | _open_paths(open_routes), {t: x for t, x in limits.items() if x},
+            quotas, default_quota,
+        )  # fmt: skip
 
 
 def tenants(keys: str | None, key_file: str | None, named: Sequence[str] = ()) -> list[str]:
@@ -125,7 +145,9 @@ def _open_paths(open_routes: str) -> frozenset[str]:
     return frozenset(OPTIONAL_OPEN[n] for n in names)
 
 
-def _read_key_file(key_file: str) -> Iterable[tuple[str, str, str, Limits | None]]:
+def _read_key_file(
+    key_file: str,
+) -> Iterable[tuple[str, str, str, Limits | None, dict[str, int]]]:
     path = Path(key_file).expanduser()
     try:
         text = path.read_text()
@@ -141,21 +163,25 @@ def _read_key_file(key_file: str) -> Iterable[tuple[str, str, str, Limits | None
             # The line may hold a key: say what is wrong without showing it.
             raise ValueError(f"{where}: expected `TENANT KEY` (a tenant name of letters, "
                              "digits, '_' and '-', up to 64; one key without spaces)")  # fmt: skip
-        limits = _limits(fields[2:], where) if fields[2:] else None
-        found.append((fields[0], fields[1], where, limits))
+        limits, quota = _limits(fields[2:], where)
+        found.append((fields[0], fields[1], where, limits, quota))
     if not found:
         raise ValueError(f"--api-key-file {path} holds no key")
     return found
 
 
-def _limits(fields: list[str], where: str) -> Limits:
-    """`concurrent=N tokens_per_minute=N` (either, both; 0 is no limit)."""
+def _limits(fields: list[str], where: str) -> tuple[Limits | None, dict[str, int]]:
+    """`concurrent=N tokens_per_minute=N` (either, both; 0 is no limit; None: neither
+    given) and the storage quota's shares given (`files_bytes=N`...; 0 is no limit)."""
     values: dict[str, int] = {}
+    quota: dict[str, int] = {}
     for f in fields:
         name, _, value = f.partition("=")
-        if name not in Limits.__struct_fields__ or not value.isdigit():
+        known = name in Limits.__struct_fields__ or name in Quota.__struct_fields__
+        if not known or not value.isdigit():
             # Not echoed: a mistyped line may hold a second key.
-            raise ValueError(f"{where}: after the key, expected limits as concurrent=N "
-                             "and/or tokens_per_minute=N only")  # fmt: skip
-        values[name] = int(value)
-    return Limits(**values)
+            raise ValueError(f"{where}: after the key, expected limits as concurrent=N, "
+                             "tokens_per_minute=N, files_bytes=N, files_count=N, "
+                             "responses_bytes=N and responses_count=N only")  # fmt: skip
+        (values if name in Limits.__struct_fields__ else quota)[name] = int(value)
+    return (Limits(**values) if values else None), quota

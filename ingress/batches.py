@@ -27,6 +27,7 @@ from tokenway.errors import (
     TooLarge,
     error_body,
 )
+from tokenway.quota import FILES, UNLIMITED, Quota, QuotaExceeded
 
 _json = msgspec.json.Encoder()
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what file and batch ids are made of
@@ -75,8 +76,14 @@ def _missing(what: str, ident: str) -> TokenwayError:
 
 
 def add_routes(
-    app: FastAPI, store: Callable[[], Awaitable[BatchStore]], file_max_bytes: int
+    app: FastAPI,
+    store: Callable[[], Awaitable[BatchStore]],
+    file_max_bytes: int,
+    quota: Callable[[str], Quota] = lambda tenant: UNLIMITED,
 ) -> None:
+    """`quota`: each tenant's share of the files store (its uploads and its batches'
+    outputs count against it)."""
+
     def tenant(request: Request) -> str:
         return request.scope["state"]["tenant"]
 
@@ -103,7 +110,11 @@ def add_routes(
                                        upload.filename or "upload.jsonl", "batch")  # fmt: skip
         finally:
             await form.close()
-        return _ok(await (await store()).put_file(meta, data, tenant(request)))
+        try:
+            return _ok(await (await store()).put_file(meta, data, tenant(request),
+                                                      quota(tenant(request))))  # fmt: skip
+        except QuotaExceeded as exc:
+            return _error(exc)
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> Response:
@@ -162,7 +173,12 @@ def add_routes(
         if given.purpose != "batch":
             return _error(InvalidRequest("the input file is not a batch file",
                                          param="input_file_id"))  # fmt: skip
-        await kept.create(Record(batch=batch, tenant=tenant(request)))
+        share = quota(tenant(request))
+        try:  # its output will be the tenant's: no room at all, no batch
+            await kept.book.admits(tenant(request), share, FILES)
+        except QuotaExceeded as exc:
+            return _error(exc)
+        await kept.create(Record(batch=batch, tenant=tenant(request), quota=share))
         return _ok(batch)
 
     @app.get("/v1/batches")

@@ -46,8 +46,10 @@ from tokenway.errors import (
     error_body,
     internal,
 )
+from tokenway.ledger_room import LedgerRoom
 from tokenway.metrics import SSE_WRITE
 from tokenway.protocol import decode_body, decoded, named_model
+from tokenway.quota import UNLIMITED, Quota
 from tokenway.response_store import ResponseStore
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid
@@ -184,6 +186,9 @@ class Completions:
     body_timeout: float
     limits: dict[str, Limits]  # tenant → its limits: render enforces them, across ingresses
     responses: Callable[[], Awaitable[ResponseStore]]  # stored Responses API responses
+    quota: Callable[[str], Quota] = lambda tenant: UNLIMITED  # tenant → its storage quota
+    # whether TW_OUT has room for more requests without losing a running one's records
+    ledger_room: LedgerRoom | None = None
     # tenant → how many of its requests this ingress holds, from their queueing to their end
     running: Counter[str] = field(default_factory=Counter)
 
@@ -224,6 +229,9 @@ class Completions:
             return
         if api == "count_tokens":
             await self._reply(api, await self._count_tokens(body, client_id or rid), send, echo)
+            return
+        if self.ledger_room is not None and (full := self.ledger_room.refusal()) is not None:
+            await self.refuse(api, full, send, echo)  # the running requests' records first
             return
         limits = self.limits.get(tenant)
         if limits and limits.concurrent and self.running[tenant] >= limits.concurrent:
@@ -307,7 +315,8 @@ class Completions:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
             talk = None
             if api == "responses":  # the conversation it continues, from the store
-                talk = await conversation(await self.responses(), body, tenant)
+                talk = await conversation(await self.responses(), body, tenant,
+                                          self.quota(tenant))  # fmt: skip
                 body = talk.body
             model, stream = self._decode(api, body)
             previous = talk.previous if talk else None

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request, Response
 from tokenway import sse
 from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
 from tokenway.protocol import not_json
+from tokenway.quota import UNLIMITED, Quota
 from tokenway.response_store import NotStored, ResponseStore, Stored
 from tokenway.responses import COMPLETED, RESPONSE_ID_PREFIX
 
@@ -39,15 +40,16 @@ class Conversation:
     items: list[dict[str, Any]]  # the whole conversation it answers, as items with ids
     store: bool
     tenant: str
+    quota: Quota  # the tenant's: what it keeps is counted against it
 
     async def keep(self, store: ResponseStore, response: bytes) -> None:
         """Keep the response with the conversation it answered (when it asked to be)."""
         if not self.store:
             return
         doc = _decode.decode(response)
+        kept = Stored(response=msgspec.Raw(response), input=self.items, tenant=self.tenant)
         try:
-            await store.put(doc["id"], Stored(response=msgspec.Raw(response), input=self.items,
-                                              tenant=self.tenant))  # fmt: skip
+            await store.put(doc["id"], kept, self.quota)
         except Exception as exc:  # the answer stands; only a follow-up will miss it
             log.warning("response %s could not be stored: %r", doc.get("id"), exc)
 
@@ -69,9 +71,13 @@ def _items(given: Any) -> list[dict[str, Any]]:
     return items
 
 
-async def conversation(store: ResponseStore, body: bytes, tenant: str) -> Conversation:
+async def conversation(
+    store: ResponseStore, body: bytes, tenant: str, quota: Quota = UNLIMITED
+) -> Conversation:
     """The body render gets and what to keep of it; `previous_response_id` resolved here,
-    on any ingress (another tenant's, or one past the store's age, is a 404)."""
+    on any ingress (another tenant's, or one past the store's age, is a 404). A request
+    asking to be stored while its tenant keeps all its quota allows is refused here,
+    before it runs (`QuotaExceeded`)."""
     try:
         doc = _decode.decode(body)
     except msgspec.DecodeError as exc:
@@ -94,7 +100,10 @@ async def conversation(store: ResponseStore, body: bytes, tenant: str) -> Conver
         items = [*before.input, *answered, *items]
         doc["input"] = items
         body = _json.encode(doc)
-    return Conversation(body, previous, items, doc.get("store") is not False, tenant)
+    keep = doc.get("store") is not False
+    if keep:
+        await store.admits(tenant, quota)
+    return Conversation(body, previous, items, keep, tenant, quota)
 
 
 def final_response(payload: bytes) -> bytes | None:

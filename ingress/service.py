@@ -23,6 +23,8 @@ from tokenway.aio import Lazy, grace
 from tokenway.batch_store import BatchStore
 from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
+from tokenway.ledger_room import LedgerRoom
+from tokenway.quota import Quota
 from tokenway.registry import EngineRegistry
 from tokenway.response_store import ResponseStore
 from tokenway.served import ServedModel
@@ -61,6 +63,10 @@ class IngressService:
             settings.api_key, settings.api_key_file, settings.open_routes,
             Limits(concurrent=settings.tenant_concurrency,
                    tokens_per_minute=settings.tenant_tokens_per_minute),
+            Quota(files_bytes=settings.tenant_files_bytes,
+                  files_count=settings.tenant_files_count,
+                  responses_bytes=settings.tenant_responses_bytes,
+                  responses_count=settings.tenant_responses_count),
         )  # fmt: skip
         self.cors = Cors.load(settings)
         # each request head's deadline, and the connections one address may hold
@@ -73,6 +79,7 @@ class IngressService:
         self.server: _Server | None = None
         self.router: OutputRouter | None = None
         self.registry: EngineRegistry | None = None
+        self.ledger_room: LedgerRoom | None = None
 
     @property
     def url(self) -> str:
@@ -95,6 +102,7 @@ class IngressService:
         self.registry = registry = EngineRegistry(kv, served, self.settings.engine_ttl)
         self.router = router = OutputRouter(nc, self.ingress_id, self.settings.stream_buffer_bytes)
         await router.start()
+        self.ledger_room = ledger_room = LedgerRoom(nc, self.settings.out_reserve)
         ctx = IngressContext(
             nc=nc,
             router=router,
@@ -110,6 +118,7 @@ class IngressService:
             response_store=Lazy(lambda: ResponseStore.bind(nc.jetstream(), self.settings)),
             file_max_bytes=self.settings.file_max_bytes,
             cors=self.cors,
+            ledger_room=ledger_room,
         )
         config = uvicorn.Config(
             create_app(ctx),
@@ -126,6 +135,7 @@ class IngressService:
         self.server = server = _Server(config)
         async with asyncio.TaskGroup() as group:
             group.create_task(registry.run(stop))
+            group.create_task(ledger_room.run(stop))
             serving = group.create_task(server.serve(sockets=[sock]))
             # uvicorn exposes its startup only as a flag
             while not server.started and not serving.done():  # noqa: ASYNC110

@@ -47,6 +47,7 @@ ATTACKS: dict[str, tuple[str, str, set[str]]] = {
     "forge a final response": ("pub", "tw.out.i0123.r0123", {"render", "schedule"}),
     "register a fake engine": ("pub", "$KV.tw-engines.fake", {"engine"}),
     "free a tenant's slots": ("pub", "$KV.tw-tenants.acme", {"render", "schedule"}),
+    "free a tenant's storage quota": ("pub", "$KV.tw-stored.acme", {"ingress", "batch"}),
     "race a token delta": ("pub", "tw.tok.o0123", {"engine"}),
     "call an engine": ("pub", "tw.engine.e0123.generate", {"schedule"}),
     "run free inference": ("pub", "tw.sched.deepseek-v4", {"render", "schedule", "ops"}),
@@ -188,6 +189,7 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
     assert proc.returncode == 0 and out.startswith(b"ID "), err.decode()
     assert not _violations([r.getMessage() for r in caplog.records]), caplog.text
     assert "stays until its deadline" not in caplog.text  # every lease was given back
+    assert "cannot look at TW_OUT's room" not in caplog.text  # the ingress's admission reads
 
 
 async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import msgspec
 from tokenway import __version__, bus
 from tokenway import headers as h
 from tokenway.batches import Record
+from tokenway.quota import Kept
 from tokenway.response_store import Stored
 from tokenway.tenancy import Usage
 from tokenway.wire import (
@@ -190,6 +191,12 @@ def channels() -> list[Channel]:
                 "response with the conversation it answered and its tenant, kept "
                 "`TOKENWAY_RESPONSES_MAX_AGE`.", Stored, content_type=JSON,
                 stream=bus.RESPONSES_STREAM, senders=(ingress,), receivers=(ingress,)),
+        Channel("stored", bus.STORED_KEYS.replace(">", "{tenant}"),
+                f"The `{bus.STORED_BUCKET}` key-value bucket: what each tenant keeps in the "
+                "files and responses stores (`_` for a keyless deployment's one tenant), and "
+                "the quota it was last charged against, written compare-and-set.", Kept,
+                stream=bus.STORED_STREAM, senders=(ingress, "batch runner"),
+                receivers=(ingress, "batch runner", "ops")),
         Channel("files", bus.FILES_SUBJECTS.replace(">", "{part}"),
                 f"The `{bus.FILES_BUCKET}` object store: Batch API files (input, output, "
                 "error), in JetStream's object-store layout; each object's description holds "

@@ -1,7 +1,8 @@
 """Where the Batch API's files and batches live on JetStream: the `tw-files` object store
 (each file's bytes; its OpenAI file object and tenant in the object's description) and the
 `tw-batches` bucket (each batch's `Record`, changed compare-and-set, so the ingress and
-every runner can write it without losing one another's change).
+every runner can write it without losing one another's change). Every file counts against
+its tenant's quota (`tokenway.quota`) from its writing to its deletion.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from nats.js.object_store import ObjectStore
 from tokenway import bus
 from tokenway.batches import FileObject, Record
 from tokenway.config import Settings
+from tokenway.quota import FILES, Charge, Quota
+from tokenway.quota_book import QuotaBook
 
 _record = msgspec.json.Decoder(Record)
 _json = msgspec.json.Encoder()
@@ -43,21 +46,41 @@ class NotFound(LookupError):
 
 
 class BatchStore:
-    def __init__(self, js: JetStreamContext, files: ObjectStore, kv: KeyValue) -> None:
+    def __init__(
+        self, js: JetStreamContext, files: ObjectStore, kv: KeyValue, book: QuotaBook
+    ) -> None:
         self.js = js
         self.files = files
         self.kv = kv
+        self.book = book
 
     @classmethod
     async def bind(cls, js: JetStreamContext, s: Settings) -> BatchStore:
-        return cls(js, await bus.files_store(js, s), await bus.batches_kv(js, s))
+        return cls(js, await bus.files_store(js, s), await bus.batches_kv(js, s),
+                   QuotaBook(await bus.stored_kv(js, s)))  # fmt: skip
 
     # -- files ----------------------------------------------------------------------------
 
-    async def put_file(self, meta: FileObject, data: bytes, tenant: str) -> FileObject:
+    async def put_file(
+        self, meta: FileObject, data: bytes, tenant: str, quota: Quota | None = None
+    ) -> FileObject:
+        """Keep a file, counted for its tenant: `QuotaExceeded`, and nothing kept, past
+        `quota` (None: counted, never refused: an output file replacing the parts it is
+        made of). A file written again under its id (a part, an output written again after
+        a takeover) is counted once, at its new size."""
+        try:
+            before: int | None = (await self.files.get_info(meta.id)).size or 0
+        except ObjectNotFoundError:
+            before = None
+        charged = Charge(FILES, 1 if before is None else 0, len(data) - (before or 0))
+        await self.book.charge(tenant, quota, charged)
         about = _json.encode(_Described(file=meta, tenant=tenant)).decode()
-        await self.files.put(meta.id, data, meta=jsapi.ObjectMeta(name=meta.id,
-                                                                  description=about))  # fmt: skip
+        described = jsapi.ObjectMeta(name=meta.id, description=about)
+        try:
+            await self.files.put(meta.id, data, meta=described)
+        except Exception:
+            await self.book.release(tenant, charged)
+            raise
         return meta
 
     async def file(self, file_id: str, tenant: str) -> FileObject:
@@ -95,8 +118,14 @@ class BatchStore:
         return sorted(found, key=lambda f: (f.created_at, f.id))
 
     async def delete_file(self, file_id: str, tenant: str) -> None:
-        await self.file(file_id, tenant)
-        await self.files.delete(file_id)
+        """Delete one of the tenant's files (a batch's part too), given back to its quota."""
+        meta = await self.file(file_id, tenant)
+        try:
+            info = await self.files.get_info(file_id)
+            await self.files.delete(file_id)
+        except ObjectNotFoundError:
+            raise NotFound(file_id) from None  # deleted meanwhile, by whoever gave it back
+        await self.book.release(tenant, Charge(FILES, 1, info.size or meta.bytes))
 
     # -- batches --------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenway.quota import Quota
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 Status = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
@@ -92,6 +94,9 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     lease_until: float = 0.0  # until when (epoch seconds): after that another may take it
     parts: int = 0  # output parts written (`workers.batch.service.PART_LINES` lines each)
     failures: int = 0  # runs of it that failed in a row (`workers.batch.service.RUNS`)
+    # its tenant's share of the files store when it was made: its parts and output count
+    # against it (None: counted, never refused)
+    quota: Quota | None = None
 
 
 class Line(msgspec.Struct, kw_only=True):

@@ -59,6 +59,9 @@ BATCHES_KEYS = f"$KV.{BATCHES_BUCKET}.>"
 RESPONSES_BUCKET = "tw-responses"  # stored Responses API responses, with their input
 RESPONSES_STREAM = f"KV_{RESPONSES_BUCKET}"
 RESPONSES_KEYS = f"$KV.{RESPONSES_BUCKET}.>"
+STORED_BUCKET = "tw-stored"  # each tenant's usage of the two stores above (`tokenway.quota`)
+STORED_STREAM = f"KV_{STORED_BUCKET}"
+STORED_KEYS = f"$KV.{STORED_BUCKET}.>"
 JS_API = "$JS.API"
 ANY = None  # in a subject function: every model (a wildcard), as permissions name them
 
@@ -519,13 +522,15 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
             await files_store(js, s)
             await batches_kv(js, s)
             await responses_kv(js, s)
+            await stored_kv(js, s)
             return await engines_kv(js, s)
     raise AssertionError("unreachable: tenacity reraises")
 
 
 async def check_streams(js: JetStreamContext, s: Settings) -> None:
     """For a process that does not provision: every stream and the registry exist."""
-    for name in [spec.config.name for spec in streams(s)] + [ENGINES_STREAM, TENANTS_STREAM]:
+    names = [spec.config.name for spec in streams(s)]
+    for name in [*names, ENGINES_STREAM, TENANTS_STREAM, STORED_STREAM]:
         try:
             await js.stream_info(name)
         except NotFoundError:
@@ -590,12 +595,22 @@ async def batches_kv(js: JetStreamContext, s: Settings) -> KeyValue:
 
 
 async def responses_kv(js: JetStreamContext, s: Settings) -> KeyValue:
-    """Stored responses (`tokenway.response_store`): each kept `--responses-max-age`, the
-    bucket bounded by `--responses-max-bytes` (the oldest go first)."""
+    """Stored responses (`tokenway.response_store`): each kept `TOKENWAY_RESPONSES_MAX_AGE`,
+    the bucket bounded by `TOKENWAY_RESPONSES_MAX_BYTES` (full, it stores no more: each
+    tenant has its share, `tokenway.quota`)."""
     return await _bucket(js, jsapi.KeyValueConfig(
         bucket=RESPONSES_BUCKET, history=1, ttl=s.responses_max_age,
         max_bytes=s.responses_max_bytes, storage=jsapi.StorageType.FILE, replicas=s.replicas,
         direct=True,
+    ))  # fmt: skip
+
+
+async def stored_kv(js: JetStreamContext, s: Settings) -> KeyValue:
+    """Tenants' usage of the files and responses stores: one small record per tenant,
+    changed compare-and-set by the ingresses and batch runners (`tokenway.quota_book`)."""
+    return await _bucket(js, jsapi.KeyValueConfig(
+        bucket=STORED_BUCKET, history=1, max_bytes=64 << 20,
+        storage=jsapi.StorageType.FILE, replicas=s.replicas, direct=True,
     ))  # fmt: skip
 
 

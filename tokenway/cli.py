@@ -628,8 +628,9 @@ def _http(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--api-key-file",
-        help="keys of several tenants, `TENANT KEY [concurrent=N] [tokens_per_minute=N]` per "
-        "line (# comments); a tenant's limits are shared by all its keys and every ingress",
+        help="keys of several tenants, `TENANT KEY [concurrent=N] [tokens_per_minute=N] "
+        "[files_bytes=N] [files_count=N] [responses_bytes=N] [responses_count=N]` per line "
+        "(# comments); a tenant's limits are shared by all its keys and every ingress",
     )
     g.add_argument(
         "--tenant-concurrency", type=int,
@@ -641,6 +642,23 @@ def _http(p: argparse.ArgumentParser) -> None:
         help="tokens (prompt + max_tokens × n; no max_tokens: the context left) a tenant may "
         "start per minute where its key file sets no limit (default 0: no limit)",
     )  # fmt: skip
+    g.add_argument(
+        "--tenant-files-bytes", type=int,
+        help="bytes of files (uploads, batch outputs) a tenant may keep where its key file "
+        "sets none (1073741824, a quarter of the files store; 0: no limit); past it, a 400",
+    )  # fmt: skip
+    g.add_argument(
+        "--tenant-files-count", type=int,
+        help="files a tenant may keep, a running batch's parts among them (10000)",
+    )  # fmt: skip
+    g.add_argument(
+        "--tenant-responses-bytes", type=int,
+        help="bytes of stored responses a tenant may keep (268435456, a quarter of the "
+        "store; each leaves at TOKENWAY_RESPONSES_MAX_AGE); past it, `store: true` is a 400",
+    )  # fmt: skip
+    g.add_argument(
+        "--tenant-responses-count", type=int, help="stored responses a tenant may keep (100000)"
+    )
     g.add_argument(
         "--open-routes",
         help="routes served without a key besides /health: ready, metrics, both (default) or none",

@@ -33,7 +33,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -105,9 +105,12 @@ class Client:
         reply: str | None = None,
         tenant: str = "",
         refused: asyncio.Future[Exception] | None = None,
+        admission: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """`refused`: set by the connection with the server's first refusal of anything
-        this client sent (`connect` wires it), which fails every call from then on."""
+        this client sent (`connect` wires it), which fails every call from then on.
+        `admission`: awaited before each new request is queued (the batch runner waits
+        there while `TW_OUT` is nearly full of running requests' records)."""
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.model = model
@@ -119,6 +122,7 @@ class Client:
         self.waits = 0  # publishes that found the queue full (or NATS away) and waited
         self.waited = Signal()  # fired at each
         self._refused = refused or asyncio.get_running_loop().create_future()
+        self._admission = admission
 
     @classmethod
     async def connect(
@@ -211,6 +215,8 @@ class Client:
         return rid, subject, msgspec.msgpack.encode(render)
 
     async def _publish(self, rid: str, subject: str, payload: bytes) -> None:
+        if self._admission is not None:
+            await self._admission()
         headers = ledger.Identity(rid, self.reply, tenant=self.tenant, batch=True).headers()
         wait = _BACKOFF
         while True:

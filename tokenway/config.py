@@ -132,6 +132,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # each tenant's limits where its key-file lines set none (0: no limit)
     tenant_concurrency: NonNegativeInt = 0
     tenant_tokens_per_minute: NonNegativeInt = 0
+    # each tenant's share of the files and stored-responses stores, where its key-file lines
+    # give none (0: no limit): a quarter of each store's default size, so that no one tenant
+    # fills a store for all (a keyless deployment has one, shared by every client)
+    tenant_files_bytes: NonNegativeInt = 1 << 30
+    tenant_files_count: NonNegativeInt = 10_000
+    tenant_responses_bytes: NonNegativeInt = 256 << 20
+    tenant_responses_count: NonNegativeInt = 100_000
 
     # bus sizing: every stream is bounded
     queue_max_msgs: PositiveInt = 10_000
@@ -144,6 +151,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     batch_concurrency: PositiveInt = 256
     batch_lease: PositiveFloat = 30.0  # a runner's hold on a batch, renewed while it runs
     out_max_bytes: PositiveInt = 1 << 30
+    # the share of TW_OUT kept for the output of requests already running: new requests
+    # are refused (503) while less room than this is left before the ledger would discard
+    # a running request's records (`tokenway.ledger_room`)
+    out_reserve: Annotated[float, Meta(gt=0, lt=1)] = 0.25
     # stored Responses API responses (`store: true`): how long each is kept, and all of them
     responses_max_age: PositiveFloat = 7 * 86400.0
     responses_max_bytes: PositiveInt = 1 << 30

@@ -19,7 +19,7 @@ from tokenway import bus
 # Every tokenway stream; their names and limits are no secret to any role.
 _STREAMS = (bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM,
             bus.ADVISORY_STREAM, bus.ENGINES_STREAM, bus.TENANTS_STREAM, bus.FILES_STREAM,
-            bus.BATCHES_STREAM, bus.RESPONSES_STREAM)  # fmt: skip
+            bus.BATCHES_STREAM, bus.RESPONSES_STREAM, bus.STORED_STREAM)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ _INFO = tuple(_api("STREAM.INFO", name) for name in _STREAMS)
 _REGISTRY = _reads(bus.ENGINES_STREAM)  # watches the engine registry
 # Tenants' usage: read a record, write it back compare-and-set (`tokenway.tenant_book`).
 _TENANTS = (bus.TENANTS_KEYS, _api("DIRECT.GET", bus.TENANTS_STREAM, ">"))
+# Tenants' usage of the stores: read a record, write it back compare-and-set
+# (`tokenway.quota_book`), by whoever writes a file or a stored response.
+_STORED = (bus.STORED_KEYS, _api("DIRECT.GET", bus.STORED_STREAM, ">"))
 # every reply's, a tenant client's (`tenant.<tenant>.<job>`) included
 _LEDGER_WRITE = (bus.OUTPUTS, bus.DELIVERIES, _gets(bus.OUT_STREAM))
 # The Batch API's files and batches (`tokenway.batch_store`): objects are written in chunks
@@ -87,7 +90,7 @@ _LEDGER_WRITE = (bus.OUTPUTS, bus.DELIVERIES, _gets(bus.OUT_STREAM))
 _BATCH_STORE = (
     bus.FILES_SUBJECTS, *_reads(bus.FILES_STREAM), _gets(bus.FILES_STREAM), _api("STREAM.NAMES"),
     _api("STREAM.PURGE", bus.FILES_STREAM),
-    bus.BATCHES_KEYS, *_reads(bus.BATCHES_STREAM), _gets(bus.BATCHES_STREAM),
+    bus.BATCHES_KEYS, *_reads(bus.BATCHES_STREAM), _gets(bus.BATCHES_STREAM), *_STORED,
 )  # fmt: skip
 # What the batch runner does as a direct client (`tokenway.client`): queue its lines
 # (OpenAI bodies) on their tenants' lanes, read their ledgers, cancel them.
@@ -152,7 +155,8 @@ def _stages() -> list[Role]:
         Role(
             "batch",
             "the batch runner: runs the Batch API's batches line by line as a direct client",
-            publish=(*_DIRECT, *_BATCH_STORE, *_INFO),
+            # it reads where TW_OUT's oldest running request begins, as the ingress does
+            publish=(*_DIRECT, _gets(bus.OUT_STREAM), *_BATCH_STORE, *_INFO),
             subscribe=(),
         ),
         Role(
@@ -231,6 +235,8 @@ def _stages() -> list[Role]:
                 _api("DIRECT.GET", bus.ENGINES_STREAM, ">"),
                 *_reads(bus.BATCHES_STREAM),  # `tokenway status`: the batches
                 _gets(bus.BATCHES_STREAM),
+                *_reads(bus.STORED_STREAM),  # and what each tenant keeps
+                _api("DIRECT.GET", bus.STORED_STREAM, ">"),
                 _gets(bus.DLQ_STREAM),
                 _api("STREAM.PURGE", bus.DLQ_STREAM),
                 bus.dlq_subject(">"),  # replay markers

@@ -1,5 +1,6 @@
 """`tokenway status`: the deployment as NATS holds it — engines, queues, owned requests,
-dead letters, batches and stream sizes — read, never changed (the `ops` role may run it)."""
+dead letters, batches, what each tenant stores and stream sizes — read, never changed (the
+`ops` role may run it)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
 
-from tokenway import batch_store, bus
+from tokenway import batch_store, bus, quota, quota_book
 from tokenway.batches import ENDED
 from tokenway.config import Settings
+from tokenway.quota import FILES, RESPONSES
 from tokenway.wire import EngineInfo, OwnerInfo
 
 _engine = msgspec.msgpack.Decoder(EngineInfo)
@@ -58,6 +60,21 @@ class BatchRun(Struct, kw_only=True):
     runner: str  # the runner holding it ("" between runners)
 
 
+class StoreUsage(Struct, kw_only=True):
+    """What one tenant keeps in a store, and its quota there (0: none; -1: not known yet)."""
+
+    count: int
+    bytes: int
+    count_limit: int
+    bytes_limit: int
+
+
+class TenantStored(Struct, kw_only=True):
+    tenant: str  # "" for a keyless deployment's one tenant
+    files: StoreUsage
+    responses: StoreUsage  # those not expired yet
+
+
 class Status(Struct, kw_only=True):
     engines: list[Engine]
     owners: list[OwnerInfo]  # the schedule workers that answered
@@ -66,6 +83,7 @@ class Status(Struct, kw_only=True):
     batches: list[BatchRun]  # the Batch API's batches not ended
     batches_ended: int
     missing: list[str]  # streams or the registry not there (not provisioned?)
+    stored: list[TenantStored] = []  # each tenant's usage of the files and responses stores
 
 
 async def read_status(nc: NATS, settings: Settings) -> Status:
@@ -97,7 +115,21 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
     runs, ended = await _batches(js)
     return Status(engines=await _engines(js, settings.engine_ttl, missing),
                   owners=await _owners(nc), streams=streams, dead_letters=letters,
-                  batches=runs, batches_ended=ended, missing=missing)  # fmt: skip
+                  batches=runs, batches_ended=ended, missing=missing,
+                  stored=await _stored(js))  # fmt: skip
+
+
+async def _stored(js: JetStreamContext) -> list[TenantStored]:
+    """Each tenant's usage of the stores, against the quota it was last charged against."""
+    try:
+        kv = await js.key_value(bus.STORED_BUCKET)
+    except BucketNotFoundError:
+        return []
+    now, found = time.time(), []
+    for tenant, kept in (await quota_book.every_tenant(kv)).items():
+        found.append(TenantStored(tenant=tenant, files=_usage(kept, FILES, now),
+                                  responses=_usage(kept, RESPONSES, now)))  # fmt: skip
+    return found
 
 
 async def _batches(js: JetStreamContext) -> tuple[list[BatchRun], int]:
@@ -116,6 +148,13 @@ async def _batches(js: JetStreamContext) -> tuple[list[BatchRun], int]:
         runs.append(BatchRun(id=b.id, status=b.status, total=c.total, completed=c.completed,
                              failed=c.failed, runner=record.runner))  # fmt: skip
     return runs, ended
+
+
+def _usage(kept: quota.Kept, store: quota.Store, now: float) -> StoreUsage:
+    used = kept.used(store, now)
+    limit = kept.quota.of(store) if kept.quota else quota.Tally(-1, -1)
+    return StoreUsage(count=used.count, bytes=used.bytes, count_limit=limit.count,
+                      bytes_limit=limit.bytes)  # fmt: skip
 
 
 async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[OwnerInfo]:
@@ -176,6 +215,14 @@ def _size(n: int) -> str:
     return f"{size:.1f} GiB"
 
 
+def _kept(k: StoreUsage) -> str:
+    def of(limit: int, shown: str) -> str:
+        return "" if limit < 0 else " of unlimited" if limit == 0 else f" of {shown}"
+
+    return (f"{k.count}{of(k.count_limit, str(k.count_limit))} "
+            f"({_size(k.bytes)}{of(k.bytes_limit, _size(k.bytes_limit))})")  # fmt: skip
+
+
 def format_status(s: Status) -> str:
     lines = ["engines"]
     for e in s.engines:
@@ -210,6 +257,12 @@ def format_status(s: Status) -> str:
         lines.append(f"  {b.id:<30} {b.status:<12} {b.completed + b.failed:>6}/{b.total:<6} "
                      f"answered  {b.failed:>5} failed  ({held})")  # fmt: skip
     lines.append(f"  {s.batches_ended} ended" if s.batches or s.batches_ended else "  none")
+    lines.append("stored (per tenant)")
+    for t in s.stored:
+        lines.append(f"  {t.tenant or '(keyless)':<16} files {_kept(t.files)}  "
+                     f"responses {_kept(t.responses)}")  # fmt: skip
+    if not s.stored:
+        lines.append("  none")
     lines.append("streams")
     for st in s.streams:
         cap = "unbounded" if st.max_bytes < 0 else _size(st.max_bytes)

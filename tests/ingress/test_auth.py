@@ -9,6 +9,7 @@ import pytest
 
 from ingress.auth import ApiKeys, Unauthorized
 from tokenway.config import load_settings
+from tokenway.quota import Quota
 from tokenway.tenancy import Limits
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
@@ -78,3 +79,28 @@ def test_limits_are_a_tenants_shared_by_its_keys_or_else_the_default(tmp_path: P
         "default": Limits(concurrent=5),  # --tenant-concurrency
     }  # globex set its own: none
     assert ApiKeys.load(KEY_DEFAULT, None, "").limits == {}
+
+
+def test_a_storage_quota_is_a_tenants_each_share_unsaid_being_the_default(tmp_path: Path) -> None:
+    """A line's `files_bytes=` and the like set the tenant's share of the stores; a share it
+    does not give (or a line giving none, or `--api-key`'s tenant) is the default's, and a
+    storage share leaves the rate limits as they were."""
+    path = tmp_path / "keys"
+    path.write_text(f"acme {KEY_A} files_bytes=5000 responses_count=7\nacme {KEY_B}\n"
+                    f"globex sk-globex-0123456789abcdef files_count=0 concurrent=3\n")  # fmt: skip
+    default = Quota(files_bytes=100, files_count=10, responses_bytes=50, responses_count=5)
+    keys = ApiKeys.load(KEY_DEFAULT, str(path), "", Limits(concurrent=5), default)
+    assert keys.quota("acme") == Quota(files_bytes=5000, files_count=10, responses_bytes=50,
+                                       responses_count=7)  # fmt: skip
+    assert keys.quota("globex") == Quota(files_bytes=100, files_count=0, responses_bytes=50,
+                                         responses_count=5)  # fmt: skip
+    assert keys.quota("default") == keys.quota("") == default  # keyless: one shared quota
+    assert keys.limits["acme"] == Limits(concurrent=5)  # no rate limit given: the default's
+    assert keys.limits["globex"] == Limits(concurrent=3)
+    path.write_text(f"acme {KEY_A} files_bytes=1\nacme {KEY_B} files_bytes=2\n")
+    with pytest.raises(ValueError, match="other limits"):
+        ApiKeys.load(None, str(path), "")
+    path.write_text(f"acme {KEY_A} files_bytes=-1\n")
+    with pytest.raises(ValueError, match="files_bytes=N") as raised:
+        ApiKeys.load(None, str(path), "")
+    assert KEY_A not in str(raised.value)

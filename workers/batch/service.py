@@ -36,6 +36,8 @@ from tokenway.batch_store import BatchStore, NotFound
 from tokenway.batches import ENDED, Errors, Line, Record
 from tokenway.client import Client, Finished, RequestFailed, outcome
 from tokenway.config import Settings
+from tokenway.ledger_room import LedgerRoom
+from tokenway.quota import CODE, QuotaExceeded
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +67,15 @@ class BatchRunner:
         self.runner_id = f"b{secrets.token_hex(4)}"
         self.started = asyncio.Event()  # it watches for batches
         self.running: dict[str, asyncio.Task[None]] = {}
+        self.ledger_room: LedgerRoom | None = None  # lines wait while TW_OUT is nearly full
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         name = f"tokenway-batch-{self.runner_id}"
         nc = await bus.connect(nats_url, name, self.settings, stop=stop)
         store = await BatchStore.bind(nc.jetstream(), self.settings)
         watcher = await store.kv.watchall()
+        self.ledger_room = LedgerRoom(nc, self.settings.out_reserve)
+        looking = asyncio.create_task(self.ledger_room.run(stop))
         log.info("batch runner %s running batches", self.runner_id)
         self.started.set()
         try:
@@ -91,6 +96,8 @@ class BatchRunner:
             for task in self.running.values():
                 task.cancel()
             await asyncio.gather(*self.running.values(), return_exceptions=True)
+            looking.cancel()
+            await asyncio.gather(looking, return_exceptions=True)
             await watcher.stop()
             await bus.drain(nc)
 
@@ -203,15 +210,17 @@ class BatchRunner:
             fid = result_file_id(bid, kind)
             name = f"{bid}_{'output' if kind == 'out' else 'error'}.jsonl"
             meta = batches.file_object(fid, data, name, "batch_output")
-            await store.put_file(meta, data, r.tenant)
+            await store.put_file(meta, data, r.tenant)  # counted: the parts go below
             files[kind] = fid
         now = int(time.time())
 
         def ended(rec: Record) -> Record:
             b = rec.batch
             cancelled = b.status == "cancelling"
+            over = any(e.code == CODE for e in (b.errors.data if b.errors else []))
             expired = cancelled and b.cancelling_at is None  # stopped by its window
-            status = "expired" if expired else "cancelled" if cancelled else "completed"
+            status = ("failed" if over else "expired" if expired else
+                      "cancelled" if cancelled else "completed")  # fmt: skip
             stamps = {f"{status}_at": now}
             batch = msgspec.structs.replace(b, status=status, output_file_id=files["out"],
                                             error_file_id=files["err"], **stamps)  # fmt: skip
@@ -220,8 +229,8 @@ class BatchRunner:
         done = await store.change(bid, ended)
         for kind in ("out", "err"):  # the parts are in the files now
             for part in parts:
-                with contextlib.suppress(ObjectNotFoundError):
-                    await store.files.delete(part_id(bid, kind, part))
+                with contextlib.suppress(NotFound):
+                    await store.delete_file(part_id(bid, kind, part), r.tenant)
         log.info("batch %s %s: %d completed, %d failed", bid, done.batch.status,
                  done.batch.request_counts.completed, done.batch.request_counts.failed)  # fmt: skip
 
@@ -238,10 +247,13 @@ class Lines:
         self.lines = lines
         self.bid = record.batch.id
         # its lines are its tenant's, on the tenant's lane: their turns, their ledgers
-        self.client = Client(nc, runner.model, reply=bus.token(self.bid), tenant=record.tenant)
+        room = runner.ledger_room
+        self.client = Client(nc, runner.model, reply=bus.token(self.bid), tenant=record.tenant,
+                             admission=room.wait if room is not None else None)  # fmt: skip
         self.answers: dict[int, tuple[int, bytes]] = {}  # line → status, its output line
         self.parts = record.parts
         self.stopping = False
+        self.over: batches.LineError | None = None  # its tenant's files quota, once past it
 
     async def run(self, submit: bool) -> None:
         """Read what ran already; with `submit`, run the rest; write the parts."""
@@ -294,30 +306,37 @@ class Lines:
         """Write every part that is whole; store the counts. True when the batch is to stop
         (cancelled, or past its completion window)."""
         total = len(self.lines)
-        while self.parts * PART_LINES < total:
+        while self.parts * PART_LINES < total and self.over is None:
             span = range(self.parts * PART_LINES, min((self.parts + 1) * PART_LINES, total))
             if not all(i in self.answers for i in span):
                 if not final:
                     break
-            await self._write_part(self.parts, span)
+            try:
+                await self._write_part(self.parts, span)
+            except QuotaExceeded as exc:  # the lines of this part are not kept: it stops
+                self.over = batches.LineError(code=CODE, message=exc.message)
+                break
             if not all(i in self.answers for i in span):
                 break  # a last, partial part: the batch stopped within it
             self.parts += 1
         ok = sum(1 for s, _ in self.answers.values() if s == 200)
         failed = len(self.answers) - ok
         now = int(time.time())
-        parts = self.parts
+        parts, over = self.parts, self.over
 
         def counted(r: Record) -> Record:
             b = r.batch
             counts = msgspec.structs.replace(b.request_counts, completed=ok, failed=failed)
-            status = b.status
-            if status == "in_progress" and now > b.expires_at:
+            status, errors = b.status, b.errors
+            if status in ("in_progress", "finalizing") and over is not None:
+                status, errors = "cancelling", Errors(data=[over])  # stops; ends `failed`
+            elif status == "in_progress" and now > b.expires_at:
                 status = "cancelling"  # its window passed: stop, as a cancel does
             elif status == "in_progress" and final:
                 status = "finalizing"
             stamps = {"finalizing_at": now} if status == "finalizing" else {}
-            batch = msgspec.structs.replace(b, request_counts=counts, status=status, **stamps)
+            batch = msgspec.structs.replace(b, request_counts=counts, status=status,
+                                            errors=errors, **stamps)  # fmt: skip
             return msgspec.structs.replace(r, batch=batch, parts=max(r.parts, parts))
 
         try:
@@ -334,7 +353,7 @@ class Lines:
                             if i in self.answers and wanted(self.answers[i][0]))  # fmt: skip
             pid = part_id(self.bid, kind, part)
             await self.store.put_file(batches.file_object(pid, data, pid, "batch_part"), data,
-                                      self.record.tenant)  # fmt: skip
+                                      self.record.tenant, self.record.quota)  # fmt: skip
 
 
 def _is_ok(status: int) -> bool:
