@@ -16,7 +16,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 from nats.js.kv import KeyValue
 
 from tokenway.errors import Unavailable
-from tokenway.quota import Charge, Kept, Quota, admits, charge, release
+from tokenway.quota import Charge, Kept, Quota, Store, admits, charge, release
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,10 @@ class QuotaBook:
             log.warning("tenant %r stays charged %d %s (%d bytes): %r", tenant, c.count,
                         c.store, c.bytes, exc)  # fmt: skip
 
-    async def admits(self, tenant: str, quota: Quota, store: str) -> None:
+    async def admits(self, tenant: str, quota: Quota, store: Store) -> None:
         """`QuotaExceeded` when the tenant has no room at all left in `store`."""
         kept, _ = await self._read(tenant)
-        admits(kept, quota, store, time.time())  # type: ignore[arg-type]
+        admits(kept, quota, store, time.time())
 
     async def kept(self, tenant: str) -> Kept:
         return (await self._read(tenant))[0]
