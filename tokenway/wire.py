@@ -7,6 +7,7 @@ New fields get defaults and go last, so old and new workers can talk during a ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -350,6 +351,30 @@ class DerenderEntry(Struct, kw_only=True, omit_defaults=True):
 
 class DerenderCall(Struct, kw_only=True):
     entries: list[DerenderEntry]
+
+
+def responses_of(entries: Sequence[DerenderEntry]) -> list[range]:
+    """A call's entries, one run per response: a whole (non-streaming) response's `n`
+    choices side by side, as its owner takes them (at most `n`, of one id and prompt, none
+    twice: a multi-prompt request's sub-requests share an id), and every other entry alone.
+    Runs say which entries are one response's, not ids: a response's id is the client's to
+    choose (its X-Request-Id), so two requests in one call, of one tenant or of two, may
+    share one."""
+    runs, start = [], 0
+    while start < len(entries):
+        ctx, end = entries[start].context, start + 1
+        if not ctx.stream:
+            seen = {entries[start].index}
+            while end < min(len(entries), start + ctx.n):
+                other = entries[end]
+                same = (other.context.response_id, other.context.index_base, other.context.stream)
+                if same != (ctx.response_id, ctx.index_base, False) or other.index in seen:
+                    break
+                seen.add(other.index)
+                end += 1
+        runs.append(range(start, end))
+        start = end
+    return runs
 
 
 class ErrorInfo(Struct, kw_only=True, omit_defaults=True):

@@ -22,6 +22,7 @@ from tokenway.wire import (
     FinishReason,
     LogprobEntry,
     OutputContext,
+    responses_of,
 )
 from workers.derender import chunks, logprobs, messages, reasoning, responses, stops, tools
 from workers.derender import state as states
@@ -264,37 +265,12 @@ def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[
 def merge_choices(
     entries: Sequence[DerenderEntry], results: list[DerenderResult]
 ) -> list[DerenderResult]:
-    """The non-streaming choices of one response merged into its first entry's document
-    (the others carry none), whichever backend derendered them.
-
-    A response's `n` choices come side by side, as its owner takes them. Runs say which
-    entries are one response's, not ids: a response's id is the client's to choose (its
-    X-Request-Id), so two requests in one call, of one tenant or of two, may share one."""
-    start = 0
-    while start < len(entries):
-        ctx = entries[start].context
-        end = start + 1
-        if not ctx.stream and ctx.n > 1:
-            end = _run_end(entries, start)
-            kept = [r for r in results[start:end] if r.error is None]
-            for other in kept[1:]:
-                kept[0].chunks = [chunks.merge_responses(kept[0].chunks[0], other.chunks[0])]
-                other.chunks = []
-        start = end
+    """The non-streaming choices of one response (`responses_of`: a run of its entries, not
+    its id) merged into its first entry's document (the others carry none), whichever
+    backend derendered them."""
+    for run in responses_of(entries):
+        kept = [r for r in results[run.start : run.stop] if r.error is None]
+        for other in kept[1:]:
+            kept[0].chunks = [chunks.merge_responses(kept[0].chunks[0], other.chunks[0])]
+            other.chunks = []
     return results
-
-
-def _run_end(entries: Sequence[DerenderEntry], start: int) -> int:
-    """Past the last entry of the response whose first is `start`: at most its `n` choices,
-    of its id and prompt (a multi-prompt request's sub-requests share an id), none twice."""
-    ctx = entries[start].context
-    seen = {entries[start].index}
-    end = start + 1
-    while end < min(len(entries), start + ctx.n):
-        other = entries[end]
-        same = (other.context.response_id, other.context.index_base, other.context.stream)
-        if same != (ctx.response_id, ctx.index_base, False) or other.index in seen:
-            break
-        seen.add(other.index)
-        end += 1
-    return end

@@ -25,7 +25,13 @@ from nats.errors import TimeoutError as NatsTimeout
 from tokenway import bus
 from tokenway.config import Settings
 from tokenway.errors import StageTimeout, StageUnavailable, too_big_for_the_bus
-from tokenway.wire import DerenderCall, DerenderEntry, DerenderReply, DerenderResult
+from tokenway.wire import (
+    DerenderCall,
+    DerenderEntry,
+    DerenderReply,
+    DerenderResult,
+    responses_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,27 +95,16 @@ class Pool:
 
     async def _split(self, entries: Sequence[DerenderEntry], size: int) -> list[DerenderResult]:
         """A call over the bus's payload limit as two; a whole response's choices stay in one
-        (derender merges them), and one that alone is too big fails with the reason."""
-        keys = [
-            (e.context.response_id, e.context.index_base, i if e.context.stream else -1)
-            for i, e in enumerate(entries)
-        ]
-        groups = list(dict.fromkeys(keys))
-        if len(groups) == 1:  # one response's output: more than the client may ask for here
+        (derender merges them: `responses_of`, its run of entries, never its id, which two
+        requests may share), and one that alone is too big fails with the reason."""
+        runs = responses_of(entries)
+        if len(runs) == 1:  # one response's output: more than the client may ask for here
             assert self.nc is not None
             error = too_big_for_the_bus(size, self.nc.max_payload).info()
             return [DerenderResult(error=error) for _ in entries]
-        first = set(groups[: len(groups) // 2])
-        ones = [i for i, k in enumerate(keys) if k in first]
-        others = [i for i, k in enumerate(keys) if k not in first]
-        parts = await asyncio.gather(
-            self.derender([entries[i] for i in ones]),
-            self.derender([entries[i] for i in others]),
-        )
-        results = [DerenderResult()] * len(entries)
-        for i, result in zip(ones + others, parts[0] + parts[1], strict=True):
-            results[i] = result
-        return results
+        half = runs[len(runs) // 2].start
+        parts = await asyncio.gather(self.derender(entries[:half]), self.derender(entries[half:]))
+        return parts[0] + parts[1]
 
     async def aclose(self) -> None:
         pass

@@ -1,16 +1,20 @@
 """Local derendering (in the owner, or a pool worker): the pure core in process, a large
-call off the event loop."""
+call off the event loop; and the pool over the bus, a call too big for one message split."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import msgspec
+import nats
 import pytest
 
+from tests.conftest import Stack
 from tokenway.wire import DerenderEntry, OutputContext
 from workers.derender.backend import THREAD_ABOVE, LocalBackend
 from workers.derender.core import derender_call
+from workers.schedule.derendering import Pool
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -45,3 +49,22 @@ async def test_the_owner_derenders_as_the_core_does_a_large_call_in_a_thread(
     call = asyncio.ensure_future(owner.derender(large))
     assert await loop_ran_during(call)  # the loop went on while it ran
     assert call.result() == derender_call(backend.detok, large)
+
+
+async def test_a_call_over_the_bus_limit_splits_between_requests_that_share_a_response_id(
+    stack: Stack,
+) -> None:
+    """Two whole answers of requests that share a response id (their X-Request-Id), each of
+    which fits in a bus message but not both (their client bodies ride along): the pool's
+    call is split between them, and each is derendered."""
+    nc = await nats.connect(stack.observer)
+    try:
+        pool = Pool(nc, stack.settings, stack.model)
+        body = b'{"prompt": "%s"}' % (b"x" * (nc.max_payload * 5 // 8))
+        ctx = msgspec.structs.replace(CTX, model=stack.model, response_id="cmpl-same",
+                                      request_body=body)  # fmt: skip
+        entries = [DerenderEntry(context=ctx, token_ids=[6366, 33], finish_reason="length")] * 2
+        results = await pool.derender(entries)
+    finally:
+        await nc.close()
+    assert [(r.error, len(r.chunks)) for r in results] == [(None, 1), (None, 1)]
