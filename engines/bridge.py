@@ -2,8 +2,9 @@
 
 It registers the engine in `tw-engines` with heartbeats, takes work on
 `tw.engine.<id>.generate`, aborts on `tw.engine.<id>.abort` (and drops the work of a dead
-owner on `tw.orphan.<rid>`), numbers each attempt's deltas, and sends each engine step (what
-every running attempt produced since the last) as one `TokenStep` message per owner.
+owner on `tw.orphan.<key>`), numbers each attempt's deltas, and sends each engine step (what
+every running attempt produced since the last) as one `TokenStep` message per owner. Work is
+known by its request's key and attempt (`EngineWork.rid`), never by a client's request id.
 
 With token obfuscation (`--obfuscation-key`), this is the one place where IDs change space:
 each attempt's work is mapped to physical IDs before the engine sees it, and each step
@@ -235,7 +236,8 @@ class Bridge:
             self._queue(work.owner, delta)
 
         key = (work.rid, work.attempt)
-        span = spans.start("generate", work.traceparent, "client", request_id=work.rid,
+        rid = work.request_id or work.rid  # what the request is called in the logs
+        span = spans.start("generate", work.traceparent, "client", request_id=rid,
                            engine=self.id, attempt=work.attempt)  # fmt: skip
         work.traceparent = span.traceparent() or work.traceparent  # the engine's spans: ours
         failed: str | None = None
@@ -248,12 +250,12 @@ class Bridge:
                 self._fail(work, seq, f"engine {self.id}: {failed}")
             # else aborted: the owner asked, so it expects nothing more
         except Refused as exc:  # the request's own fault: its error, not the engine's
-            log.info("engine %s refused %s (%d): %s", self.id, work.rid, exc.status, exc)
+            log.info("engine %s refused %s (%d): %s", self.id, rid, exc.status, exc)
             failed = f"refused ({exc.status}): {exc.reason}"
             self._fail(work, seq, f"engine {self.id} refused the request: {exc.reason}",
                        exc.status)  # fmt: skip
         except Exception as exc:  # the engine failed this attempt: tell the owner why
-            log.exception("engine %s failed %s", self.id, work.rid)
+            log.exception("engine %s failed %s", self.id, rid)
             failed = f"{type(exc).__name__}: {exc}"
             self._fail(work, seq, f"engine {self.id}: {failed}")
         finally:

@@ -7,7 +7,8 @@ One attempt is one generate call: streamed as server-sent events, one choice per
 `kv_transfer_params` field and the prefill leg exists to return them.
 
 vLLM runs (and aborts) a request under `generate-tokens-<request_id>`; each attempt sends its
-own `request_id` (`<rid>-<attempt>`), so an abort never hits another attempt.
+own `request_id` (`<key>-<attempt>`, the request's key: its reply's and id's, which no other
+request's is, whoever chose the id), so an abort never hits another attempt or request.
 
 **Aborts are confirmed.** vLLM answers `abort_requests` with 200 whatever it did: an id it has
 not registered yet (the generate call still in its input queue) is silently ignored, and a

@@ -197,7 +197,7 @@ async def test_a_runner_killed_midway_leaves_every_line_answered_once(tmp_path: 
             assert ended.status == "completed", ended
             out = await lines_of(client, ended.output_file_id)
             assert [o["custom_id"] for o in out] == [f"q-{i}" for i in range(1000)]
-            runs = Counter(w.rid for b in stack.by_name["engine"] for w in b.engine.received)
+            runs = Counter(w.request_id for b in stack.by_name["engine"] for w in b.engine.received)
             assert len(runs) == 1000 and set(runs.values()) == {1}
         finally:
             for proc in runners:

@@ -17,6 +17,9 @@ import pytest_asyncio
 from openai.types.responses import Response
 
 from tests.conftest import Stack, start_stack
+from tokenway import bus
+from tokenway import headers as h
+from tokenway.client import Output
 from tokenway.response_store import AlreadyStored, NotStored, ResponseStore, Stored
 from tokenway.wire import GenerateRequest, SamplingParams
 
@@ -190,3 +193,52 @@ async def test_a_tenants_job_may_use_a_request_id_another_tenant_used(stack: Sta
     for chat, tokens in runs.values():
         assert chat["choices"][0]["finish_reason"] == "length"
         assert tokens["choices"][0]["finish_reason"] == "length"
+
+
+async def _last_seq(stack: Stack, reply: str, rid: str) -> int:
+    """The `Tw-Seq` of the last message in a request's ledger now."""
+    nc = await nats.connect(stack.observer)
+    try:
+        last = await nc.jetstream().get_last_msg(bus.OUT_STREAM, bus.out_subject(reply, rid))
+        return int((last.headers or {})[h.SEQ])
+    finally:
+        await nc.close()
+
+
+def _texts(outputs: list[Output]) -> str:
+    return "".join(c["choices"][0]["text"] for o in outputs for c in o.documents() if c["choices"])
+
+
+async def test_two_tenants_jobs_run_one_request_id_at_once_each_its_own(stack: Stack) -> None:
+    """acme's and rival's jobs both name a request "hold-1" and run it at the same time on
+    the one owner and engine: each streams its own output. acme cancelling its own stops its
+    engine work only; rival's goes on streaming until rival cancels it. Then both name
+    "twin-3" for whole answers at once: each gets its own (its prompt, echoed)."""
+    (bridge,) = stack.by_name["engine"]
+    endless = {"prompt": "A long tale", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    async with await stack.direct("acme") as acme, await stack.direct("rival") as rival:
+        async with asyncio.timeout(20):
+            for tw in (acme, rival):
+                await tw.submit(endless, rid="hold-1")
+            mine, theirs = acme.outputs("hold-1"), rival.outputs("hold-1")
+            assert _texts([await anext(mine), await anext(theirs)])  # both stream
+            running = list(bridge.tasks.values())
+            assert len(running) == 2
+            await acme.cancel("hold-1")
+            _, (going,) = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            stored = await _last_seq(stack, rival.reply, "hold-1")
+            while (out := await anext(theirs)).seq <= stored + 3:  # made after acme's ended
+                assert not out.terminal
+            assert not going.done()
+            await rival.cancel("hold-1")
+            await going
+            await mine.aclose()
+            await theirs.aclose()
+
+            whole = {"max_tokens": 3, "echo": True}
+            answers = await asyncio.gather(
+                acme.run({"prompt": "I am acme.", **whole}, rid="twin-3"),
+                rival.run({"prompt": "I am rival.", **whole}, rid="twin-3"),
+            )
+    texts = [a["choices"][0]["text"] for a in answers]
+    assert texts[0].startswith("I am acme.") and texts[1].startswith("I am rival."), texts

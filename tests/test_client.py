@@ -36,7 +36,7 @@ def chat(i: int) -> dict:
 
 
 def engine_runs(stack: Stack, rid: str) -> int:
-    return sum(w.rid == rid for b in stack.by_name["engine"] for w in b.engine.received)
+    return sum(w.request_id == rid for b in stack.by_name["engine"] for w in b.engine.received)
 
 
 async def test_an_openai_body_and_a_token_request_run_and_read_back_later(stack: Stack) -> None:

@@ -49,7 +49,7 @@ def body(**params: object) -> GenerateRequest:
 
 
 def received(stack: Stack, rid: str) -> int:
-    return sum(w.rid == rid for b in stack.by_name["engine"] for w in b.engine.received)
+    return sum(w.request_id == rid for b in stack.by_name["engine"] for w in b.engine.received)
 
 
 async def test_a_token_only_body_gets_a_whole_response_with_ids_and_logprobs(

@@ -97,7 +97,7 @@ async def test_a_thinking_budget_ends_the_thinking_where_it_says(
     done = await claude.messages.create(model=stack.model, max_tokens=1025, messages=HELLO,
                                         thinking=thinking)  # fmt: skip
     (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received
-               if w.rid == done.id.removeprefix("msg_")]  # fmt: skip
+               if w.request_id == done.id.removeprefix("msg_")]  # fmt: skip
     assert work.sampling_params.thinking_token_budget == 1024
     async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-") as chat:
         ask = {"model": stack.model, "max_tokens": 60, "messages": HELLO}

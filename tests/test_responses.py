@@ -136,7 +136,7 @@ async def test_vllms_sampling_extras_reach_the_engine(
         extra_body=extras,
     )  # fmt: skip
     (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received
-               if w.rid == done.id.removeprefix("resp_")]  # fmt: skip
+               if w.request_id == done.id.removeprefix("resp_")]  # fmt: skip
     params = work.sampling_params
     assert (params.top_k, params.seed, params.repetition_penalty) == (5, 7, 1.1)
     assert params.stop_token_ids == [3] and params.structured_outputs is not None

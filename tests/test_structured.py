@@ -70,7 +70,7 @@ def work_of(stack: Stack, response_id: str, engines: Sequence[SimEngine] = ()) -
     `engines`: where the stack's own bridges are not the ones that ran it."""
     rid = response_id.split("-", 1)[1]
     engines = engines or [b.engine for b in stack.by_name["engine"]]
-    (work,) = [w for e in engines for w in e.received if w.rid == rid]
+    (work,) = [w for e in engines for w in e.received if w.request_id == rid]
     return work
 
 

@@ -149,8 +149,9 @@ def channels() -> list[Channel]:
                 "Work for an engine (`generate`: `EngineWork`) and aborts of it (`abort`: "
                 "`EngineAbort`).", EngineWork, senders=("schedule",),
                 receivers=("engine bridge",), more=(EngineAbort,)),
-        Channel("orphan", _address(bus.orphan_subject, "rid"),
-                "A new owner's word to every bridge: drop the request's work for the old one.",
+        Channel("orphan", _address(bus.orphan_subject, "key"),
+                "A new owner's word to every bridge: drop the request's work for the old one "
+                "(`key`: the request's, a digest of its reply and rid, as in `EngineWork.rid`).",
                 EngineAbort, senders=("schedule",), receivers=("engine bridge",)),
         Channel("cancel", _address(bus.cancel_subject, "reply", "rid"),
                 "The client left: its owner stops the request, if the request has both "

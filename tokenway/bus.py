@@ -181,9 +181,10 @@ def cancelled(subject: str) -> tuple[str, str]:
     return reply, rid
 
 
-def orphan_subject(rid: str = "*") -> str:
-    """A new owner tells every engine bridge to drop the request's work for the dead one."""
-    return f"tw.orphan.{rid}"
+def orphan_subject(key: str = "*") -> str:
+    """A new owner tells every engine bridge to drop the request's work for the dead one
+    (`key`: the request's, `ledger.request_key`, never its client-chosen rid)."""
+    return f"tw.orphan.{key}"
 
 
 def dlq_subject(stage: str) -> str:

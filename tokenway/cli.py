@@ -511,6 +511,18 @@ def _scheduling(p: argparse.ArgumentParser) -> None:
         "--fanout-retries", type=int,
         help="whole-request retries of a multi-prompt request failing before output (1)",
     )  # fmt: skip
+    g.add_argument(
+        "--share-prefix-cache", action="store_true", default=None,
+        help="tenants (API keys, direct clients) share the engines' prefix caches: for tenants "
+        "that trust each other (default: each tenant's prompts are salted apart, so that no "
+        "tenant can time another's cached prompt)",
+    )  # fmt: skip
+    g.add_argument(
+        "--trust-client-kv-transfer", action="store_true", default=None,
+        help="pass a tenant's kv_transfer_params on to the engines, for clients that are "
+        "trusted P/D coordinators (default: a 400, since they name KV blocks that may hold "
+        "another tenant's prompt; without API keys they are always passed on)",
+    )  # fmt: skip
 
 
 def _parsers(p: argparse.ArgumentParser) -> None:

@@ -211,6 +211,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     breaker_threshold: PositiveInt = 3  # consecutive engine failures that open its breaker
     breaker_backoff: PositiveFloat = 1.0  # first open period; doubles per trip
     breaker_max_backoff: PositiveFloat = 60.0
+    # tenants and the engines they share (`workers.schedule.isolation`): where requests have
+    # a tenant, each tenant's prompts are salted apart in the engines' prefix caches unless
+    # the tenants trust each other (on: one cache for all), and a client's
+    # kv_transfer_params (which name KV blocks on the engines) are a 400 unless the
+    # clients are trusted P/D coordinators (on: passed on)
+    share_prefix_cache: bool = False
+    trust_client_kv_transfer: bool = False
 
     # simulated engine
     sim_engines: Annotated[int, Meta(ge=0)] | None = None  # None: `up` runs 1 (0 with vllm_url)

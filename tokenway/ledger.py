@@ -7,6 +7,7 @@ not stored, and a reader gets one message per round of commits instead of one pe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from array import array
@@ -249,6 +250,14 @@ async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -
     await msg.term()
 
 
+def request_key(reply: str, rid: str) -> str:
+    """A request's name where one name must do for its reply and its id together: the
+    owner's table and the engines' work (a subject token, also in `tw.orphan.<key>` and in
+    the request id vLLM runs it under). Whoever chose the id, no other request has the key:
+    each job, each tenant's, picks its ids, and one reply is one job's."""
+    return hashlib.blake2b(f"{reply} {rid}".encode(), digest_size=12).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """Who a request is, as the headers of its messages on `tw.render.*` / `tw.sched.*`
@@ -263,6 +272,10 @@ class Identity:
     # a batch job's: a full queue downstream is waited out (not its 429), and an owner's
     # line puts it behind interactive requests
     batch: bool = False
+
+    @property
+    def key(self) -> str:
+        return request_key(self.reply, self.rid)
 
     def headers(self) -> dict[str, str]:
         # JetStream drops a message id it saw within its window, whatever the subject: the

@@ -217,6 +217,9 @@ class TokenizeAnswer(Struct, kw_only=True):
 class EngineWork(Struct, kw_only=True, omit_defaults=True):
     """Owner → bridge on `tw.engine.<id>.generate`: run one attempt of a request."""
 
+    # The request's key (`ledger.request_key`), not its id: clients choose ids, and two
+    # requests' work, of two tenants, must never answer to one name at an engine. Its
+    # `TokenDelta`s and `EngineAbort`s name the request by it too.
     rid: str
     attempt: int
     owner: str
@@ -233,6 +236,9 @@ class EngineWork(Struct, kw_only=True, omit_defaults=True):
     obfuscation: str | None = None
     traceparent: str | None = None  # the request's W3C Trace Context, for the engine's call
     reasoning_ended: bool | None = None  # `GenerateRequest.reasoning_ended`
+    # The request's id as its client named it, for the engine's logs and spans only: it
+    # names no work (`rid` does)
+    request_id: str = ""
 
 
 class EngineReply(Struct, kw_only=True, omit_defaults=True):
@@ -243,8 +249,8 @@ class EngineReply(Struct, kw_only=True, omit_defaults=True):
 
 
 class EngineAbort(Struct, kw_only=True, omit_defaults=True):
-    """Stop an attempt; on `tw.orphan.<rid>`, every attempt of the rid not run for `owner`
-    (the request's new owner, after the last one died)."""
+    """Stop an attempt; on `tw.orphan.<rid>`, every attempt of the request (its key, as in
+    `EngineWork.rid`) not run for `owner` (its new owner, after the last one died)."""
 
     rid: str
     attempt: int

@@ -251,7 +251,7 @@ class Dispatcher:
             if await self._start(r, plan.engine, tried):
                 for holder in filter(None, (plan.engine, plan.prefill)):  # the prompt's KV
                     self.index.record(holder.id, hashes, time.monotonic())
-                log.info("request %s → %s", r.rid, plan.why)
+                log.info("request %s (%s at the engines) → %s", r.rid, r.key, plan.why)
                 r.span.event(f"dispatched → {plan.why}")
                 return
 
@@ -435,7 +435,7 @@ class Dispatcher:
     ) -> bool:
         tried.add(engine.id)
         work = EngineWork(
-            rid=r.rid,
+            rid=r.key,
             attempt=r.attempt,
             owner=self.owner_id,
             token_ids=r.prompt,
@@ -448,6 +448,7 @@ class Dispatcher:
             obfuscation=self.fingerprint,
             traceparent=r.trace or None,
             reasoning_ended=r.request.reasoning_ended,
+            request_id=r.rid,
         )
         try:
             msg = await self.nc.request(
@@ -489,6 +490,7 @@ class Dispatcher:
         self.index.forget(engine)
         self.breakers.forget(engine)
 
-    async def abort(self, engine: str, rid: str, attempt: int) -> None:
-        payload = _encoder.encode(EngineAbort(rid=rid, attempt=attempt))
+    async def abort(self, engine: str, key: str, attempt: int) -> None:
+        """Stop the attempt of the request with this key (`Owned.key`) at `engine`."""
+        payload = _encoder.encode(EngineAbort(rid=key, attempt=attempt))
         await self.nc.publish(bus.engine_subject(engine, "abort"), payload)

@@ -48,9 +48,6 @@ from workers.schedule.merge import Merge, Output, retryable
 
 log = logging.getLogger(__name__)
 
-# A request id already owned here for another reply: a second request, not a redelivery.
-ID_IN_USE = "request id {} is in use by another request (another reply's)"
-
 _encoder = msgspec.msgpack.Encoder()
 # How long a cancelled sibling's owner may take to let go of it, and how often to look.
 _RELEASE_TIMEOUT = 10.0
@@ -87,6 +84,9 @@ class Parent:
         assert request.prompts
         self.rid = who.rid
         self.reply = who.reply
+        # what it is known by here, and what its prompts' ids start with: its reply's and
+        # id's, since another reply's request may share the id
+        self.key = who.key
         self.tenant = who.tenant
         self.trace = who.trace
         self.batch = who.batch  # its prompts go behind interactive requests too
@@ -130,7 +130,7 @@ class FanOut:
         self.model = model
         # Sub-requests' output comes back to this address as if it were an ingress.
         self.router = OutputRouter(nc, f"{owner_id}-fan")
-        self.parents: dict[str, Parent] = {}
+        self.parents: dict[str, Parent] = {}  # by key (`ledger.request_key`)
         self.empty = asyncio.Event()  # set while no multi-prompt request is owned here
         self.empty.set()
         self.started = asyncio.Event()
@@ -159,8 +159,8 @@ class FanOut:
 
     def cancel(self, reply: str, rid: str) -> bool:
         """The client left: True when the request is one of ours."""
-        p = self.parents.get(rid)
-        if p is None or p.reply != reply:
+        p = self.parents.get(ledger.request_key(reply, rid))
+        if p is None:
             return False
         log.info("multi-prompt request %s cancelled", rid)
         p.cancelled = True
@@ -171,13 +171,10 @@ class FanOut:
         self, msg: Msg, who: ledger.Identity, deadline: float, request: GenerateRequest
     ) -> None:
         await self.started.wait()
-        rid = who.rid
+        rid, key = who.rid, who.key
         assert self._group is not None
-        if rid in self.parents:  # redelivered while we still own it: keep the newest handle
-            if self.parents[rid].reply != who.reply:  # another request's id
-                await ledger.dead_letter(self.js, "schedule", msg, ID_IN_USE.format(rid))
-                return
-            self.parents[rid].msg = msg
+        if key in self.parents:  # redelivered while we still own it: keep the newest handle
+            self.parents[key].msg = msg
             return
         if len(self.parents) >= self.settings.max_fanout:
             busy = Overloaded(
@@ -191,7 +188,7 @@ class FanOut:
             await msg.ack()
             return
         p = Parent(who, request, deadline, msg)
-        self.parents[rid] = p
+        self.parents[key] = p
         self.empty.clear()
         self._group.create_task(self._own(p), name=f"fanout-{rid}")
 
@@ -221,7 +218,7 @@ class FanOut:
         """Run every prompt once and merge their output: None when the request ended (or
         the client left), else why it failed. Siblings are released on every exit."""
         prompts = p.request.prompts or []
-        base = f"{p.rid}-{p.msg.metadata.num_delivered}-{attempt}"
+        base = f"{p.key}-{p.msg.metadata.num_delivered}-{attempt}"
         rids = [f"{base}-{k}" for k in range(len(prompts))]
         total = sum(len(prompt.token_ids) for prompt in prompts)
         merge = Merge(p.request.context, total, len(prompts), self.settings.fanout_buffer)
@@ -325,7 +322,7 @@ class FanOut:
         for delivery in range(1, p.msg.metadata.num_delivered):
             for attempt in range(1, self.settings.fanout_retries + 2):
                 for k in range(prompts):
-                    rid = f"{p.rid}-{delivery}-{attempt}-{k}"
+                    rid = f"{p.key}-{delivery}-{attempt}-{k}"
                     await self.nc.publish(bus.cancel_subject(self.router.ingress_id, rid), b"")
 
     def _end(self, p: Parent, error: ErrorInfo) -> None:
@@ -345,6 +342,6 @@ class FanOut:
         if p.leased:
             await self.book.release(p.tenant, p.rid)
         await bus.ack_surely(p.msg, self.settings.bus_retry)  # held (in progress) until then
-        self.parents.pop(p.rid, None)
+        self.parents.pop(p.key, None)
         if not self.parents:
             self.empty.set()

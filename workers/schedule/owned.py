@@ -94,6 +94,9 @@ class Owned:
     deadline: float
     msg: Any  # the TW_SCHED message held un-acked while we own the request
     tenant: str = ""  # whose API key it came with: its ledger messages say so
+    # its reply and rid as one name (`ledger.request_key`): what the owner's table and the
+    # engines' work know it by, since another reply's request may have the same rid
+    key: str = ""
     leased: bool = False  # it holds one of its tenant's slots (`tokenway.tenancy`) until it ends
     batch: bool = False  # a batch job's (`Tw-Batch`): it starts after interactive requests
     engine: str | None = None

@@ -59,10 +59,10 @@ from tokenway.wire import (
 )
 from tokenway.worker import Behind, consume
 from workers.derender.backend import derender_backend, is_large
-from workers.schedule import direct, metrics
+from workers.schedule import direct, isolation, metrics
 from workers.schedule.derendering import Derenderer, Pool
 from workers.schedule.dispatch import Dispatcher
-from workers.schedule.fanout import ID_IN_USE, FanOut
+from workers.schedule.fanout import FanOut
 from workers.schedule.owned import Choice, Owned, refusal
 
 log = logging.getLogger(__name__)
@@ -100,12 +100,12 @@ class ScheduleService:
         self.observed = metrics.Observed(model)
         self.obfuscation = obfuscation
         self.owner_id = f"s{secrets.token_hex(4)}"
-        self.requests: dict[str, Owned] = {}
+        self.requests: dict[str, Owned] = {}  # by key (`ledger.request_key`), not by rid
         self.empty = asyncio.Event()
         self.started = asyncio.Event()  # it owns requests
         self.empty.set()
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reply, rid)
-        self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # → last abort
+        self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # (key, attempt)
         self._ready: dict[str, Owned] = {}  # what the next derender + commit round looks at
         self._work = asyncio.Event()  # set when `_ready` gained a request
         self._nc: NATS | None = None
@@ -205,6 +205,10 @@ class ScheduleService:
             if self.dispatcher is not None:
                 self.dispatcher.index.expire(time.monotonic())
 
+    def owned(self, reply: str, rid: str) -> Owned | None:
+        """The request of that reply and id, while it is owned here."""
+        return self.requests.get(ledger.request_key(reply, rid))
+
     def info(self) -> OwnerInfo:
         """What it owns now, for `tokenway status`."""
         line = self.dispatcher.line if self.dispatcher is not None else None
@@ -231,12 +235,9 @@ class ScheduleService:
         except (KeyError, ValueError, msgspec.DecodeError) as exc:
             await ledger.dead_letter(self._js, "schedule", msg, f"undecodable request: {exc!r}")
             return
-        rid = who.rid
-        if rid in self.requests:  # redelivered while we still own it: keep the newest handle
-            if self.requests[rid].reply != who.reply:  # another request's id
-                await ledger.dead_letter(self._js, "schedule", msg, ID_IN_USE.format(rid))
-                return
-            self.requests[rid].msg = msg
+        rid, key = who.rid, who.key
+        if key in self.requests:  # redelivered while we still own it: keep the newest handle
+            self.requests[key].msg = msg
             return
         if (who.reply, rid) in self._cancelled:
             if who.limits and self._book is not None:
@@ -244,24 +245,31 @@ class ScheduleService:
             await msg.ack()
             return
         refused = None
-        if direct.is_direct(request):  # vLLM's token-only body: no output context yet
-            try:
+        try:
+            if direct.is_direct(request):  # vLLM's token-only body: no output context yet
                 request = direct.completed(request, self.model, self.model_info, self._clip)
-            except (InvalidRequest, ModelNotFound) as exc:
-                refused = exc.info()
+            isolation.check_kv_transfer(request.kv_transfer_params, who.tenant,
+                                        self.settings.trust_client_kv_transfer)  # fmt: skip
+            isolation.check_salt(request.cache_salt)
+        except (InvalidRequest, ModelNotFound) as exc:
+            refused = exc.info()
         deadline = who.deadline
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
         if request.prompts and self.fanout is not None and refused is None:  # one per prompt
             await self.fanout.take(msg, who, deadline, request)
             return
+        if refused is None:  # tenants' prompts cached apart (a multi-prompt one's: per prompt)
+            salt = isolation.cache_salt(who.tenant, request.cache_salt,
+                                        self.settings.share_prefix_cache)  # fmt: skip
+            request = msgspec.structs.replace(request, cache_salt=salt)
         span = spans.start("schedule", who.trace or None, request_id=rid, model=self.model,
                            owner=self.owner_id)  # fmt: skip
         r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant, leased=bool(who.limits), batch=who.batch,
+                  tenant=who.tenant, key=key, leased=bool(who.limits), batch=who.batch,
                   arrived=msg.metadata.timestamp.timestamp(),
                   trace=span.traceparent() or who.trace, span=span)  # fmt: skip
-        self.requests[rid] = r
+        self.requests[key] = r
         self.empty.clear()
         if refused is not None:  # its error event goes out on the way out, nothing runs
             r.fail(refused)
@@ -308,7 +316,7 @@ class ScheduleService:
             return False
         if r.engine is not None:
             r.avoid.add(r.engine)
-            await self.dispatcher.abort(r.engine, r.rid, r.attempt)
+            await self.dispatcher.abort(r.engine, r.key, r.attempt)
         self.dispatcher.release(r)
         self.observed.relays.inc()
         log.warning("request %s: %s; relaying after %d committed chunks (relay %d)",
@@ -327,8 +335,8 @@ class ScheduleService:
         failure.
         """
         assert self._js is not None and self._nc is not None
-        await self._nc.publish(bus.orphan_subject(r.rid), _encoder.encode(
-            EngineAbort(rid=r.rid, attempt=0, owner=self.owner_id)
+        await self._nc.publish(bus.orphan_subject(r.key), _encoder.encode(
+            EngineAbort(rid=r.key, attempt=0, owner=self.owner_id)
         ))  # fmt: skip
         found = await ledger.read_back(self._js, r.reply, r.rid)
         if found is None:
@@ -354,11 +362,11 @@ class ScheduleService:
         client, free, ack."""
         assert self._js is not None and self.dispatcher is not None and self._book is not None
         if r.engine is not None and not r.engine_done:
-            await self.dispatcher.abort(r.engine, r.rid, r.attempt)
+            await self.dispatcher.abort(r.engine, r.key, r.attempt)
         if r.prefill_engine is not None and r.prefill_attempt is not None:
             if not r.prefill_done.is_set() or r.error is not None:
                 # A prefill still running, or holding KV for a decode that will not come.
-                await self.dispatcher.abort(r.prefill_engine, r.rid, r.prefill_attempt)
+                await self.dispatcher.abort(r.prefill_engine, r.key, r.prefill_attempt)
         # A derender + commit already under way ends first (each is bounded by its timeout),
         # so an ended request leaves no work of its own behind.
         await r.settled.wait()
@@ -392,7 +400,7 @@ class ScheduleService:
             await r.msg.nak()
         elif not r.superseded:  # its new owner holds the message now
             await bus.ack_surely(r.msg, self.settings.bus_retry)
-        self.requests.pop(r.rid, None)
+        self.requests.pop(r.key, None)
         if not self.requests:
             self.empty.set()
 
@@ -407,8 +415,8 @@ class ScheduleService:
             self._cancelled.popitem(last=False)
         if self.fanout is not None and self.fanout.cancel(reply, rid):
             return
-        r = self.requests.get(rid)
-        if r is not None and r.reply == reply:
+        r = self.owned(reply, rid)
+        if r is not None:
             log.info("request %s cancelled", rid)
             r.cancel()
 
@@ -433,7 +441,7 @@ class ScheduleService:
         now, made = 0.0, 0  # this step's time (read once for all its entries), its tokens
         assert self.dispatcher is not None
         for delta in step.entries:
-            r = self.requests.get(delta.rid)
+            r = self.requests.get(delta.rid)  # its key
             if r is None or delta.attempt not in (r.attempt, r.prefill_attempt):
                 await self._abort_unwanted(step.engine, delta)
                 continue
@@ -480,7 +488,7 @@ class ScheduleService:
     def _kick(self, candidates: list[Owned]) -> None:
         """These requests may have output to derender and commit: the next round takes it."""
         for r in candidates:
-            self._ready[r.rid] = r
+            self._ready[r.key] = r
         if candidates:
             self._work.set()
 
@@ -554,7 +562,7 @@ class ScheduleService:
                 continue
             publish = self._publication(r, choice, entry, res)
             if publish is not None:
-                queues.setdefault(r.rid, (r, deque()))[1].append((choice, res, *publish))
+                queues.setdefault(r.key, (r, deque()))[1].append((choice, res, *publish))
         while round_ := [(r, pubs.popleft()) for r, pubs in queues.values()
                          if pubs and not r.ended.is_set()]:  # fmt: skip
             entries = [self._ledger_entry(r, pub) for r, pub in round_]
