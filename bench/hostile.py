@@ -15,7 +15,15 @@ request (no `max_tokens`). Each scenario adds one kind of hostility beside it, f
 - `slow-headers`: `--dripping` connections that each send a request head a byte every
   `--drip` seconds and never finish it, opening another whenever the server closes one
   (what they got: how many the server closed, how many were open at the end, and how long
-  the server held each one it closed, p50).
+  the server held each one it closed, p50);
+- `huge-schema`: two loops of `--schema-properties` (80,000) string properties in one
+  tool's parameters, a 7 MB chat body (issue 30's);
+- `invalid-grammars`: `--grammar-clients` (8) clients sending issue 30's request, each as
+  soon as its last is answered: a structural tag of a format vLLM does not know
+  (`{"type": "nope"}`: a 400 at render);
+- `engine-refusals`: the same with a structural tag vLLM takes that the simulated engine
+  cannot decode (a 400 from the engine). Before issue 30 both went to the engine and, as
+  engine failures, opened its breaker for every tenant.
 
 Reported per scenario: the calm tenant's time to first token and end-to-end latency
 (p50/p99) and their ratio to the calm-only baseline of the same run, the calm requests
@@ -25,6 +33,12 @@ that failed, what the hostile requests got, and how much the `up` process grew.
 
 `--code DIR` runs `tokenway up` from another checkout (for a before/after table); the
 `up` process takes the `TOKENWAY_*` variables of the bench's environment.
+
+`--memory` measures instead what one request costs the process and what it keeps: for each
+of the 7 MB bodies (the huge schema as a chat, a Responses and a Messages tool, and a 7 MB
+completions prompt of words; `--bodies` picks some), the `up` process's RSS at rest, its
+peak while one request runs (sampled every 10 ms) and its RSS a second after the answer,
+then the same for four at once.
 """
 
 from __future__ import annotations
@@ -50,7 +64,9 @@ from bench.e2e import percentile, rss_kb
 
 CALM_KEY, FLOOD_KEY = "sk-calm-0123456789abcdef", "sk-flood-0123456789abcdef"
 CHAT = [{"role": "user", "content": "Tell me about the pipeline."}]
-SCENARIOS = ["flood", "slow-readers", "huge-prompts", "default-n8", "slow-headers"]
+SCENARIOS = ["flood", "slow-readers", "huge-prompts", "default-n8", "slow-headers", "huge-schema",
+             "invalid-grammars", "engine-refusals"]  # fmt: skip
+MB = 1 << 20
 
 
 async def calm_stream(http: httpx.AsyncClient) -> tuple[float, float] | None:
@@ -160,6 +176,108 @@ async def slow_headers(
     await asyncio.gather(*(one() for _ in range(count)))
 
 
+def wide_schema(properties: int) -> dict[str, Any]:
+    """A tool's parameters with that many string properties (80,000: about 7 MB)."""
+    props = {f"property_{i:06d}": {"type": "string",
+                                   "description": f"The string property number {i}."}
+             for i in range(properties)}  # fmt: skip
+    return {"type": "object", "properties": props}
+
+
+def huge_bodies(properties: int) -> dict[str, tuple[str, bytes]]:
+    """The memory mode's bodies by name: (route, JSON body)."""
+    params, model = wide_schema(properties), "deepseek-v4"
+    bodies = {
+        "tool, chat": ("/v1/chat/completions", {"model": model, "messages": CHAT, "tools": [
+            {"type": "function", "function": {"name": "fill", "parameters": params}}]}),
+        "tool, Responses": ("/v1/responses", {"model": model, "input": CHAT[0]["content"],
+            "tools": [{"type": "function", "name": "fill", "parameters": params}]}),
+        "tool, Messages": ("/v1/messages", {"model": model, "max_tokens": 64,
+            "messages": CHAT, "tools": [{"name": "fill", "input_schema": params}]}),
+    }  # fmt: skip
+    out = {name: (route, json.dumps(body).encode()) for name, (route, body) in bodies.items()}
+    size = len(out["tool, chat"][1])  # a prompt as big, of plain words
+    prompt = {"model": model, "prompt": "word " * (size // 5)}
+    out["prompt, completions"] = ("/v1/completions", json.dumps(prompt).encode())
+    return out
+
+
+async def huge_schema(
+    http: httpx.AsyncClient, until: float, properties: int, seen: Counter[int | str]
+) -> None:
+    route, body = huge_bodies(properties)["tool, chat"]
+
+    async def once() -> None:
+        resp = await http.post(route, content=body, headers={"content-type": "application/json"})
+        seen[resp.status_code] += 1
+
+    await asyncio.gather(*(loop(until, once) for _ in range(2)))
+
+
+async def memory(url: str, pid: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per huge body: RSS at rest, peak and a second after one request, then four at once."""
+    rows = []
+    auth = {"Authorization": f"Bearer {FLOOD_KEY}", "content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=auth) as http:
+        for name, (route, body) in huge_bodies(args.schema_properties).items():
+            if args.bodies and not any(b in name for b in args.bodies):
+                continue
+            row: dict[str, Any] = {"body": name, "mb": round(len(body) / MB, 1)}
+            for at_once in (1, 4):
+                await asyncio.sleep(1)
+                rest = peak = rss_kb(pid)
+                sent = asyncio.gather(*(http.post(route, content=body) for _ in range(at_once)))
+                began = time.perf_counter()
+                while not sent.done():
+                    peak = max(peak, rss_kb(pid))
+                    await asyncio.sleep(0.01)
+                took = time.perf_counter() - began
+                statuses = Counter(r.status_code for r in sent.result())
+                await asyncio.sleep(1)
+                row[at_once] = {"rest_mb": round(rest / 1024),
+                                "peak_mb": round((peak - rest) / 1024),
+                                "held_mb": round((rss_kb(pid) - rest) / 1024),
+                                "seconds": round(took, 1), "statuses": dict(statuses)}  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| body | MB | at rest MB | one: peak +MB / held +MB / s "
+           "| four: peak +MB / held +MB / s | got |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        one, four = r[1], r[4]
+        got = Counter(one["statuses"]) + Counter(four["statuses"])
+        out.append(
+            f"| {r['body']} | {r['mb']} | {one['rest_mb']} | {one['peak_mb']} / {one['held_mb']}"
+            f" / {one['seconds']} | {four['peak_mb']} / {four['held_mb']} / {four['seconds']} "
+            f"| {dict(got)} |"
+        )
+    return "\n".join(out)
+
+
+# Issue 30's request: a structural tag of a format vLLM does not know (render refuses it);
+# and one vLLM takes that the simulated engine cannot decode (the engine refuses it).
+NOPE = {"type": "nope"}
+UNDECODED = {"type": "qwen_xml_parameter", "json_schema": {"type": "object"}}
+
+
+async def refused_grammars(
+    http: httpx.AsyncClient, until: float, clients: int, tag: object, seen: Counter[int | str]
+) -> None:
+    tagged = {"type": "structural_tag", "format": tag}
+    body = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "response_format": tagged}  # fmt: skip
+
+    async def once() -> None:
+        try:
+            seen[(await http.post("/v1/chat/completions", json=body)).status_code] += 1
+        except httpx.TimeoutException:
+            seen["timed out"] += 1
+
+    await asyncio.gather(*(loop(until, once) for _ in range(clients)))
+
+
 @contextlib.asynccontextmanager
 async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, int]]:
     limit = f" concurrent={args.flood_limit}" if args.flood_limit else ""
@@ -207,10 +325,20 @@ async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> d
             "huge-prompts": lambda: huge_prompts(hostile, until, args.huge_mb, seen),
             "default-n8": lambda: default_n8(hostile, until, seen),
             "slow-headers": lambda: slow_headers(url, until, args.dripping, args.drip, seen, held),
+            "huge-schema": lambda: huge_schema(hostile, until, args.schema_properties, seen),
+            "invalid-grammars": lambda: refused_grammars(
+                hostile, until, args.grammar_clients, NOPE, seen
+            ),
+            "engine-refusals": lambda: refused_grammars(
+                hostile, until, args.grammar_clients, UNDECODED, seen
+            ),
         }[name]
 
         async def calm_once() -> None:
-            calm_results.append(await calm_stream(calm))
+            try:
+                calm_results.append(await calm_stream(calm))
+            except httpx.TimeoutException:  # no answer within the client's timeout: failed
+                calm_results.append(None)
 
         peak = rss_before
 
@@ -234,7 +362,7 @@ async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> d
         "ttft_p50": percentile(ttft, 50) if ttft else None,
         "ttft_p99": percentile(ttft, 99) if ttft else None,
         "e2e_p50": percentile(e2e, 50) if e2e else None,
-        "hostile_statuses": dict(sorted(seen.items())),
+        "hostile_statuses": dict(sorted(seen.items(), key=lambda kv: str(kv[0]))),
         "rss_growth_mb": round((peak - rss_before) / 1024, 1),
     }
 
@@ -247,6 +375,14 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             ) as w:
                 for _ in range(4):  # warm up
                     await calm_stream(w)
+                if "engine-refusals" in args.scenarios:
+                    # the simulated engine's vocabulary for grammars, built on the first
+                    # constraint a process meets (a second, with every stream held)
+                    constrained = {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 1,
+                                   "response_format": {"type": "json_object"}}  # fmt: skip
+                    await w.post("/v1/chat/completions", json=constrained)
+            if args.memory:
+                return await memory(url, pid, args)
             rows = [await scenario(url, pid, args, name) for name in ["baseline", *args.scenarios]]
     base = rows[0]
     for row in rows:
@@ -290,6 +426,16 @@ def main() -> None:
                    help="connections dripping a request head (200)")  # fmt: skip
     p.add_argument("--drip", type=float, default=1.0,
                    help="seconds between two bytes of a dripping head (1)")  # fmt: skip
+    p.add_argument("--schema-properties", type=int, default=80_000,
+                   help="string properties of the huge schema (80,000: 7 MB)")  # fmt: skip
+    p.add_argument("--memory", action="store_true",
+                   help="measure what huge bodies cost the process and what it keeps, "
+                   "instead of the scenarios")  # fmt: skip
+    p.add_argument("--grammar-clients", type=int, default=8,
+                   help="clients sending refused grammars (8)")  # fmt: skip
+    p.add_argument("--bodies", nargs="+",
+                   help="--memory: only the bodies whose names hold one of these (tool, "
+                   "prompt, chat, Responses, Messages, completions)")  # fmt: skip
     p.add_argument("--itl", type=float, default=0.01, help="engine seconds per token (0.01)")
     p.add_argument("--max-seqs", type=int, default=64, help="engine sequences at once (64)")
     p.add_argument(
@@ -301,7 +447,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the rows as JSON")
     args = p.parse_args()
     rows = asyncio.run(run(args))
-    print(table(rows))
+    print(memory_table(rows) if args.memory else table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -55,6 +55,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.ledger_room import LedgerRoom
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits
 from tokenway.response_store import ResponseStore
 from tokenway.wire import ErrorInfo
 
@@ -79,6 +80,7 @@ class IngressContext:
     response_store: Callable[[], Awaitable[ResponseStore]]
     file_max_bytes: int
     cors: Cors | None = None
+    request_limits: RequestLimits = DEFAULT_LIMITS  # what one request may make us build
     ledger_room: LedgerRoom | None = None  # admits new requests while TW_OUT has room
 
 
@@ -106,6 +108,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
     completions = Completions(
         ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
         ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits, ctx.response_store,
+        request_limits=ctx.request_limits,
         quota=ctx.keys.quota, ledger_room=ctx.ledger_room,
     )  # fmt: skip
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)

@@ -30,7 +30,7 @@ from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.responses import Conversation, conversation, final_response
 from ingress.router import Event, OutputRouter, Slot, SseWriter
-from tokenway import anthropic, bus, ledger, spans, tenancy
+from tokenway import anthropic, bus, heap, ledger, spans, tenancy
 from tokenway import headers as h
 from tokenway.errors import (
     BodyTimeout,
@@ -47,6 +47,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.ledger_room import LedgerRoom
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_text
 from tokenway.metrics import SSE_WRITE
 from tokenway.protocol import decode_body, decoded, named_model
 from tokenway.quota import UNLIMITED, Quota
@@ -154,6 +155,11 @@ async def _body(receive: Receive, limit: int) -> bytes | None:
             return b"".join(parts)
 
 
+# A body above this had the ingress decode megabytes of JSON: what that freed is given back
+# to the system once the request is over (`tokenway.heap`; a few ms, off the event loop).
+GIVE_BACK_ABOVE_BYTES = 1 << 20
+
+
 def _too_large(limit: int) -> TooLarge:
     return TooLarge(f"the request body is over the limit of {limit} bytes")
 
@@ -191,6 +197,7 @@ class Completions:
     ledger_room: LedgerRoom | None = None
     # tenant → how many of its requests this ingress holds, from their queueing to their end
     running: Counter[str] = field(default_factory=Counter)
+    request_limits: RequestLimits = DEFAULT_LIMITS  # what one request may make us build
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -247,6 +254,9 @@ class Completions:
             self.running[tenant] -= 1
             if not self.running[tenant]:
                 del self.running[tenant]
+        if len(body) > GIVE_BACK_ABOVE_BYTES:  # what its decoding took, returned
+            del body
+            await asyncio.to_thread(heap.give_back)
 
     async def _run(
         self, api: Api, scope: Scope, receive: Receive, send: Send, body: bytes, rid: str,
@@ -315,6 +325,7 @@ class Completions:
             ids = event_ids(header(scope, _EVENT_IDS).decode("latin-1"))
             talk = None
             if api == "responses":  # the conversation it continues, from the store
+                check_text(api, body, self.request_limits)  # before it is decoded for that
                 talk = await conversation(await self.responses(), body, tenant,
                                           self.quota(tenant))  # fmt: skip
                 body = talk.body
@@ -340,7 +351,7 @@ class Completions:
     def _decode(self, api: Api, body: bytes) -> tuple[str, bool]:
         """Checks what the ingress checks itself; the model, and whether the client asked
         for a stream."""
-        req = decode_body(api, body)
+        req = decode_body(api, body, self.request_limits)
         return self.catalog.resolve(req.model), bool(req.stream)
 
     async def _submit(

@@ -24,6 +24,7 @@ from tokenway.batch_store import BatchStore
 from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
 from tokenway.ledger_room import LedgerRoom
+from tokenway.limits import RequestLimits
 from tokenway.quota import Quota
 from tokenway.registry import EngineRegistry
 from tokenway.response_store import ResponseStore
@@ -118,6 +119,7 @@ class IngressService:
             response_store=Lazy(lambda: ResponseStore.bind(nc.jetstream(), self.settings)),
             file_max_bytes=self.settings.file_max_bytes,
             cors=self.cors,
+            request_limits=RequestLimits.of(self.settings),
             ledger_room=ledger_room,
         )
         config = uvicorn.Config(

@@ -569,6 +569,32 @@ def _render(p: argparse.ArgumentParser) -> None:
     g.add_argument("--render-timeout", type=float, help="seconds for its whole reply (default 10)")
 
 
+def _limits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "request limits (ingress and render: past one, a 400 before anything is templated, "
+        "tokenized or compiled)"
+    )
+    g.add_argument(
+        "--max-tools", type=int,
+        help="tools one request may give (1024; OpenAI takes 128)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-schema-bytes", type=int,
+        help="bytes of JSON text in all of a request's schemas together: tools' parameters, "
+        "response_format, structured_outputs (1048576); checked before the body is decoded",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-schema-nodes", type=int,
+        help="JSON values (objects, arrays, scalars) in all of a request's schemas together, "
+        "a structural tag's too (65536)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-grammar-bytes", type=int,
+        help="bytes of a request's regexes, grammars and choices, with its schemas' patterns "
+        "(65536)",
+    )  # fmt: skip
+
+
 def _derender(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("derender (render needs the backend too: it adds the client body)")
     g.add_argument(
@@ -919,7 +945,8 @@ def parser() -> argparse.ArgumentParser:
         "--nats-port", type=int,
         help="port of the embedded nats-server, on 127.0.0.1 (default 0: a free one)",
     )  # fmt: skip
-    _common(up), _http(up), _parsers(up), _render(up), _derender(up), _scheduling(up)
+    _common(up), _http(up), _parsers(up), _render(up), _limits(up), _derender(up)
+    _scheduling(up)
     _sim(up), _vllm(up), _obfuscation(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
@@ -931,6 +958,8 @@ def parser() -> argparse.ArgumentParser:
         _common(p)
         if name == "ingress":
             _http(p)
+        if name in ("ingress", "render"):
+            _limits(p)
         if name in ("render", "derender"):
             _parsers(p)
         if name == "render":

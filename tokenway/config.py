@@ -107,6 +107,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
     body_timeout: PositiveFloat = 30.0  # a request body not all there by then: a 408
+    # what one request may make the process build (`tokenway.limits`), checked by ingress
+    # and render before anything is templated, tokenized or compiled: past one, a 400
+    max_tools: PositiveInt = 1024  # tools in one request (OpenAI's own cap: 128)
+    max_schema_bytes: PositiveInt = 1 << 20  # JSON text of all of a request's schemas
+    max_schema_nodes: PositiveInt = 65_536  # JSON values in all of a request's schemas
+    max_grammar_bytes: PositiveInt = 64 * 1024  # its regexes, grammars, choices, patterns
     # a request head (request line and headers) not all there this long after it began (or
     # after the connection opened): a 408, and the connection closed
     header_timeout: PositiveFloat = 10.0

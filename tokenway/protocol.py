@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from tokenway.errors import InvalidRequest
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_decoded, check_text
 from tokenway.wire import StructuredOutputs, TokenId
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -207,9 +208,10 @@ OpenAIRequest = ChatCompletionRequest | CompletionRequest
 MAX_DEPTH = 64
 
 
-def decode_body(api: str, body: bytes) -> OpenAIRequest:
+def decode_body(api: str, body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -> OpenAIRequest:
     """Validate an OpenAI body (a Responses or an Anthropic Messages body: the chat request
-    it is); a malformed one is the client's 400 (`InvalidRequest`)."""
+    it is) and hold it to `bounds`; a malformed one is the client's 400 (`InvalidRequest`)."""
+    check_text(api, body, bounds)
     if api in ("messages", "responses"):  # they build on this module's structs
         from tokenway import anthropic, responses
 
@@ -220,6 +222,7 @@ def decode_body(api: str, body: bytes) -> OpenAIRequest:
         _check_depth(req)  # its tool schemas and inputs, as chat carries them
     else:
         req = decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
+    check_decoded(api, req, bounds)
     if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
         raise InvalidRequest(
             "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
@@ -297,10 +300,15 @@ def named_model(body: bytes) -> str | None:
         return None
 
 
-def decode_tokenize(body: bytes) -> TokenizeRequest:
-    """A `/tokenize` body: messages (chat) or a prompt, as vLLM tells them apart."""
-    chat = bool(_shape(body).messages)
-    return decoded(_TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, body)
+def decode_tokenize(body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -> TokenizeRequest:
+    """A `/tokenize` body: messages (chat) or a prompt, as vLLM tells them apart; its tools
+    held to `bounds`."""
+    if not _shape(body).messages:
+        return decoded(_TOKENIZE_PROMPT, body)
+    check_text("tokenize", body, bounds)
+    req = decoded(_TOKENIZE_CHAT, body)
+    check_decoded("tokenize", req, bounds)
+    return req
 
 
 def decode_detokenize(body: bytes) -> DetokenizeRequest:

@@ -21,10 +21,12 @@ from typing import Protocol, TypeVar
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
+from tokenway import heap
 from tokenway.config import Settings
+from tokenway.limits import RequestLimits
 from tokenway.model import ModelInfo
 from tokenway.protocol import CompletionRequest, OpenAIRequest
-from tokenway.wire import GenerateRequest, RenderRequest
+from tokenway.wire import Api, GenerateRequest, RenderRequest
 from workers.render.core import Renderer, RequestBuilder, completion_prompts
 from workers.render.parse import ParserFlags
 from workers.render.vllm_http import RenderUnavailable, VllmRenderClient
@@ -56,15 +58,25 @@ THREAD_ABOVE_BYTES = 64 * 1024
 
 
 async def worked(size: int, work: Callable[..., T], *args: object) -> T:
-    """`work(*args)` for a body of `size` bytes: in a thread when the body is big."""
+    """`work(*args)` for a body of `size` bytes: in a thread when the body is big, and
+    what it freed then given back to the system (`tokenway.heap`)."""
     if size > THREAD_ABOVE_BYTES:
-        return await asyncio.to_thread(work, *args)
+        return await asyncio.to_thread(_given_back, work, *args)
     return work(*args)
 
 
-async def prompt_ids(renderer: Renderer, req: OpenAIRequest, size: int) -> list[list[int]]:
+def _given_back(work: Callable[..., T], *args: object) -> T:
+    try:
+        return work(*args)
+    finally:
+        heap.give_back()
+
+
+async def prompt_ids(
+    renderer: Renderer, req: OpenAIRequest, size: int, api: Api | None = None
+) -> list[list[int]]:
     """The request's prompt IDs, off the event loop for a body of `size` bytes that is big."""
-    return await worked(size, renderer.prompt_ids, req)
+    return await worked(size, renderer.prompt_ids, req, api)
 
 
 class LocalBackend:
@@ -74,7 +86,7 @@ class LocalBackend:
     async def render(self, request: RenderRequest) -> GenerateRequest:
         builder = self.renderer.builder
         parsed = builder.parse(request)
-        ids = await prompt_ids(self.renderer, parsed.req, len(request.body))
+        ids = await prompt_ids(self.renderer, parsed.req, len(request.body), request.api)
         return builder.build(request, parsed, ids, self.renderer.vocab)
 
     async def local(self) -> Renderer:
@@ -125,7 +137,7 @@ class VllmBackend:
         if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
             # vLLM's render route answers one prompt; several are tokenized here.
             local = await self.local()
-            ids = await prompt_ids(local, req, len(request.body))
+            ids = await prompt_ids(local, req, len(request.body), request.api)
             return self.builder.build(request, parsed, ids, local.vocab)
         try:
             prompt = await self.client.render(request.api, request.body)
@@ -135,7 +147,7 @@ class VllmBackend:
                 "render server failed for %s (%s); rendering locally", request.request_id, exc
             )
             local = await self.local()
-            ids = await prompt_ids(local, req, len(request.body))
+            ids = await prompt_ids(local, req, len(request.body), request.api)
             return self.builder.build(request, parsed, ids, local.vocab)
         return self.builder.build(
             request, parsed, [prompt.token_ids], self.vocab, prompt.sampling_params
@@ -147,7 +159,7 @@ class VllmBackend:
             if self._local is None:
                 b = self.builder
                 self._local = await asyncio.to_thread(
-                    Renderer, b.info, b.model, b.flags, b.clip_budget
+                    Renderer, b.info, b.model, b.flags, b.clip_budget, b.limits
                 )
                 log.info("loaded the local tokenizer for render fallbacks")
         return self._local
@@ -161,8 +173,9 @@ def render_backend(
 ) -> RenderBackend:
     """The backend `--render-backend` names; ValueError when its settings do not fit."""
     clip = settings.context_budget == "on"
+    limits = RequestLimits.of(settings)
     if settings.render_backend == "local":
-        return LocalBackend(Renderer(model, served_model_name, flags, clip))
+        return LocalBackend(Renderer(model, served_model_name, flags, clip, limits))
     if not settings.render_url:
         raise ValueError("--render-backend vllm needs --render-url (the vLLM render server)")
     client = VllmRenderClient(
@@ -171,4 +184,4 @@ def render_backend(
         settings.render_connect_timeout,
         settings.render_timeout,
     )
-    return VllmBackend(RequestBuilder(model, served_model_name, flags, clip), client)
+    return VllmBackend(RequestBuilder(model, served_model_name, flags, clip, limits), client)

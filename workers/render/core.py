@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tokenway import responses
 from tokenway.anthropic import MESSAGE_ID_PREFIX
 from tokenway.errors import InvalidRequest, check_model
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits
 from tokenway.model import ModelInfo
 from tokenway.protocol import (
     ChatCompletionRequest,
@@ -49,6 +50,7 @@ from workers.render.sampling import (
     requested_max_tokens,
     sampling_params,
 )
+from workers.render.token_floor import TokenFloor
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -120,11 +122,12 @@ class RequestBuilder:
     model: str  # the served name
     flags: ParserFlags = field(default_factory=ParserFlags)
     clip_budget: bool = False
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may make the process build
 
     def parse(self, request: RenderRequest) -> Parsed:
         """The decoded body and its constraint, refused (400/404) before anything is
         tokenized."""
-        req = decode_body(request.api, request.body)
+        req = decode_body(request.api, request.body, self.limits)
         check_model(req.model, self.model)
         reject_unsupported(req)
         if isinstance(req, CompletionRequest):
@@ -257,20 +260,42 @@ class Renderer:
         served_model_name: str,
         flags: ParserFlags | None = None,
         clip_budget: bool = False,
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> None:
-        self.builder = RequestBuilder(model, served_model_name, flags or ParserFlags(), clip_budget)
+        self.builder = RequestBuilder(
+            model, served_model_name, flags or ParserFlags(), clip_budget, limits
+        )
         self.tokenizer, self.vocab = hf_tokenizer(Path(model.path))
         self.vocab_size = len(self.tokenizer)
+        self.floor = TokenFloor(self.tokenizer.backend_tokenizer)
 
-    def prompt_ids(self, req: OpenAIRequest) -> list[list[int]]:
-        """Token IDs per prompt: one for chat, one or several for completions."""
+    def prompt_ids(self, req: OpenAIRequest, api: Api | None = None) -> list[list[int]]:
+        """Token IDs per prompt: one for chat, one or several for completions (`api`: the
+        client's, for the name of the parameter an error is about)."""
         if isinstance(req, ChatCompletionRequest):
             text = apply_template(self.tokenizer, req)
+            self._fits(text, _param(api or "chat", "messages"))
             return [self.tokenizer.encode(text, add_special_tokens=False)]
         return [self._prompt(p, req.add_special_tokens) for p in completion_prompts(req)]
 
+    def _fits(self, text: str, param: str) -> None:
+        """A text certainly past the context, refused before the tokenizer takes about
+        140 bytes of memory per byte of it (`token_floor`)."""
+        context = self.builder.info.context_length
+        if 4 * len(text) < context:  # fewer bytes than the context: fewer tokens too
+            return
+        least = self.floor(text)
+        if least >= context:
+            raise InvalidRequest(
+                f"This model's maximum context length is {context} tokens, but the prompt "
+                f"has at least {least} tokens. Please shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
+            self._fits(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         bad = next((t for t in prompt if t >= self.vocab_size), None)
         if bad is not None:
@@ -279,4 +304,5 @@ class Renderer:
 
     def render(self, request: RenderRequest) -> GenerateRequest:
         parsed = self.builder.parse(request)
-        return self.builder.build(request, parsed, self.prompt_ids(parsed.req), self.vocab)
+        ids = self.prompt_ids(parsed.req, request.api)
+        return self.builder.build(request, parsed, ids, self.vocab)

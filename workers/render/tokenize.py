@@ -37,7 +37,7 @@ def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | Detok
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
         return DetokenizeResponse(prompt=tok.decode(req.tokens))
-    body = decode_tokenize(call.body)
+    body = decode_tokenize(call.body, renderer.builder.limits)
     check_model(body.model, renderer.builder.model)
     if isinstance(body, TokenizeChatRequest):
         text = apply_template(tok, body)

@@ -459,9 +459,9 @@ async def test_a_big_body_is_tokenized_off_the_event_loop(
     threads: list[int] = []
     tokenize = renderer.prompt_ids
 
-    def recording(req: OpenAIRequest) -> list[list[int]]:
+    def recording(req: OpenAIRequest, api: Api | None = None) -> list[list[int]]:
         threads.append(threading.get_ident())
-        return tokenize(req)
+        return tokenize(req, api)
 
     body = request("completion", prompt="word " * words)
     expected = renderer.render(body).token_ids
