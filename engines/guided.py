@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from engines.arguments import openings, planned
 from engines.bridge import Refused
+from tokenway.aio import on_big_stack
 from tokenway.constraints import grammar
 from tokenway.tag_grammar import Unsupported
 from tokenway.wire import StructuredOutputs
@@ -59,12 +60,12 @@ async def matcher(tokenizer: Tokenizer, eos: int, so: StructuredOutputs) -> Guid
     unchecked, from a direct publisher)."""
     vocab, added = await asyncio.to_thread(ll_tokenizer, tokenizer, eos)
     try:
-        text = grammar(so, added)
+        text = await on_big_stack(grammar, so, added)
     except Unsupported as exc:
         raise Refused(f"the simulated engine cannot decode this constraint: {exc}") from None
     except (ValueError, TypeError, RuntimeError) as exc:  # what the compilers raise
         raise Refused(f"the constraint is not valid: {exc}") from None
-    m = await asyncio.to_thread(LLMatcher, vocab, text)
+    m = await on_big_stack(LLMatcher, vocab, text)
     if m.is_error():
         raise Refused(f"the constraint does not compile: {m.get_error()}")
     # The added tokens a structural tag asks for, the ones that close its structure first.

@@ -16,7 +16,13 @@ from nats.aio.msg import Msg
 from tests.conftest import Stack
 from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.wire import TERMINAL_KINDS, GenerateRequest, SamplingParams, StreamOptions
+from tokenway.wire import (
+    TERMINAL_KINDS,
+    GenerateRequest,
+    SamplingParams,
+    StreamOptions,
+    StructuredOutputs,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -99,8 +105,11 @@ async def test_its_stop_strings_and_stream_options_are_honoured(stack: Stack) ->
         ({"sampling_params": SamplingParams(n=0)}, 400, "sampling_params.n", "at least 1"),
         ({"sampling_params": SamplingParams(max_tokens=10**7)}, 400,
          "sampling_params.max_tokens", "maximum context length"),
+        ({"sampling_params": SamplingParams(structured_outputs=StructuredOutputs(
+            grammar='start: "' + "t" * 70_000 + '"'))}, 400,
+         "sampling_params.structured_outputs", "--max-grammar-bytes"),
     ],
-    ids=["vocabulary", "model", "n", "budget"],
+    ids=["vocabulary", "model", "n", "budget", "grammar"],
 )  # fmt: skip
 async def test_what_render_would_refuse_is_an_error_event_before_any_engine_runs(
     stack: Stack, change: dict, status: int, param: str, says: str
@@ -111,3 +120,15 @@ async def test_what_render_would_refuse_is_an_error_event_before_any_engine_runs
     error = json.loads(msg.data)["error"]
     assert error["param"] == param and says in error["message"], error
     assert received(stack, request.request_id) == 0
+
+
+async def test_a_grammar_that_recurses_deep_is_compiled_on_a_stack_with_room(stack: Stack) -> None:
+    """Within the limits, a grammar whose rules chain 3,000 deep reaches the engine: it compiles
+    it on a big stack (on a thread's own it segfaulted, and every stage of `up` with it)."""
+    chain = "\n".join(f'r{i}: "t" r{i + 1}?' for i in range(3000))
+    grammar = f'start: r0\n{chain}\nr3000: "t"'
+    request = body(max_tokens=4, ignore_eos=False,
+                   structured_outputs=StructuredOutputs(grammar=grammar))  # fmt: skip
+    (msg,) = await publish(stack, request)
+    assert msg.headers[h.KIND] == h.KIND_RESPONSE, msg.data
+    assert set(json.loads(msg.data)["choices"][0]["text"]) <= {"t"}

@@ -314,3 +314,28 @@ async def test_a_second_ctrl_c_stops_at_once_saying_so_in_one_line(tmp_path: Pat
     assert code == 130
     assert log.rstrip().endswith("tokenway: stopped at once, without draining (a second signal)")
     assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def chained_grammar(rules: int) -> str:
+    """A Lark grammar whose rules refer to each other `rules` deep: llguidance compiles it
+    by recursion, which overflowed a thread's default stack (a segfault) near 3,000."""
+    chain = "\n".join(f'r{i}: "t" r{i + 1}?' for i in range(rules))
+    return f'start: r0\n{chain}\nr{rules}: "t"'
+
+
+async def test_a_grammar_deep_enough_to_overflow_a_stack_is_served_and_up_lives(
+    tmp_path: Path,
+) -> None:
+    """One client's 52 KB grammar, compiled on the event loop's thread, crashed the whole
+    process (every stage of `up` with it)."""
+    up = await start_up(tmp_path / "data")
+    body = chat("Say t.", max_tokens=4, structured_outputs={"grammar": chained_grammar(3000)})
+    try:
+        async with up.http() as http:
+            deep = await http.post("/v1/chat/completions", json=body)
+            assert deep.status_code == 200, deep.text
+            calm = await http.post("/v1/chat/completions", json=chat("Hello!"))
+            assert calm.status_code == 200, calm.text
+        assert up.proc.returncode is None
+    finally:
+        await stop(up.proc, signal.SIGKILL)

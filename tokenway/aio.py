@@ -3,10 +3,70 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 _T = TypeVar("_T")
+
+# Native code that recurses as deep as its input (llguidance compiling a grammar whose rules
+# chain thousands deep) overflows a thread's default 8 MiB stack, and a segfault ends the
+# whole process: such work runs on threads with room for it, _BIG_STACK_THREADS of them
+# started at first use (more calls wait in the queue, off the event loop). A stack is address
+# space: only the pages a call touches become memory.
+BIG_STACK = 256 << 20
+_BIG_STACK_THREADS = 4
+_big_stack_jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_big_stack_threads: list[threading.Thread] = []
+_started = threading.Lock()  # and `threading.stack_size` is the process's: set, start, reset
+
+
+def _big_stack_worker() -> None:
+    while True:
+        _big_stack_jobs.get()()
+
+
+def _big_stack_started() -> None:
+    with _started:
+        while len(_big_stack_threads) < _BIG_STACK_THREADS:
+            default = threading.stack_size(BIG_STACK)
+            try:
+                worker = threading.Thread(target=_big_stack_worker, name="big-stack", daemon=True)
+                worker.start()
+            finally:
+                threading.stack_size(default)
+            _big_stack_threads.append(worker)
+
+
+async def on_big_stack(work: Callable[..., _T], *args: object) -> _T:
+    """`work(*args)` on a thread with a `BIG_STACK`, awaited (the event loop runs on)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, exc: BaseException | None) -> None:
+        if done.done():  # its awaiter was cancelled
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def job() -> None:
+        result: _T | None = None
+        error: BaseException | None = None
+        try:
+            result = work(*args)
+        except BaseException as exc:  # handed to the awaiter, raised there
+            error = exc
+        with contextlib.suppress(RuntimeError):  # its loop closed: nobody awaits it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    if len(_big_stack_threads) < _BIG_STACK_THREADS:
+        _big_stack_started()
+    _big_stack_jobs.put(job)
+    return await done
 
 
 class Signal:

@@ -38,6 +38,7 @@ import msgspec
 
 from tokenway.config import Settings
 from tokenway.errors import InvalidRequest
+from tokenway.wire import StructuredOutputs
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,9 +141,8 @@ def check_decoded(api: str, req: Any, limits: RequestLimits) -> None:
         schemas.append((_FORMAT.get(api, "response_format"), [schema, fmt.format, fmt.structures]))
     so = getattr(req, "structured_outputs", None)
     if so is not None:
-        schemas += [("structured_outputs", so.json), ("structured_outputs", so.structural_tag)]
-        grammars += _texts("structured_outputs", so.regex, so.grammar, so.whitespace_pattern,
-                           *(so.choice or ()))  # fmt: skip
+        schemas += _constraint_schemas(so, "structured_outputs")
+        grammars += _constraint_texts(so, "structured_outputs")
     if hasattr(req, "guided_json"):  # chat and completions
         schemas.append(("guided_json", req.guided_json))
         grammars += _texts("guided_regex", req.guided_regex)
@@ -150,6 +150,21 @@ def check_decoded(api: str, req: Any, limits: RequestLimits) -> None:
         grammars += _texts("guided_choice", *(req.guided_choice or ()))
         grammars += _texts("guided_whitespace_pattern", req.guided_whitespace_pattern)
     _check_schemas(limits, [(p, s) for p, s in schemas if s is not None], grammars)
+
+
+def check_constraint(so: StructuredOutputs | None, limits: RequestLimits, param: str) -> None:
+    """A constraint that reaches an engine without a request body around it (a direct
+    publisher's token-only request): its schemas' values and its grammars' size."""
+    if so is not None:
+        _check_schemas(limits, _constraint_schemas(so, param), _constraint_texts(so, param))
+
+
+def _constraint_schemas(so: StructuredOutputs, param: str) -> list[tuple[str, object]]:
+    return [(param, s) for s in (so.json, so.structural_tag) if s is not None]
+
+
+def _constraint_texts(so: StructuredOutputs, param: str) -> list[tuple[str, str]]:
+    return _texts(param, so.regex, so.grammar, so.whitespace_pattern, *(so.choice or ()))
 
 
 def _texts(param: str, *texts: str | None) -> list[tuple[str, str]]:

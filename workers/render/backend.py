@@ -22,12 +22,13 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 
 from tokenway import heap
+from tokenway.aio import on_big_stack
 from tokenway.config import Settings
 from tokenway.limits import RequestLimits
 from tokenway.model import ModelInfo
 from tokenway.protocol import CompletionRequest, OpenAIRequest
 from tokenway.wire import Api, GenerateRequest, RenderRequest
-from workers.render.core import Renderer, RequestBuilder, completion_prompts
+from workers.render.core import Parsed, Renderer, RequestBuilder, completion_prompts
 from workers.render.parse import ParserFlags
 from workers.render.vllm_http import RenderUnavailable, VllmRenderClient
 
@@ -72,6 +73,13 @@ def _given_back(work: Callable[..., T], *args: object) -> T:
         heap.give_back()
 
 
+async def parsing(builder: RequestBuilder, request: RenderRequest) -> Parsed:
+    """The request decoded and checked, its constraint compiled to see that it compiles: off
+    the event loop (a large schema compiles for seconds) and on a big stack (a grammar can
+    make the compiler recurse as deep as its rules chain)."""
+    return await on_big_stack(builder.parse, request)
+
+
 async def prompt_ids(
     renderer: Renderer, req: OpenAIRequest, size: int, api: Api | None = None
 ) -> list[list[int]]:
@@ -85,7 +93,7 @@ class LocalBackend:
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
         builder = self.renderer.builder
-        parsed = builder.parse(request)
+        parsed = await parsing(builder, request)
         ids = await prompt_ids(self.renderer, parsed.req, len(request.body), request.api)
         return builder.build(request, parsed, ids, self.renderer.vocab)
 
@@ -132,7 +140,7 @@ class VllmBackend:
         return self._local is not None
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
-        parsed = self.builder.parse(request)
+        parsed = await parsing(self.builder, request)
         req = parsed.req
         if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:
             # vLLM's render route answers one prompt; several are tokenized here.

@@ -8,7 +8,7 @@ the prompt; `stream`, `stream_options`, `return_token_ids` and every output fiel
 sampling parameters (`n`, `stop`, `logprobs`, `min_tokens`, the detokenizer's flags) are
 honoured as vLLM's generate route honours them. What render would have refused is refused
 here, with the same words: another model, token IDs outside the vocabulary, a budget past
-the context, `n` below 1.
+the context, `n` below 1, a constraint past the request limits (`tokenway.limits`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import msgspec
 
 from tokenway.errors import InvalidRequest, check_model
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_constraint
 from tokenway.model import ModelInfo
 from tokenway.wire import GenerateRequest, OutputContext, Prompt
 from workers.derender.detok import SEED_TOKENS
@@ -30,12 +31,17 @@ def is_direct(request: GenerateRequest) -> bool:
 
 
 def completed(
-    request: GenerateRequest, model: str, info: ModelInfo, clip: bool = False
+    request: GenerateRequest,
+    model: str,
+    info: ModelInfo,
+    clip: bool = False,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> GenerateRequest:
     """The request with the context render would have given it; `InvalidRequest` (or
     `ModelNotFound`) for what it would have refused."""
     check_model(request.model or None, model)
     params = request.sampling_params
+    check_constraint(params.structured_outputs, limits, "sampling_params.structured_outputs")
     if params.n < 1:
         raise InvalidRequest(f"n must be at least 1, got {params.n}.", param="sampling_params.n")
     prompts = [request.token_ids, *(p.token_ids for p in request.prompts or ())]

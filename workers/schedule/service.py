@@ -42,6 +42,7 @@ from tokenway.errors import (
     internal,
     too_big_for_the_bus,
 )
+from tokenway.limits import RequestLimits
 from tokenway.model import ModelInfo
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
@@ -97,6 +98,7 @@ class ScheduleService:
         self.model = model
         self.model_info = info
         self._clip = settings.context_budget == "on"
+        self._limits = RequestLimits.of(settings)  # for direct publishers' constraints
         self.observed = metrics.Observed(model)
         self.obfuscation = obfuscation
         self.owner_id = f"s{secrets.token_hex(4)}"
@@ -247,7 +249,8 @@ class ScheduleService:
         refused = None
         try:
             if direct.is_direct(request):  # vLLM's token-only body: no output context yet
-                request = direct.completed(request, self.model, self.model_info, self._clip)
+                request = direct.completed(request, self.model, self.model_info, self._clip,
+                                           self._limits)  # fmt: skip
             isolation.check_kv_transfer(request.kv_transfer_params, who.tenant,
                                         self.settings.trust_client_kv_transfer)  # fmt: skip
             isolation.check_salt(request.cache_salt)
