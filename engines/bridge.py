@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from tokenway import bus, spans
 from tokenway.config import Settings
 from tokenway.obfuscation import Permutation
-from tokenway.registry import heartbeat
+from tokenway.registry import bucket_ttl, heartbeat
 from tokenway.wire import (
     EngineAbort,
     EngineInfo,
@@ -129,14 +129,13 @@ class Bridge:
             nats_url, f"tokenway-engine-{self.id}", self.settings, stop=stop
         )
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
+        ttl = await bucket_ttl(kv, self.settings.engine_ttl)
         async with asyncio.TaskGroup() as group:
             self._group = group
             await nc.subscribe(bus.engine_subject(self.id, "generate"), cb=self._on_generate)
             await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
             await nc.subscribe(bus.orphan_subject(), cb=self._on_abort)
-            group.create_task(
-                heartbeat(kv, self.info, self._healthy, self.settings.engine_ttl, stop)
-            )
+            group.create_task(heartbeat(kv, self.info, self._healthy, ttl, stop))
             log.info(
                 "engine %s (%s) serving %s%s",
                 self.id,

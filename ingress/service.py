@@ -26,7 +26,7 @@ from tokenway.errors import CannotStart, Unavailable
 from tokenway.ledger_room import LedgerRoom
 from tokenway.limits import RequestLimits
 from tokenway.quota import Quota
-from tokenway.registry import EngineRegistry
+from tokenway.registry import EngineRegistry, bucket_ttl
 from tokenway.response_store import ResponseStore
 from tokenway.served import ServedModel
 from tokenway.tenancy import Limits
@@ -100,7 +100,8 @@ class IngressService:
         )  # fmt: skip
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         served = [m.name for m in self.models]
-        self.registry = registry = EngineRegistry(kv, served, self.settings.engine_ttl)
+        ttl = await bucket_ttl(kv, self.settings.engine_ttl)
+        self.registry = registry = EngineRegistry(kv, served, ttl)
         self.router = router = OutputRouter(nc, self.ingress_id, self.settings.stream_buffer_bytes)
         await router.start()
         self.ledger_room = ledger_room = LedgerRoom(nc, self.settings.out_reserve)

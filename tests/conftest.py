@@ -117,14 +117,23 @@ async def guarded_bus(tmp: Path, **server: object) -> AsyncIterator[Bus]:
             del _buses[s.url], _buses[observer]
 
 
+@contextlib.asynccontextmanager
+async def provisioned_bus(tmp: Path, **settings: object) -> AsyncIterator[Bus]:
+    """A guarded bus whose streams and buckets are provisioned with `settings` (as `up`
+    does before any stage starts): what a bucket keeps, such as the engines' TTL, is the
+    provisioner's choice."""
+    async with guarded_bus(tmp / "nats") as b:
+        provision = b.role(make_settings(tmp / "provision", **settings), "provision")
+        nc = await bus.connect(b.url, "tokenway-provision", provision)
+        await bus.provision_streams(nc.jetstream(), provision)
+        await nc.close()
+        yield b
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def session_bus(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Bus]:
-    """The session's bus, provisioned (as `up` does before any stage starts)."""
-    async with guarded_bus(tmp_path_factory.mktemp("nats")) as b:
-        settings = b.role(make_settings(tmp_path_factory.mktemp("provision")), "provision")
-        nc = await bus.connect(b.url, "tokenway-provision", settings)
-        await bus.provision_streams(nc.jetstream(), settings)
-        await nc.close()
+    """The session's bus, provisioned with the suite's settings."""
+    async with provisioned_bus(tmp_path_factory.mktemp("session")) as b:
         yield b
 
 

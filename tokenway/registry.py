@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EngineInfo)
+_told: set[tuple[float, float]] = set()  # (bucket's, configured) TTLs warned of
 
 
 class EngineRegistry:
@@ -141,6 +142,23 @@ class EngineRegistry:
     async def _stop(watcher: Any) -> None:
         with contextlib.suppress(nats.errors.Error):
             await watcher.stop()
+
+
+async def bucket_ttl(kv: KeyValue, configured: float) -> float:
+    """How long an entry of `tw-engines` lives: the bucket's TTL, as whoever provisioned it
+    chose. A process configured with another one follows the bucket's, and says so: beating
+    by a longer TTL, an engine's entry expired between beats and its requests failed."""
+    ttl = (await kv.status()).ttl
+    if not ttl:
+        return configured
+    if ttl != configured and (ttl, configured) not in _told:
+        _told.add((ttl, configured))  # once a process, not once a stage
+        log.warning(
+            "the engine registry bucket %s keeps entries %ss (as provisioned), not the %ss "
+            "configured here: following it (delete the bucket to provision it anew)",
+            bus.ENGINES_BUCKET, f"{ttl:g}", f"{configured:g}",
+        )  # fmt: skip
+    return ttl
 
 
 async def heartbeat(

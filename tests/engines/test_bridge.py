@@ -181,3 +181,37 @@ async def test_an_engines_refusal_reaches_the_owner_as_the_requests_with_its_sta
             [last] = (await steps.get()).entries
     assert last.refused == 400 and last.finish_reason == "error"
     assert last.error == f"engine {engine.id} refused the request: bad tag"  # no server URL
+
+
+async def test_an_engine_configured_with_a_longer_ttl_than_its_bucket_stays_registered(
+    session_bus: Bus, tmp_path: Path
+) -> None:
+    """The registry bucket keeps the TTL it was provisioned with (the session's 3 s here).
+    A bridge configured with 30 s beat every 10 s, so its entry expired 3 s after each
+    beat and every request it ran for those 7 s failed as 'engine stopped heartbeating'
+    (the vLLM tier's 15 s engines did). It beats by the bucket's TTL: several beats in a
+    row land with no expiry between them."""
+    tokenizer = Tokenizer.from_file(str(default_model_dir(tmp_path) / "tokenizer.json"))
+    engine_id = model = f"bridge-{uuid.uuid4().hex[:8]}"
+    engine = SimEngine(SimConfig(id=engine_id, model=model, eos_token_id=1), tokenizer)
+    settings = make_settings(tmp_path, engine_ttl=30.0)
+    bridge = Bridge(session_bus.role(settings, "engine"), engine)
+    nc = await nats.connect(session_bus.watch)
+    kv = await bus.engines_kv(nc.jetstream(), settings)
+    assert (await kv.status()).ttl == 3.0  # as the session provisioned it
+    watch = await kv.watch(bus.token(engine_id), include_history=False)
+    stop = asyncio.Event()
+    running = asyncio.create_task(bridge.run(session_bus.url, stop))
+    try:
+        beats = 0
+        while beats < 4:
+            entry = await asyncio.wait_for(watch.updates(timeout=None), 30)
+            if entry is None:  # the (empty) snapshot's end
+                continue
+            assert entry.operation is None, f"the entry expired after {beats} beats"
+            beats += 1
+    finally:
+        stop.set()
+        await running
+        await watch.stop()
+        await nc.close()

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 
 from bench.vllm_serve import VllmServer, free_port, launched, server_command
-from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.conftest import Bus, Stack, make_settings, provisioned_bus, start_stack, wait_engines
 
 PYTHON_ENV = "TOKENWAY_TEST_VLLM_PYTHON"
 MODEL_ENV = "TOKENWAY_TEST_VLLM_MODEL"
@@ -121,9 +121,21 @@ class VllmStack:
         return self.stack.url
 
 
+# Not the suite's 3 s: here a CPU-bound vLLM shares two cores with NATS and every stage,
+# and a heartbeat late by seconds would fail requests as "engine gone". The registry keeps
+# the TTL its bucket was provisioned with, so the tier has a bus of its own.
+ENGINE_TTL = 15.0
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_bus(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Bus]:
+    async with provisioned_bus(tmp_path_factory.mktemp("vllm-bus"), engine_ttl=ENGINE_TTL) as b:
+        yield b
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_stack(
-    nats_url: str, vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
+    vllm_bus: Bus, vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[VllmStack]:
     """ingress, render, schedule, derender and a `VllmEngine` bridge, serving `tiny`."""
     from engines.bridge import Bridge
@@ -138,11 +150,11 @@ async def vllm_stack(
         reasoning_parser=REASONING_PARSER,
         vllm_url=vllm_server.url,
         engine_id="vllm-tier",
-        # Not the suite's 3 s: here a CPU-bound vLLM shares two cores with NATS and every
-        # stage, and a heartbeat late by seconds would fail requests as "engine gone".
-        engine_ttl=15.0,
+        engine_ttl=ENGINE_TTL,
     )
-    stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "derender"])
+    stack = await start_stack(
+        vllm_bus.observer, settings, ["ingress", "render", "schedule", "derender"]
+    )
     engines = vllm_engines(stack.settings, [SERVED_NAME])
     bridges = [Bridge(stack.role("engine"), engine) for engine in engines]
     stop = asyncio.Event()

@@ -45,7 +45,7 @@ from tokenway.errors import (
 from tokenway.limits import RequestLimits
 from tokenway.model import ModelInfo
 from tokenway.obfuscation import Permutation
-from tokenway.registry import EngineRegistry
+from tokenway.registry import EngineRegistry, bucket_ttl
 from tokenway.sse import framed
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import (
@@ -139,7 +139,9 @@ class ScheduleService:
         await self._writer.start()
         self.derenderer = self._backend if self._backend else Pool(nc, self.settings, self.model)
         kv = await bus.engines_kv(js, self.settings)
-        self.registry = EngineRegistry(kv, (self.model,), self.settings.engine_ttl)
+        self.registry = EngineRegistry(
+            kv, (self.model,), await bucket_ttl(kv, self.settings.engine_ttl)
+        )
         self.registry.on_removed.append(self._engine_gone)
         self.dispatcher = Dispatcher(
             nc, self.owner_id, self.registry, self.settings, self.obfuscation, self.model
