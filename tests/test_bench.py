@@ -129,7 +129,7 @@ async def test_tiny_batch_interference_benchmark_reports_both_runs() -> None:
 @in_session_loop
 @pytest.mark.timeout(120)
 async def test_a_tiny_soak_reports_every_process_and_its_growth() -> None:
-    args = argparse.Namespace(code=ROOT, minutes=0.1, warmup_minutes=0.02, clients=2,
+    args = argparse.Namespace(code=ROOT, minutes=0.06, warmup_minutes=0.02, clients=2,
                               sample=1.0, itl=0.001, json=None)  # fmt: skip
     report = await soak.run(args)
     assert report["requests"] > 0 and report["errors"] == {}, report["outcomes"]

@@ -93,7 +93,10 @@ async def test_a_stream_longer_than_the_owners_ack_wait_stays_with_its_owner(
     """Owners give up a request within `owner_ack_wait` of dying, so a live owner must keep
     acknowledging progress on every request it holds: a stream of several ack waits is
     never redelivered to another worker."""
-    settings = make_settings(tmp_path, owner_ack_wait=0.4, sim_itl=0.01)
+    # A model of its own: a request another test left queued for the default model would be
+    # this owner's to run first (with the session's stacks, 18 s of others' work).
+    settings = make_settings(tmp_path, owner_ack_wait=0.4, sim_itl=0.01,
+                             served_model_name=f"ack-wait-{tmp_path.name}")  # fmt: skip
     stack = await start_stack(nats_url, settings, ["ingress", "render", "schedule", "sim"])
     nc = await nats.connect(nats_url)
     try:

@@ -31,9 +31,9 @@ from tokenway.aio import Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-LEDGER = 4 << 20  # TW_OUT's bytes: the long stream's whole output is a fifth of it
+LEDGER = 4 << 20  # TW_OUT's bytes: the long stream's whole output is a tenth of it
 RESERVE = 0.5  # kept for what running requests still write once the flood is refused
-LONG = 1500  # tokens of the long stream: 15 s at 10 ms a token
+LONG = 800  # tokens of the long stream: 8 s at 10 ms a token
 FLOODERS = 8
 BATCH_LINES = 20
 
