@@ -8,7 +8,7 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeys, Unauthorized
 from ingress.batches import add_routes as batch_routes
+from ingress.body_rate import BodyRate
 from ingress.completions import (
     ANTHROPIC,
     CLIENT_REQUEST_ID,
@@ -82,6 +83,7 @@ class IngressContext:
     cors: Cors | None = None
     request_limits: RequestLimits = DEFAULT_LIMITS  # what one request may make us build
     ledger_room: LedgerRoom | None = None  # admits new requests while TW_OUT has room
+    body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))  # each client's pace
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -109,8 +111,9 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
         ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits, ctx.response_store,
         request_limits=ctx.request_limits,
-        quota=ctx.keys.quota, ledger_room=ctx.ledger_room,
+        quota=ctx.keys.quota, ledger_room=ctx.ledger_room, body_rate=ctx.body_rate,
     )  # fmt: skip
+    metrics.body_waiting.set_function(lambda: ctx.body_rate.waiting)
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 
     def openapi() -> dict[str, Any]:

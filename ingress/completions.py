@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 
+from ingress.body_rate import BodyRate
 from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.responses import Conversation, conversation, final_response
@@ -198,6 +199,7 @@ class Completions:
     # tenant → how many of its requests this ingress holds, from their queueing to their end
     running: Counter[str] = field(default_factory=Counter)
     request_limits: RequestLimits = DEFAULT_LIMITS  # what one request may make us build
+    body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))  # each client's pace
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -213,11 +215,16 @@ class Completions:
             wrong = MethodNotAllowed(f"{scope['method']} {scope['path']} is not allowed; use POST")
             await self.refuse(api, wrong, send, (b"allow", b"POST"), echo)
             return
+        client = tenant or (scope.get("client") or ("",))[0]  # whose pace the body keeps
         try:
-            if int(header(scope, b"content-length") or 0) > self.max_request_bytes:
+            length = int(header(scope, b"content-length") or 0)
+            if length > self.max_request_bytes:
                 raise _too_large(self.max_request_bytes)  # not a byte of it read
+            await self.body_rate.admit(client, length)
             async with asyncio.timeout(self.body_timeout):  # a half-sent body holds nothing
                 body = await _body(receive, self.max_request_bytes)
+            if not length and body:  # it did not say how long it was
+                self.body_rate.charge(client, len(body))
         except TooLarge as exc:
             await self.refuse(api, exc, send, echo)
             return

@@ -15,3 +15,7 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self.active = Gauge("tokenway_active_streams", "Open SSE streams", registry=self.registry)
+        self.body_waiting = Gauge(
+            "tokenway_bodies_waiting", "Request bodies waiting, unread, for their client's "
+            "--max-body-rate", registry=self.registry,
+        )  # fmt: skip

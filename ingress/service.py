@@ -13,6 +13,7 @@ import uvicorn
 
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
+from ingress.body_rate import BodyRate
 from ingress.connections import Guard, GuardedProtocol
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
@@ -73,6 +74,9 @@ class IngressService:
         # each request head's deadline, and the connections one address may hold
         self.guard = Guard(settings.header_timeout, settings.max_connections_per_address,
                            settings.max_header_bytes)  # fmt: skip
+        # each client's pace of request bodies: a bucket holds one largest body at least
+        rate = settings.max_body_rate
+        self.body_rate = BodyRate(rate, max(rate, settings.max_request_bytes))
         self.models = models
         self.ingress_id = settings.resolved_ingress_id()
         self.started = asyncio.Event()
@@ -122,6 +126,7 @@ class IngressService:
             cors=self.cors,
             request_limits=RequestLimits.of(self.settings),
             ledger_room=ledger_room,
+            body_rate=self.body_rate,
         )
         config = uvicorn.Config(
             create_app(ctx),

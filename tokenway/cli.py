@@ -639,6 +639,11 @@ def _http(p: argparse.ArgumentParser) -> None:
         help="seconds a client has to send its whole request body; later, a 408 (30)",
     )  # fmt: skip
     p.add_argument(
+        "--max-body-rate", type=int,
+        help="bytes a second of request bodies one client (tenant, or address without keys) "
+        "may send; faster, its next body waits unread (33554432; 0: no bound)",
+    )  # fmt: skip
+    p.add_argument(
         "--header-timeout", type=float,
         help="seconds a client has to send a request's whole head (request line and headers) "
         "from its first byte, or from connecting; later, a 408 and the connection closed (10)",

@@ -107,6 +107,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # max_payload, 8 MiB, with the request's envelope around it)
     max_request_bytes: PositiveInt = 8_000_000
     body_timeout: PositiveFloat = 30.0  # a request body not all there by then: a 408
+    # bytes a second of request bodies one client (its tenant, or its address where no key
+    # is asked for) may send; faster, its next body waits unread (`ingress.body_rate`; 0: no
+    # bound). A loop of 7 MB bodies kept the ingress busy at 300 MB/s; 32 MiB/s is room
+    # for 80 agent turns of 400 KB a second from one client
+    max_body_rate: NonNegativeInt = 32 << 20
     # what one request may make the process build (`tokenway.limits`), checked by ingress
     # and render before anything is templated, tokenized or compiled: past one, a 400
     max_tools: PositiveInt = 1024  # tools in one request (OpenAI's own cap: 128)
