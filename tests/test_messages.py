@@ -153,7 +153,7 @@ async def test_an_output_format_holds_the_text_to_its_schema(
     claude: anthropic.AsyncAnthropic, stack: Stack
 ) -> None:
     """Anthropic's structured outputs (`output_config.format`), held to by the engine as a
-    JSON schema; `output_config.effort` asks for thinking, as vLLM's route reads it."""
+    JSON schema."""
     schema = {"type": "object", "properties": {"name": {"type": "string"}},
               "required": ["name"], "additionalProperties": False}  # fmt: skip
     output = {"format": {"type": "json_schema", "schema": schema}}
@@ -161,13 +161,44 @@ async def test_an_output_format_holds_the_text_to_its_schema(
                                         extra_body={"output_config": output})  # fmt: skip
     assert [b.type for b in done.content] == ["text"]
     assert set(json.loads(done.content[0].text)) == {"name"}
-    effort = await claude.messages.create(
+
+
+# What Claude Code sends with thinking off: an effort, its betas, and no `thinking` (or a
+# disabled one).
+CLAUDE_CODE_BETAS = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                     "effort-2025-11-24", "anthropic-version": "2023-06-01"}  # fmt: skip
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "disabled"}], ids=["unsaid", "disabled"])
+async def test_an_effort_without_thinking_asks_for_no_thinking(
+    claude: anthropic.AsyncAnthropic, stack: Stack, thinking: dict[str, str] | None
+) -> None:
+    """Anthropic's `effort` shapes how much a model spends; thinking blocks come only where
+    `thinking` turns them on. (Reading effort as "think", a thinking-only reply left Claude
+    Code with nothing to show.)"""
+    ask = {"thinking": thinking} if thinking else {}
+    async with claude.messages.stream(
         model=stack.model,
-        max_tokens=40,
+        max_tokens=200,
         messages=HELLO,
+        extra_headers=CLAUDE_CODE_BETAS,
         extra_body={"output_config": {"effort": "high"}},
-    )
-    assert effort.content[0].type == "thinking"
+        **ask,  # type: ignore[arg-type]
+    ) as stream:
+        deltas = {e.delta.type async for e in stream if e.type == "content_block_delta"}
+        final = await stream.get_final_message()
+    assert deltas == {"text_delta"}, deltas
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text
+
+
+async def test_an_effort_with_thinking_on_thinks(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    done = await claude.messages.create(
+        model=stack.model, max_tokens=1100, messages=HELLO, thinking={"type": "adaptive"},
+        extra_headers=CLAUDE_CODE_BETAS, extra_body={"output_config": {"effort": "low"}},
+    )  # fmt: skip
+    assert [b.type for b in done.content] == ["thinking", "text"], done.content
 
 
 async def test_a_tool_use_loop(claude: anthropic.AsyncAnthropic, stack: Stack) -> None:

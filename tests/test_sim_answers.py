@@ -108,7 +108,7 @@ async def test_chat_thinking_without_a_budget_ends_before_the_answer(
     "ask",
     [{"thinking": {"type": "enabled", "budget_tokens": 1024}},
      {"thinking": {"type": "adaptive"}},
-     {"extra_body": {"output_config": {"effort": "high"}}}],
+     {"thinking": {"type": "adaptive"}, "extra_body": {"output_config": {"effort": "high"}}}],
     ids=["budget", "adaptive", "effort"],
 )  # fmt: skip
 async def test_messages_thinking_comes_before_a_text_block(

@@ -221,8 +221,12 @@ LEAST_BUDGET = 1024
 
 def _thinking(req: Messages) -> dict[str, Any] | None:
     """The template's switch: on for `enabled` or `adaptive`, off for `disabled`; unsaid,
-    on where `output_config` names an effort (as vLLM reads it), else the template's own
-    default. The client's own `chat_template_kwargs` win.
+    the template's own default. The client's own `chat_template_kwargs` win.
+
+    `output_config.effort` does not turn thinking on (vLLM reads it so): in Anthropic's API
+    it shapes how much a model spends, and thinking blocks come only where `thinking` asks
+    for them. Claude Code sends an effort with thinking off, and a thinking-only reply
+    leaves it nothing to show.
 
     vLLM's route maps `enabled` to the budget alone, so a template that thinks only when
     told (DeepSeek's) does not think there; here a client asking for thinking gets it."""
@@ -236,8 +240,6 @@ def _thinking(req: Messages) -> dict[str, Any] | None:
             raise InvalidRequest("thinking.budget_tokens must be less than max_tokens",
                                  param="thinking")  # fmt: skip
     switch = None if thinking is None else thinking_switch(thinking.type != "disabled")
-    if switch is None and req.output_config and req.output_config.effort:
-        switch = thinking_switch(True)
     return template_kwargs(switch, req.chat_template_kwargs)
 
 
