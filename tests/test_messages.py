@@ -241,6 +241,54 @@ async def test_a_tool_use_loop(claude: anthropic.AsyncAnthropic, stack: Stack) -
     assert counted.input_tokens > short.input_tokens > 0
 
 
+@pytest.mark.parametrize("tool", [
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+    {"type": "web_fetch_20250910", "name": "web_fetch", "max_uses": 3},
+    {"type": "code_execution_20250825", "name": "code_execution"},
+    {"type": "computer_20250124", "name": "computer", "display_width_px": 1024,
+     "display_height_px": 768},
+])  # fmt: skip
+async def test_a_tool_anthropic_runs_is_refused_by_name(
+    claude: anthropic.AsyncAnthropic, stack: Stack, tool: dict[str, object]
+) -> None:
+    """Server tools run on Anthropic's side, and a computer needs screenshots: a deployment
+    of a text model runs neither, so the request says which tool, in Anthropic's shape,
+    rather than a model answering as if it had searched."""
+    for ask in (claude.messages.create, claude.messages.count_tokens):
+        extra = {"max_tokens": 20} if ask == claude.messages.create else {}
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await ask(model=stack.model, messages=HELLO, tools=[WEATHER, tool],  # type: ignore[list-item]
+                      extra_headers=CLAUDE_CODE_BETAS, **extra)  # fmt: skip
+        assert bad.value.body["type"] == "error"
+        assert bad.value.body["error"]["type"] == "invalid_request_error"
+        message = bad.value.body["error"]["message"]
+        assert "tools[1]" in message and repr(tool["type"]) in message, message
+        assert "not served" in message, message
+
+
+@pytest.mark.parametrize(("tool", "wants"), [
+    ({"type": "bash_20250124", "name": "bash"}, {"command"}),
+    ({"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+     {"command", "path"}),
+])  # fmt: skip
+async def test_anthropics_client_tools_are_served_with_their_schema(
+    claude: anthropic.AsyncAnthropic, stack: Stack, tool: dict[str, str], wants: set[str]
+) -> None:
+    """Anthropic's client tools (run by the client, as any tool) come without a schema,
+    which Anthropic knows: tokenway gives the template the same, so the model's call has
+    the input the client expects."""
+    forced = {"type": "tool", "name": tool["name"]}
+    done = await claude.messages.create(model=stack.model, max_tokens=300, messages=HELLO,
+                                        tools=[tool], tool_choice=forced)  # type: ignore[list-item]  # fmt: skip
+    (call,) = [b for b in done.content if b.type == "tool_use"]
+    assert call.name == tool["name"] and wants <= set(call.input), call.input
+    assert isinstance(call.input["command"], str)
+    counted = await claude.messages.count_tokens(model=stack.model, messages=HELLO,
+                                                 tools=[tool])  # type: ignore[list-item]  # fmt: skip
+    bare = await claude.messages.count_tokens(model=stack.model, messages=HELLO)
+    assert counted.input_tokens > bare.input_tokens
+
+
 async def test_a_stop_sequence_ends_the_message_and_is_named(
     claude: anthropic.AsyncAnthropic, stack: Stack
 ) -> None:
@@ -269,6 +317,10 @@ async def test_errors_come_in_anthropics_shape(
     async with httpx.AsyncClient(base_url=stack.url) as http:
         no_max = await http.post("/v1/messages", json={"model": stack.model, "messages": HELLO})
     assert no_max.status_code == 400 and no_max.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as schemaless:
+        await claude.messages.create(model=stack.model, max_tokens=10, messages=HELLO,
+                                     tools=[{"name": "look"}])  # type: ignore[typeddict-item]  # fmt: skip
+    assert "tools[0].input_schema" in schemaless.value.body["error"]["message"]
 
 
 async def test_a_key_is_taken_from_x_api_key(stack: Stack, tmp_path: Path) -> None:

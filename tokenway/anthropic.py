@@ -61,9 +61,9 @@ class InputMessage(Struct, kw_only=True):
 
 class ToolDef(Struct, kw_only=True):
     name: str
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # a custom tool's; Anthropic's typed ones have none
     description: str | None = None
-    type: str | None = None  # "custom", or absent; server tools are not served here
+    type: str | None = None  # "custom" or absent, or one of Anthropic's (`bash_20250124`)
     strict: bool | None = None
 
 
@@ -201,18 +201,64 @@ def _messages(req: Messages) -> list[Message]:
     return out
 
 
+# Anthropic's client tools: typed, without a schema (its models know it), run by the client
+# as any tool. A template needs the schema, so the same interface is written out here.
+_BASH = ("Run a command in a persistent bash session.", {
+    "type": "object", "required": ["command"], "properties": {
+        "command": {"type": "string", "description": "The command to run."},
+        "restart": {"type": "boolean", "description": "Restart the session instead."},
+    },
+})  # fmt: skip
+_EDITS = ["view", "create", "str_replace", "insert"]
+_EDITOR_PROPERTIES = {
+    "path": {"type": "string", "description": "The file or directory, an absolute path."},
+    "file_text": {"type": "string", "description": "create: the new file's text."},
+    "old_str": {"type": "string", "description": "str_replace: the text to replace, once."},
+    "new_str": {"type": "string", "description": "str_replace, insert: the new text."},
+    "insert_line": {"type": "integer", "description": "insert: after this line (0: first)."},
+    "view_range": {"type": "array", "items": {"type": "integer"},
+                   "description": "view: the first and last line (-1: to the end)."},
+}  # fmt: skip
+
+
+def _editor(edits: list[str]) -> tuple[str, dict[str, Any]]:
+    command = {"type": "string", "enum": edits, "description": "What to do."}
+    return ("View, create and edit text files.", {"type": "object",
+            "required": ["command", "path"], "properties": {"command": command,
+                                                            **_EDITOR_PROPERTIES}})  # fmt: skip
+
+
+CLIENT_TOOLS = {
+    "bash_20241022": _BASH, "bash_20250124": _BASH,
+    "text_editor_20241022": _editor([*_EDITS, "undo_edit"]),
+    "text_editor_20250124": _editor([*_EDITS, "undo_edit"]),
+    "text_editor_20250429": _editor(_EDITS), "text_editor_20250728": _editor(_EDITS),
+}  # fmt: skip
+# Tools Anthropic's servers run (the model's call and its result both come from there).
+SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
+
+
+def _tool(i: int, t: ToolDef) -> Tool:
+    """A tool as a function the template shows: a custom one, or an Anthropic client tool
+    with its known schema; server tools and the computer tool are refused by name."""
+    description, schema = t.description, t.input_schema
+    if t.type in CLIENT_TOOLS:
+        description, schema = CLIENT_TOOLS[t.type]
+    elif t.type not in (None, "custom"):
+        why = ("a server tool (Anthropic runs it); server tools are not served here"
+               if t.type.startswith(SERVER_TOOLS) else "not served here")  # fmt: skip
+        raise InvalidRequest(f"tools[{i}]: {t.type!r} ({t.name!r}) is {why}: give a custom "
+                             "tool (name, input_schema) and run it yourself",
+                             param="tools")  # fmt: skip
+    elif schema is None:
+        raise InvalidRequest(f"tools[{i}].input_schema: a custom tool ({t.name!r}) needs one",
+                             param="tools")  # fmt: skip
+    return Tool(function=FunctionDef(name=t.name, description=description, parameters=schema,
+                                     strict=t.strict))  # fmt: skip
+
+
 def _tools(req: Messages) -> list[Tool] | None:
-    if not req.tools:
-        return None
-    for t in req.tools:
-        if t.type not in (None, "custom"):
-            raise InvalidRequest(
-                f"tool {t.name!r}: {t.type!r} tools are not served here; give custom tools "
-                "(name, input_schema)", param="tools",
-            )  # fmt: skip
-    return [Tool(function=FunctionDef(name=t.name, description=t.description,
-                                      parameters=t.input_schema, strict=t.strict))
-            for t in req.tools]  # fmt: skip
+    return [_tool(i, t) for i, t in enumerate(req.tools)] if req.tools else None
 
 
 # Anthropic's least thinking budget (vLLM's `/v1/messages` holds to it as well).
