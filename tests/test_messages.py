@@ -289,6 +289,58 @@ async def test_anthropics_client_tools_are_served_with_their_schema(
     assert counted.input_tokens > bare.input_tokens
 
 
+def _after_a_call(result: dict[str, object]) -> list[dict[str, object]]:
+    """A conversation whose last turn is a tool_result, as Claude Code sends one back."""
+    call = {"type": "tool_use", "id": "toolu_01", "name": "get_weather",
+            "input": {"city": "Paris", "days": 1}}  # fmt: skip
+    return [*HELLO, {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                          **result}]}]  # fmt: skip
+
+
+async def test_a_tool_result_of_text_blocks_is_their_lines(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """Claude Code sends a tool's output as text blocks: the tool message is their text, a
+    block a line (as vLLM's route joins them), not the blocks run together."""
+    blocks = [{"type": "text", "text": "Sunny"}, {"type": "text", "text": "21C"}]
+    as_blocks = await claude.messages.count_tokens(
+        model=stack.model, tools=[WEATHER], messages=_after_a_call({"content": blocks})
+    )
+    as_lines = await claude.messages.count_tokens(
+        model=stack.model, tools=[WEATHER], messages=_after_a_call({"content": "Sunny\n21C"})
+    )
+    assert as_blocks.input_tokens == as_lines.input_tokens
+    done = await claude.messages.create(model=stack.model, max_tokens=10, tools=[WEATHER],
+                                        messages=_after_a_call({"content": blocks}))  # fmt: skip
+    assert done.content
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
+DOCUMENT = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                           "data": "JVBE"}, "title": "spec.pdf"}  # fmt: skip
+
+
+@pytest.mark.parametrize("block", [IMAGE, DOCUMENT], ids=["image", "document"])
+async def test_an_image_or_document_is_refused_by_name_where_it_stands(
+    claude: anthropic.AsyncAnthropic, stack: Stack, block: dict[str, object]
+) -> None:
+    """Images and documents need a multimodal render (not yet): a 400 in Anthropic's shape
+    that names the block and where it is, in a tool's result or in the user's turn."""
+    text = {"type": "text", "text": "Here it is."}
+    for messages, where in (
+        (_after_a_call({"content": [text, block]}), "messages[2].content[0].content[1]"),
+        ([{"role": "user", "content": [text, block]}], "messages[0].content[1]"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await claude.messages.create(model=stack.model, max_tokens=10, tools=[WEATHER],
+                                         messages=messages)  # type: ignore[arg-type]  # fmt: skip
+        assert bad.value.body["error"]["type"] == "invalid_request_error"
+        message = bad.value.body["error"]["message"]
+        assert message.startswith(f"{where}: ") and repr(block["type"]) in message, message
+        assert "text only" in message, message
+
+
 async def test_a_stop_sequence_ends_the_message_and_is_named(
     claude: anthropic.AsyncAnthropic, stack: Stack
 ) -> None:

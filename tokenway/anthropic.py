@@ -127,17 +127,29 @@ class CountTokensRequest(Struct, kw_only=True):
 Messages = MessagesRequest | CountTokensRequest
 
 
-def _text(blocks: str | list[Block] | None, where: str) -> str:
-    """The text of a string or of text blocks."""
+# Blocks a multimodal render would show; this one renders text only, so they are refused.
+_MEDIA = ("image", "document")
+
+
+def _not_text(where: str, b: Block, served: str) -> InvalidRequest:
+    if b.type in _MEDIA:
+        return InvalidRequest(f"{where}: {b.type!r} blocks are not served here (images and "
+                              "documents need a multimodal render; this deployment takes "
+                              "text only)", param=where)  # fmt: skip
+    return InvalidRequest(f"{where}: only {served} blocks are served here, not {b.type!r}",
+                          param=where)  # fmt: skip
+
+
+def _text(blocks: str | list[Block] | None, where: str, sep: str = "") -> str:
+    """The text of a string or of text blocks (joined by `sep`)."""
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
     parts = []
-    for b in blocks:
+    for i, b in enumerate(blocks):
         if b.type != "text":
-            raise InvalidRequest(f"{where}: only text blocks are served here, not {b.type!r}",
-                                 param=where)  # fmt: skip
+            raise _not_text(f"{where}[{i}]", b, "text")
         parts.append(b.text or "")
-    return "".join(parts)
+    return sep.join(parts)
 
 
 def _assistant(content: str | list[Block], where: str) -> Message:
@@ -175,13 +187,13 @@ def _user(content: str | list[Block], where: str) -> list[Message]:
             if not b.tool_use_id:
                 raise InvalidRequest(f"{where}[{i}]: a tool_result block needs its tool_use_id",
                                      param=where)  # fmt: skip
-            result = _text(b.content, f"{where}[{i}].content")
+            # a block a line, as vLLM's route joins them (run together, two outputs merge)
+            result = _text(b.content, f"{where}[{i}].content", sep="\n")
             results.append(Message(role="tool", tool_call_id=b.tool_use_id, content=result))
         elif b.type == "text":
             text.append(b.text or "")
         else:
-            raise InvalidRequest(f"{where}[{i}]: only text and tool_result blocks are served "
-                                 f"here, not {b.type!r}", param=where)  # fmt: skip
+            raise _not_text(f"{where}[{i}]", b, "text and tool_result")
     return results + ([Message(role="user", content="".join(text))] if text else [])
 
 
