@@ -322,7 +322,7 @@ async def test_a_stream_resumes_as_it_was_sent(stack: Stack) -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"max_tool_calls": 1}, "max_tool_calls"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "local_shell"}]}, "tools"),
 ])  # fmt: skip
 async def test_what_is_not_served_is_refused_by_name(
     client: openai.AsyncOpenAI, stack: Stack, extra: dict[str, object], param: str

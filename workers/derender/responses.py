@@ -15,7 +15,15 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
-from tokenway.responses import COMPLETED, RESPONSE_ID_PREFIX
+from tokenway.responses import (
+    COMPLETED,
+    CUSTOM_INPUT,
+    PRIVATE,
+    RESPONSE_ID_PREFIX,
+    CallName,
+    call_names,
+    sealed,
+)
 from tokenway.wire import OutputContext
 from workers.derender import tools
 from workers.derender.chunks import Out
@@ -25,10 +33,13 @@ from workers.derender.tools import ToolCallDelta
 _json = msgspec.json.Encoder()
 
 
+_CALL_ID_PREFIXES = {"function_call": "fc", "custom_tool_call": "ctc"}
+
+
 def _item_id(ctx: OutputContext, kind: str, call_id: str = "") -> str:
     """An output item's id, the same whether a stream opens it or the response holds it."""
-    if kind == "function_call":
-        return f"fc_{call_id}"
+    if kind in _CALL_ID_PREFIXES:
+        return f"{_CALL_ID_PREFIXES[kind]}_{call_id}"
     rid = ctx.response_id.removeprefix(RESPONSE_ID_PREFIX)
     return f"{'rs' if kind == 'reasoning' else 'msg'}_{rid}"
 
@@ -37,17 +48,14 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
     """The whole response (a request that did not stream); `out.tool_calls` assembled."""
     output: list[dict[str, Any]] = []
     if out.reasoning:
-        output.append({"type": "reasoning", "id": _item_id(ctx, "reasoning"), "summary": [],
-                       "content": [{"type": "reasoning_text", "text": out.reasoning}]})  # fmt: skip
+        output.append(_reasoning_item(ctx, out.reasoning))
     if out.text or not (out.reasoning or out.tool_calls):  # as vLLM: no message without text
         text = {"type": "output_text", "text": out.text, "annotations": []}
         output.append({"type": "message", "id": _item_id(ctx, "message"), "status": "completed",
                        "role": "assistant", "content": [text]})  # fmt: skip
+    names = _names(ctx)
     for call in out.tool_calls:
-        function = call["function"]
-        output.append({"type": "function_call", "id": _item_id(ctx, "function_call", call["id"]),
-                       "call_id": call["id"], "name": function["name"],
-                       "arguments": function["arguments"], "status": "completed"})  # fmt: skip
+        output.append(_call_item(ctx, names, call["id"], call["function"]))
     cut = out.finish_reason == "length"
     return _json.encode({
         **_echoed(ctx),
@@ -65,7 +73,63 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
 
 def _echoed(ctx: OutputContext) -> dict[str, Any]:
     """The request's fields its response repeats."""
-    return _decode.decode(ctx.response_fields) if ctx.response_fields else {}
+    echoed = _decode.decode(ctx.response_fields) if ctx.response_fields else {}
+    echoed.pop(PRIVATE, None)
+    return echoed
+
+
+def _private(ctx: OutputContext) -> dict[str, Any]:
+    """What render put in the echoed fields for derender alone."""
+    return _decode.decode(ctx.response_fields).get(PRIVATE, {}) if ctx.response_fields else {}
+
+
+def _summarized(ctx: OutputContext) -> bool:
+    """Whether the request asked for a reasoning summary (`reasoning.summary`)."""
+    return bool((_echoed(ctx).get("reasoning") or {}).get("summary"))
+
+
+def _reasoning_item(ctx: OutputContext, text: str) -> dict[str, Any]:
+    """The reasoning item: the reasoning as its content; as its summary too when one is asked
+    for (there is no shorter one to give, and Codex shows only summaries); `sealed` as its
+    `encrypted_content` when `include` asks for that, for a stateless client to send back."""
+    summary = [{"type": "summary_text", "text": text}] if _summarized(ctx) else []
+    item = {"type": "reasoning", "id": _item_id(ctx, "reasoning"), "summary": summary,
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+    if _private(ctx).get("sealed_reasoning"):
+        item["encrypted_content"] = sealed(text)
+    return item
+
+
+def _names(ctx: OutputContext) -> dict[str, CallName]:
+    """What each shown function's calls are (`tokenway.responses.call_names`)."""
+    return call_names(_echoed(ctx).get("tools") or [])
+
+
+def _call_item(
+    ctx: OutputContext, names: dict[str, CallName], call_id: str, function: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole call's output item: a function call (in its namespace), or a custom tool's
+    call with its input, as its tool makes them."""
+    called = names.get(function["name"], CallName(function["name"]))
+    kind = "custom_tool_call" if called.custom else "function_call"
+    item = {"type": kind, "id": _item_id(ctx, kind, call_id), "call_id": call_id,
+            "name": called.name}  # fmt: skip
+    if called.namespace:
+        item["namespace"] = called.namespace
+    if called.custom:
+        return {**item, "input": _custom_input(function["arguments"])}
+    return {**item, "arguments": function["arguments"], "status": "completed"}
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input: the one string its function was called with (arguments that
+    are not that: as they are)."""
+    try:
+        given = _decode.decode(arguments)
+    except msgspec.DecodeError:
+        return arguments
+    text = given.get(CUSTOM_INPUT) if isinstance(given, dict) else None
+    return text if isinstance(text, str) else arguments
 
 
 def _shell(ctx: OutputContext, status: str) -> dict[str, Any]:
@@ -79,8 +143,9 @@ def _shell(ctx: OutputContext, status: str) -> dict[str, Any]:
 class _Events:
     """A stream's events of one delta, numbered on from where the stream was."""
 
-    def __init__(self, opened: Opened) -> None:
+    def __init__(self, opened: Opened, summarized: bool) -> None:
         self.opened = opened
+        self.summarized = summarized  # a reasoning item has its summary part
         self.docs: list[bytes] = []
 
     def add(self, kind: str, **fields: Any) -> None:
@@ -92,6 +157,9 @@ class _Events:
         """An output item begins (a message or reasoning: with its one content part)."""
         self.add("response.output_item.added", output_index=index, item=item)
         part = _PARTS.get(item["type"])
+        if item["type"] == "reasoning" and self.summarized:
+            self.add("response.reasoning_summary_part.added", item_id=item["id"],
+                     output_index=index, summary_index=0, part=_SUMMARY)  # fmt: skip
         if part is not None:
             self.add("response.content_part.added", item_id=item["id"], output_index=index,
                      content_index=0, part=part)  # fmt: skip
@@ -99,6 +167,7 @@ class _Events:
 
 _PARTS = {"message": {"type": "output_text", "text": "", "annotations": []},
           "reasoning": {"type": "reasoning_text", "text": ""}}  # fmt: skip
+_SUMMARY = {"type": "summary_text", "text": ""}
 
 
 def _item_shell(ctx: OutputContext, kind: str, call: ToolCallDelta | None) -> dict[str, Any]:
@@ -108,10 +177,18 @@ def _item_shell(ctx: OutputContext, kind: str, call: ToolCallDelta | None) -> di
         if kind == "reasoning":
             return {**shell, "summary": [], "content": []}
         return {**shell, "status": "in_progress", "role": "assistant", "content": []}
-    called = _call_id(ctx, call)
     name = call.function.name if call.function and call.function.name else ""
-    return {"type": kind, "id": _item_id(ctx, kind, called), "call_id": called, "name": name,
-            "arguments": "", "status": "in_progress"}  # fmt: skip
+    item = _call_item(ctx, _names(ctx), _call_id(ctx, call), {"name": name, "arguments": ""})
+    return {**item, "status": "in_progress"} if kind == "function_call" else item
+
+
+def _call_kind(ctx: OutputContext, opened: Opened, call: ToolCallDelta) -> str:
+    """The item a call's delta adds to: its first delta names the function, the rest add
+    to the call it opened."""
+    if call.function is None or not call.function.name:
+        return opened.kind if opened.call == call.index else "function_call"
+    custom = _names(ctx).get(call.function.name, CallName("")).custom
+    return "custom_tool_call" if custom else "function_call"
 
 
 def _call_id(ctx: OutputContext, call: ToolCallDelta) -> str:
@@ -125,7 +202,7 @@ def events(
     """A streamed delta's events, and the open item after them. `final`: on the last delta,
     the whole response (as a request that did not stream gets it), whose items the closing
     events hold."""
-    e = _Events(opened)
+    e = _Events(opened, _summarized(ctx))
     if first:
         e.add("response.created", response=_shell(ctx, "in_progress"))
         e.add("response.in_progress", response=_shell(ctx, "in_progress"))
@@ -133,13 +210,18 @@ def events(
         item = _switch(e, ctx, "reasoning")
         e.add("response.reasoning_text.delta", item_id=item, output_index=e.opened.index,
               content_index=0, delta=out.reasoning)  # fmt: skip
+        if _summarized(ctx):
+            e.add("response.reasoning_summary_text.delta", item_id=item,
+                  output_index=e.opened.index, summary_index=0, delta=out.reasoning)  # fmt: skip
     if out.text:
         item = _switch(e, ctx, "message")
         e.add("response.output_text.delta", item_id=item, output_index=e.opened.index,
               content_index=0, delta=out.text, logprobs=[])  # fmt: skip
     for call in out.tool_calls:
-        item = _switch(e, ctx, "function_call", call)
-        if call.function is not None and call.function.arguments:
+        kind = _call_kind(ctx, e.opened, call)
+        item = _switch(e, ctx, kind, call)
+        # a custom tool's input is whole at its end (its deltas are of the JSON around it)
+        if kind == "function_call" and call.function is not None and call.function.arguments:
             e.add("response.function_call_arguments.delta", item_id=item,
                   output_index=e.opened.index, delta=call.function.arguments)  # fmt: skip
     if final is not None:
@@ -157,21 +239,34 @@ def _switch(e: _Events, ctx: OutputContext, kind: str, call: ToolCallDelta | Non
     return _item_id(ctx, kind, _call_id(ctx, call) if call else "")
 
 
+def _emptied(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as it is added before its text: without it."""
+    if item["type"] == "reasoning":
+        return {**item, "summary": [], "content": []}
+    return {**item, "content": []} if "content" in item else item
+
+
 def _close(e: _Events, response: dict[str, Any]) -> None:
     """The closing events: each item's end, whole (items no delta opened begin here too),
     then the response's."""
     for index, item in enumerate(response["output"]):
         if index > e.opened.index:
-            e.open(index, {**item, "content": []} if "content" in item else item)
+            e.open(index, _emptied(item))
         ids = {"item_id": item["id"], "output_index": index}
         if item["type"] == "reasoning":
             text = item["content"][0]["text"]
             e.add("response.reasoning_text.done", **ids, content_index=0, text=text)
             e.add("response.content_part.done", **ids, content_index=0, part=item["content"][0])
+            for part in item["summary"]:
+                e.add("response.reasoning_summary_text.done", **ids, summary_index=0,
+                      text=part["text"])  # fmt: skip
+                e.add("response.reasoning_summary_part.done", **ids, summary_index=0, part=part)
         elif item["type"] == "message":
             text = item["content"][0]["text"]
             e.add("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
             e.add("response.content_part.done", **ids, content_index=0, part=item["content"][0])
+        elif item["type"] == "custom_tool_call":
+            e.add("response.custom_tool_call_input.done", **ids, input=item["input"])
         else:
             e.add("response.function_call_arguments.done", **ids, name=item["name"],
                   arguments=item["arguments"])  # fmt: skip
