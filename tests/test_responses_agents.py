@@ -89,6 +89,14 @@ async def streamed(http: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[s
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
 
 
+async def both_ways(client: openai.AsyncOpenAI, asks: dict[str, Any]) -> tuple[Any, list[Any], Any]:
+    """A request's response unstreamed, and streamed: its events and final response."""
+    whole = await client.responses.create(**asks)
+    async with client.responses.stream(**asks) as stream:
+        events = [event async for event in stream]
+        return whole, events, await stream.get_final_response()
+
+
 async def refused(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
     """The 400's error object a body is answered with."""
     resp = await http.post("/v1/responses", json={**body, "stream": False})
@@ -117,10 +125,7 @@ async def test_a_namespaced_function_is_called_by_its_name_in_its_namespace(
         asks = {"model": stack.model, "input": "Start a helper.", "tools": CODEX_TOOLS,
                 "tool_choice": {"type": "function", "name": chosen}, "store": False,
                 "max_output_tokens": 200}  # fmt: skip
-        whole = await client.responses.create(**asks)
-        async with client.responses.stream(**asks) as stream:
-            events = [event async for event in stream]
-            final = await stream.get_final_response()
+        whole, events, final = await both_ways(client, asks)
         for done in (whole, final):
             (call,) = [item for item in done.output if item.type == "function_call"]
             assert (call.name, call.namespace) == ("spawn_agent", "agents"), call
@@ -185,3 +190,142 @@ async def test_hosted_calls_replayed_as_history_are_taken(
              "action": {"type": "exec", "command": ["ls"], "env": {}}}  # fmt: skip
     error = await refused(http, codex_body(stack, input=[*history, shell]))
     assert "local_shell_call" in error["message"] and error["param"] == "input[4]", error
+
+
+async def prompt_of(http: httpx.AsyncClient, stack: Stack, response_id: str) -> str:
+    """The prompt the engine was given for a response, as text."""
+    (work,) = [w for b in stack.by_name["engine"] for w in b.engine.received
+               if w.request_id == response_id.removeprefix("resp_")]  # fmt: skip
+    back = await http.post("/detokenize", json={"tokens": work.token_ids})
+    return back.json()["prompt"]
+
+
+def called(stack: Stack, call: dict[str, Any], output: Any) -> dict[str, Any]:
+    """A body that sends back a call and its output, as the next turn's input."""
+    kind = "custom_tool_call_output" if call["type"] == "custom_tool_call" else (
+        "function_call_output")  # fmt: skip
+    return {"model": stack.model, "tools": [SHELL, APPLY_PATCH], "store": False,
+            "max_output_tokens": 8, "input": [
+                {"role": "user", "content": "List the files."}, call,
+                {"type": kind, "call_id": call["call_id"], "output": output}]}  # fmt: skip
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "shell",
+        "arguments": '{"command": ["ls"]}'}  # fmt: skip
+
+
+async def test_a_tool_output_of_text_parts_is_their_text(
+    http: httpx.AsyncClient, stack: Stack
+) -> None:
+    """`function_call_output.output` as `input_text` parts, as Codex and the Agents SDK may
+    send it: the model reads their text."""
+    parts = [
+        {"type": "input_text", "text": "README.md\n"},
+        {"type": "input_text", "text": "setup.py"},
+    ]
+    done = await http.post("/v1/responses", json=called(stack, CALL, parts))
+    assert done.status_code == 200, done.text
+    assert "README.md\nsetup.py" in await prompt_of(http, stack, done.json()["id"])
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=", "detail": "auto"},
+    {"type": "input_file", "file_id": "file-1"},
+])  # fmt: skip
+async def test_a_tool_output_of_an_image_or_file_is_refused_by_name(
+    http: httpx.AsyncClient, stack: Stack, part: dict[str, Any]
+) -> None:
+    """Images and files need multimodal input, which is not served yet: a 400 naming the
+    part, not one about the output's type."""
+    parts = [{"type": "input_text", "text": "A screenshot:"}, part]
+    resp = await http.post("/v1/responses", json=called(stack, CALL, parts))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert part["type"] in error["message"] and error["param"] == "input[2].output", error
+
+
+async def test_a_reasoning_summary_is_the_reasoning(
+    client: openai.AsyncOpenAI, stack: Stack
+) -> None:
+    """`reasoning.summary` asked: the reasoning item's summary holds its reasoning (Codex
+    shows summaries only), whole and streamed; `text.verbosity` is echoed."""
+    asks = {"model": stack.model, "input": "Describe a city.", "store": False,
+            "reasoning": {"effort": "high", "summary": "auto"}, "max_output_tokens": 300,
+            "text": {"verbosity": "low"}}  # fmt: skip
+    whole, events, final = await both_ways(client, asks)
+    for done in (whole, final):
+        (thought,) = [item for item in done.output if item.type == "reasoning"]
+        assert [s.text for s in thought.summary] == [thought.content[0].text], thought
+        assert done.text.verbosity == "low" and done.reasoning.summary == "auto"
+    deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(deltas) == thought.content[0].text
+    kinds = [e.type for e in events]
+    assert kinds.count("response.reasoning_summary_part.added") == 1
+    assert kinds.count("response.reasoning_summary_part.done") == 1
+    unasked = await client.responses.create(**{**asks, "reasoning": {"effort": "high"}})
+    assert unasked.output[0].type == "reasoning" and unasked.output[0].summary == []
+
+
+async def test_encrypted_reasoning_goes_back_as_the_reasoning(
+    http: httpx.AsyncClient, stack: Stack
+) -> None:
+    """`include: ["reasoning.encrypted_content"]` (Codex, with store: false): the reasoning
+    item carries it, and the item sent back with only that is the turn's reasoning again."""
+    body = codex_body(stack, stream=False, tools=[SHELL], max_output_tokens=300,
+                      tool_choice={"type": "function", "name": "shell"})  # fmt: skip
+    resp = await http.post("/v1/responses", json=body)
+    assert resp.status_code == 200, resp.text
+    thought, call = resp.json()["output"][:2]
+    assert thought["type"] == "reasoning" and thought["encrypted_content"], thought
+    reasoning = thought["content"][0]["text"]
+    assert reasoning not in thought["encrypted_content"]
+    sent_back = {"type": "reasoning", "id": thought["id"], "summary": [],
+                 "encrypted_content": thought["encrypted_content"]}  # fmt: skip
+    again = await http.post(
+        "/v1/responses",
+        json={
+            **called(stack, call, "README.md"),
+            "input": [
+                {"role": "user", "content": "List the files."},
+                sent_back,
+                call,
+                {"type": "function_call_output", "call_id": call["call_id"], "output": "README.md"},
+            ],
+        },
+    )
+    assert again.status_code == 200, again.text  # what it reads back: tests/tokenway
+    unasked = await http.post("/v1/responses", json={**body, "include": []})
+    assert "encrypted_content" not in unasked.json()["output"][0]
+
+
+APPLY_PATCH = {
+    "type": "custom", "name": "apply_patch", "description": "Applies a patch to files.",
+    "format": {"type": "grammar", "syntax": "lark",
+               "definition": 'start: "*** Begin Patch" /(.|\\n)*/ "*** End Patch"'},
+}  # fmt: skip
+
+
+async def test_a_custom_tool_is_called_with_its_input(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient, stack: Stack
+) -> None:
+    """A custom (freeform) tool is shown as a function of one string, as vLLM shows it; its
+    call is a `custom_tool_call` item holding that string, whole or streamed, and sent back
+    with its output it is that call in history."""
+    asks = {"model": stack.model, "input": "Fix the typo.", "tools": [SHELL, APPLY_PATCH],
+            "tool_choice": {"type": "custom", "name": "apply_patch"}, "store": False,
+            "max_output_tokens": 200}  # fmt: skip
+    whole, events, final = await both_ways(client, asks)
+    for done in (whole, final):
+        (call,) = [item for item in done.output if item.type == "custom_tool_call"]
+        assert call.name == "apply_patch" and isinstance(call.input, str), call
+        assert not call.input.startswith("{"), call.input  # the string, not its JSON
+    (added,) = [e.item for e in events if e.type == "response.output_item.added"
+                and e.item.type != "reasoning"]  # fmt: skip
+    assert (added.type, added.name) == ("custom_tool_call", "apply_patch")
+    (input_done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert input_done.input == call.input
+    body = called(stack, call.model_dump(exclude_none=True), "Done.")
+    answered = await http.post("/v1/responses", json=body)
+    assert answered.status_code == 200, answered.text
+    prompt = await prompt_of(http, stack, answered.json()["id"])
+    assert json.dumps(call.input)[1:-1][:30] in prompt and "Done." in prompt
