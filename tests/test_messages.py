@@ -316,6 +316,61 @@ async def test_a_tool_result_of_text_blocks_is_their_lines(
     assert done.content
 
 
+async def test_a_failed_tool_call_reaches_the_model_as_a_failure(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """`is_error: true` is a line the template shows: the tool message reads `Error: ...`,
+    so the model knows its call failed rather than that the tool said so."""
+    said = "city not found"
+    failed = await claude.messages.count_tokens(model=stack.model, tools=[WEATHER],
+        messages=_after_a_call({"content": said, "is_error": True}))  # fmt: skip
+    marked = await claude.messages.count_tokens(model=stack.model, tools=[WEATHER],
+        messages=_after_a_call({"content": f"Error: {said}"}))  # fmt: skip
+    plain = await claude.messages.count_tokens(model=stack.model, tools=[WEATHER],
+        messages=_after_a_call({"content": said, "is_error": False}))  # fmt: skip
+    assert failed.input_tokens == marked.input_tokens > plain.input_tokens
+
+
+async def test_cache_control_is_taken_and_usage_says_what_was_cached(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """Claude Code marks its system, tools and last turn with `cache_control`: a hint here
+    (the engine caches prefixes by itself), and `usage` carries Anthropic's cache fields,
+    0 while no engine reports its prefix-cache hits to tokenway."""
+    ephemeral = {"type": "ephemeral"}
+    ask = {
+        "model": stack.model, "max_tokens": 16, "extra_headers": CLAUDE_CODE_BETAS,
+        "system": [{"type": "text", "text": "You are a coding agent."},
+                   {"type": "text", "text": "Be brief.", "cache_control": ephemeral}],
+        "tools": [{**WEATHER, "cache_control": ephemeral}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Describe a city.", "cache_control": ephemeral}]}],
+    }  # fmt: skip
+    done = await claude.messages.create(**ask)  # type: ignore[arg-type]
+    async with claude.messages.stream(**ask) as stream:  # type: ignore[arg-type]
+        started = [e.message.usage async for e in stream if e.type == "message_start"]
+    for usage in (done.usage, started[0]):
+        assert usage.cache_read_input_tokens == 0 and usage.cache_creation_input_tokens == 0
+        assert usage.input_tokens > 0
+
+
+async def test_redacted_thinking_sent_back_is_taken_and_left_out(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """A `redacted_thinking` block's data is opaque: a client may send it back with the
+    turn it came in, and the prompt is the turn without it."""
+    turn = [{"type": "thinking", "thinking": "Paris is a city.", "signature": ""},
+            {"type": "text", "text": "Paris."}]  # fmt: skip
+    redacted = [turn[0], {"type": "redacted_thinking", "data": "EmwKAhgBEgy3"}, turn[1]]
+    counts = [
+        (await claude.messages.count_tokens(model=stack.model, messages=[
+            *HELLO, {"role": "assistant", "content": content},
+            {"role": "user", "content": "And another?"}])).input_tokens  # type: ignore[misc]
+        for content in (turn, redacted)
+    ]  # fmt: skip
+    assert counts[0] == counts[1] > 0
+
+
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
 DOCUMENT = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
                                            "data": "JVBE"}, "title": "spec.pdf"}  # fmt: skip

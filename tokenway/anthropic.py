@@ -189,6 +189,8 @@ def _user(content: str | list[Block], where: str) -> list[Message]:
                                      param=where)  # fmt: skip
             # a block a line, as vLLM's route joins them (run together, two outputs merge)
             result = _text(b.content, f"{where}[{i}].content", sep="\n")
+            if b.is_error:  # a chat's tool message has no flag: the text says it failed
+                result = f"Error: {result}" if result else "Error"
             results.append(Message(role="tool", tool_call_id=b.tool_use_id, content=result))
         elif b.type == "text":
             text.append(b.text or "")

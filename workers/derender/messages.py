@@ -29,7 +29,10 @@ def _event(doc: dict[str, Any]) -> bytes:
 
 
 def _usage(ctx: OutputContext, output_tokens: int) -> dict[str, int]:
-    return {"input_tokens": ctx.prompt_tokens, "output_tokens": output_tokens}
+    """Anthropic's usage; no prompt tokens are counted as read from or written to a cache, as
+    the engines do not report their prefix-cache hits to tokenway."""
+    return {"input_tokens": ctx.prompt_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
 
 
 def _stop_sequence(out: Out) -> str | None:
