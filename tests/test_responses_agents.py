@@ -248,7 +248,8 @@ async def test_a_reasoning_summary_is_the_reasoning(
     client: openai.AsyncOpenAI, stack: Stack
 ) -> None:
     """`reasoning.summary` asked: the reasoning item's summary holds its reasoning (Codex
-    shows summaries only), whole and streamed; `text.verbosity` is echoed."""
+    shows summaries only), whole and streamed, and the usage counts its tokens;
+    `text.verbosity` is echoed."""
     asks = {"model": stack.model, "input": "Describe a city.", "store": False,
             "reasoning": {"effort": "high", "summary": "auto"}, "max_output_tokens": 300,
             "text": {"verbosity": "low"}}  # fmt: skip
@@ -257,6 +258,7 @@ async def test_a_reasoning_summary_is_the_reasoning(
         (thought,) = [item for item in done.output if item.type == "reasoning"]
         assert [s.text for s in thought.summary] == [thought.content[0].text], thought
         assert done.text.verbosity == "low" and done.reasoning.summary == "auto"
+        assert 0 < done.usage.output_tokens_details.reasoning_tokens <= done.usage.output_tokens
     deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
     assert "".join(deltas) == thought.content[0].text
     kinds = [e.type for e in events]

@@ -180,7 +180,8 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         if ctx.api == "messages":
             docs.append(messages.message(ctx, out, state.completion_tokens))
         elif ctx.api == "responses":
-            docs.append(responses.response(ctx, out, state.completion_tokens))
+            thought = _reasoning_tokens(ctx, pieces[: ending.kept])
+            docs.append(responses.response(ctx, out, state.completion_tokens, thought))
         else:
             docs.append(chunks.response(ctx, index, out, state.completion_tokens))
     elif ctx.api == "messages":
@@ -219,6 +220,14 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         stop_reason=ending.stop_reason if ended_here else None,
         kept=ending.kept if ending.kept != len(ids) else None,
     )
+
+
+def _reasoning_tokens(ctx: OutputContext, pieces: Sequence[str]) -> int:
+    """How many of a whole output's tokens (their texts) are its reasoning."""
+    parse = ctx.parse
+    if parse is None or parse.reasoning_parser is None:
+        return 0
+    return reasoning.count(parse.reasoning_parser, parse.reasoning_start, pieces)
 
 
 def _whole(detok: Detokenizer, entry: DerenderEntry, ids: Sequence[int]) -> bytes:

@@ -175,6 +175,20 @@ def finish(parser: str, state: ReasoningState) -> tuple[str, str]:
     return "", state.held
 
 
+def count(parser: str, mode: ReasoningStart, pieces: Sequence[str]) -> int:
+    """How many output tokens (each token's text, `pieces`) are reasoning, as vLLM counts
+    them (`count_reasoning_tokens`): the tokens inside the markers, not the markers."""
+    markers = _markers(parser)
+    state, n = start(mode), 0
+    for piece in pieces:
+        if state is None or not state.in_reasoning:
+            break
+        _, _, state = step(parser, state, piece)
+        if state.in_reasoning and piece != markers.start:
+            n += 1
+    return n
+
+
 def problem(parser: str, state: ReasoningState) -> str | None:
     """Why `state` cannot come from this parser (a forged or corrupted stream_state), or None."""
     markers = _markers(parser)

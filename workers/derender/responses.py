@@ -44,8 +44,9 @@ def _item_id(ctx: OutputContext, kind: str, call_id: str = "") -> str:
     return f"{'rs' if kind == 'reasoning' else 'msg'}_{rid}"
 
 
-def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
-    """The whole response (a request that did not stream); `out.tool_calls` assembled."""
+def response(ctx: OutputContext, out: Out, output_tokens: int, reasoning_tokens: int) -> bytes:
+    """The whole response (a request that did not stream); `out.tool_calls` assembled;
+    `reasoning_tokens` of the `output_tokens` its reasoning."""
     output: list[dict[str, Any]] = []
     if out.reasoning:
         output.append(_reasoning_item(ctx, out.reasoning))
@@ -66,7 +67,7 @@ def response(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
         "usage": {"input_tokens": ctx.prompt_tokens,
                   "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": output_tokens,
-                  "output_tokens_details": {"reasoning_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                   "total_tokens": ctx.prompt_tokens + output_tokens},
     })  # fmt: skip
 
