@@ -87,6 +87,34 @@ async def test_thinking_comes_as_thinking_blocks_before_the_text(
     )
 
 
+async def test_a_thinking_blocks_signature_is_checked_when_it_comes_back(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """Each thinking block is signed with a digest of its thinking (streamed as a
+    `signature_delta` before the block's stop): sent back as it came, it is taken; with its
+    thinking changed, it is a 400 naming the block."""
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    done = await claude.messages.create(model=stack.model, max_tokens=1100, messages=HELLO,
+                                        thinking=thinking)  # fmt: skip
+    async with claude.messages.stream(model=stack.model, max_tokens=1100, messages=HELLO,
+                                      thinking=thinking) as stream:  # fmt: skip
+        deltas = [e.delta.type async for e in stream if e.type == "content_block_delta"]
+        streamed = await stream.get_final_message()
+    assert "signature_delta" in deltas
+    for message in (done, streamed):
+        block = message.content[0]
+        assert block.type == "thinking" and block.signature, block
+        turn = [block.model_dump(), *(b.model_dump() for b in message.content[1:])]
+        again = [*HELLO, {"role": "assistant", "content": turn},
+                 {"role": "user", "content": "And another?"}]  # fmt: skip
+        assert (await claude.messages.count_tokens(model=stack.model, messages=again)).input_tokens
+        turn[0] = {**turn[0], "thinking": block.thinking + " Or not."}
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await claude.messages.count_tokens(model=stack.model, messages=again)
+        message = bad.value.body["error"]["message"]
+        assert message.startswith("messages[1].content[0].signature"), message
+
+
 async def test_a_thinking_budget_ends_the_thinking_where_it_says(
     claude: anthropic.AsyncAnthropic, stack: Stack
 ) -> None:

@@ -152,6 +152,32 @@ def _text(blocks: str | list[Block] | None, where: str, sep: str = "") -> str:
     return sep.join(parts)
 
 
+# A thinking block's signature: "tw1." and a digest of its thinking, the text's UTF-8 bytes
+# read as one number mod a Mersenne prime, so a stream can fold it delta by delta in a few
+# bytes of state. A checksum, not a key's proof: it shows the thinking came back unchanged.
+SIGNATURE_PREFIX = "tw1."
+_PRIME = (1 << 61) - 1  # a digest fits the stream state's msgpack integer
+
+
+def fold_thinking(digest: int, text: str) -> int:
+    """The digest of the thinking so far, `text` added."""
+    data = text.encode()
+    return (digest * pow(256, len(data), _PRIME) + int.from_bytes(data, "big")) % _PRIME
+
+
+def signature(digest: int) -> str:
+    return f"{SIGNATURE_PREFIX}{digest:016x}"
+
+
+def _check_signature(b: Block, where: str) -> None:
+    """A signature tokenway made must fit its thinking; others (another server's, or none)
+    are taken, as the thinking reaches only the template."""
+    if b.signature and b.signature.startswith(SIGNATURE_PREFIX):
+        if b.signature != signature(fold_thinking(0, b.thinking or "")):
+            raise InvalidRequest(f"{where}.signature: does not fit the block's thinking (it "
+                                 "was changed after tokenway signed it)", param=where)  # fmt: skip
+
+
 def _assistant(content: str | list[Block], where: str) -> Message:
     if isinstance(content, str):
         return Message(role="assistant", content=content)
@@ -160,6 +186,7 @@ def _assistant(content: str | list[Block], where: str) -> Message:
         if b.type == "text":
             text.append(b.text or "")
         elif b.type == "thinking":
+            _check_signature(b, f"{where}[{i}]")
             thought.append(b.thinking or "")
         elif b.type == "redacted_thinking":
             continue  # nothing to show a template

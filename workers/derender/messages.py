@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
-from tokenway.anthropic import stop_reason
+from tokenway.anthropic import fold_thinking, signature, stop_reason
 from tokenway.wire import OutputContext
 from workers.derender.chunks import Out
 from workers.derender.state import Opened
@@ -43,7 +43,8 @@ def message(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
     """The whole message (a request that did not stream); `out.tool_calls` assembled."""
     content: list[dict[str, Any]] = []
     if out.reasoning:
-        content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": out.reasoning,
+                        "signature": signature(fold_thinking(0, out.reasoning))})  # fmt: skip
     if out.text:
         content.append({"type": "text", "text": out.text})
     for call in out.tool_calls:
@@ -84,6 +85,8 @@ def events(
     if out.reasoning:
         blocks = _open(docs, blocks, "thinking", {"thinking": "", "signature": ""})
         docs.append(_delta(blocks, {"type": "thinking_delta", "thinking": out.reasoning}))
+        blocks = msgspec.structs.replace(blocks, digest=fold_thinking(blocks.digest,
+                                                                      out.reasoning))  # fmt: skip
     if out.text:
         blocks = _open(docs, blocks, "text", {"text": ""})
         docs.append(_delta(blocks, {"type": "text_delta", "text": out.text}))
@@ -91,7 +94,7 @@ def events(
         blocks = _tool(docs, blocks, call)
     if out.finish_reason is not None:
         if blocks.kind:
-            docs.append({"type": "content_block_stop", "index": blocks.index})
+            _close(docs, blocks)
             blocks = Opened(index=blocks.index)
         docs.append({"type": "message_delta", "delta": {
             "stop_reason": stop_reason(out.finish_reason, out.stop_reason, called),
@@ -107,11 +110,19 @@ def _open(docs: list[dict[str, Any]], blocks: Opened, kind: str, empty: dict[str
     if blocks.kind == kind and blocks.call == call:
         return blocks
     if blocks.kind:
-        docs.append({"type": "content_block_stop", "index": blocks.index})
+        _close(docs, blocks)
     opened = Opened(kind=kind, index=blocks.index + 1, call=call)
     docs.append({"type": "content_block_start", "index": opened.index,
                  "content_block": {"type": kind, **empty}})  # fmt: skip
     return opened
+
+
+def _close(docs: list[dict[str, Any]], blocks: Opened) -> None:
+    """The open block's stop; a thinking block's signature first, as Anthropic sends it."""
+    if blocks.kind == "thinking":
+        docs.append(_delta(blocks, {"type": "signature_delta",
+                                    "signature": signature(blocks.digest)}))  # fmt: skip
+    docs.append({"type": "content_block_stop", "index": blocks.index})
 
 
 def _delta(blocks: Opened, delta: dict[str, Any]) -> dict[str, Any]:

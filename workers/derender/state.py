@@ -33,12 +33,14 @@ class DetokState(Struct, array_like=True):
 class Opened(Struct, array_like=True, omit_defaults=True):
     """A Messages or Responses stream's open part (a content block, an output item): its
     kind ("" for none), index and, for a tool call's, the call it is; and how many events
-    the stream sent (a Responses stream numbers them)."""
+    the stream sent (a Responses stream numbers them); a Messages thinking block's digest
+    so far (its signature's)."""
 
     kind: str = ""
     index: int = -1
     call: int = -1
     sent: int = 0
+    digest: int = 0
 
 
 class StreamState(Struct, array_like=True, omit_defaults=True):
