@@ -75,6 +75,7 @@ class _ToolText(msgspec.Struct):
     function: _FunctionText | None = None  # chat
     parameters: msgspec.Raw = msgspec.Raw()  # Responses
     input_schema: msgspec.Raw = msgspec.Raw()  # Messages
+    tools: list[_ToolText] | None = None  # a Responses namespace's tools
 
     def size(self) -> int:
         inner = len(self.function.parameters) if self.function else 0
@@ -102,10 +103,14 @@ def check_text(api: str, body: bytes, limits: RequestLimits) -> None:
         text = _SCHEMA_TEXT.decode(body)
     except (msgspec.DecodeError, RecursionError):
         return
-    tools = text.tools or []
-    _check_tools(limits, len(tools))
     where = _TOOL_SCHEMA.get(api, "tools[{}].function.parameters")
-    sizes = [(where.format(i), t.size()) for i, t in enumerate(tools)]
+    tools: list[tuple[str, _ToolText]] = []
+    for i, t in enumerate(text.tools or []):  # a namespace: its tools count, not itself
+        tools.append((where.format(i), t))
+        tools += [(f"tools[{i}].tools[{j}].parameters", inner)
+                  for j, inner in enumerate(t.tools or [])]  # fmt: skip
+    _check_tools(limits, sum(1 for _, t in tools if t.tools is None))
+    sizes = [(param, t.size()) for param, t in tools]
     fmt = len(text.response_format) + len(text.text) + len(text.output_config)
     sizes += [(_FORMAT.get(api, "response_format"), fmt),
               ("structured_outputs", len(text.structured_outputs)),

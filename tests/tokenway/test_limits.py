@@ -192,3 +192,17 @@ def test_the_limits_are_the_settings() -> None:
     assert RequestLimits.of(settings) == RequestLimits(
         max_tools=2, max_schema_bytes=5, max_schema_nodes=3, max_grammar_bytes=4
     )
+
+
+def test_a_namespaces_tools_count_before_the_body_is_decoded() -> None:
+    """Responses' namespace tools (issue 31) hold their schemas a level down: their bytes
+    and their number count as the top level's do, from the JSON text."""
+    inner = [{"type": "function", "name": "f", "parameters": wide(80_000)}]
+    body = {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": inner}]}
+    error = refused("responses", json.dumps(body).encode())
+    assert "--max-schema-bytes" in error.message, error.message
+    assert error.param == "tools[0].tools[0].parameters"
+    many = [{"type": "function", "name": f"f{i}"} for i in range(1025)]
+    body = {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": many}]}
+    error = refused("responses", json.dumps(body).encode())
+    assert "1025 tools" in error.message and "--max-tools" in error.message, error.message
