@@ -474,3 +474,21 @@ async def test_a_key_is_taken_from_x_api_key(stack: Stack, tmp_path: Path) -> No
         assert refused.value.body["error"]["type"] == "authentication_error"
     finally:
         await keyed.close()
+
+
+async def test_claude_codes_billing_header_block_leaves_the_prompt_as_it_was(
+    claude: anthropic.AsyncAnthropic, stack: Stack
+) -> None:
+    """Claude Code leads its system prompt with a block `x-anthropic-billing-header: …;
+    cch=<a hash of this request>;`: in the prompt it would make every request's prefix its
+    own, so no turn would ever hit the prefix cache (vLLM's route drops it too)."""
+    system = [{"type": "text", "text": "You are terse."}]
+    billed = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0.abc; "
+               "cc_entrypoint=sdk-cli; cch=0f3a9;"}, *system]  # fmt: skip
+    counts = [await claude.messages.count_tokens(model=stack.model, system=s, messages=HELLO)
+              for s in (system, billed)]  # type: ignore[arg-type]  # fmt: skip
+    assert counts[0].input_tokens == counts[1].input_tokens, counts
+    inline = [{"role": "system", "content": billed[:1]}, *HELLO]
+    alone = await claude.messages.count_tokens(model=stack.model, messages=HELLO)
+    with_inline = await claude.messages.count_tokens(model=stack.model, messages=inline)  # type: ignore[arg-type]
+    assert with_inline.input_tokens == alone.input_tokens

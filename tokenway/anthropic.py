@@ -226,14 +226,29 @@ def _user(content: str | list[Block], where: str) -> list[Message]:
     return results + ([Message(role="user", content="".join(text))] if text else [])
 
 
+# Claude Code's first system block: its version and a hash of the request (`cch=`), new in
+# every request. In the prompt it would make each request's prefix its own, so no turn
+# would hit the prefix cache; it says nothing to the model (vLLM's route drops it too).
+_BILLING = "x-anthropic-billing-header"
+
+
+def _system(blocks: str | list[Block] | None, where: str) -> str:
+    if isinstance(blocks, str):
+        return "" if blocks.startswith(_BILLING) else blocks
+    kept = [
+        b for b in blocks or () if not (b.type == "text" and (b.text or "").startswith(_BILLING))
+    ]
+    return _text(kept, where)
+
+
 def _messages(req: Messages) -> list[Message]:
     out = []
-    if req.system:
-        out.append(Message(role="system", content=_text(req.system, "system")))
+    if req.system and (text := _system(req.system, "system")):
+        out.append(Message(role="system", content=text))
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
         if m.role == "system":  # where it stands (a template that wants it first refuses)
-            if text := _text(m.content, where):
+            if text := _system(m.content, where):
                 out.append(Message(role="system", content=text))
         elif m.role == "assistant":
             out.append(_assistant(m.content, where))
