@@ -1,0 +1,62 @@
+"""Claude Code (`claude -p`) on tokenway's Messages API, configured as the README says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.agents.conftest import CLAUDE_ENV, KEY, clean_env, client, run
+from tests.test_up import MODEL, Up
+
+pytestmark = [pytest.mark.agents(CLAUDE_ENV), pytest.mark.asyncio(loop_scope="session")]
+
+# Every model Claude Code picks for a task (its main loop, the small fast model for titles
+# and summaries, each named tier, subagents): the one model `up` serves.
+MODEL_VARS = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_SMALL_FAST_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+)
+# Nothing but the model's requests leaves the process: no telemetry, error reports,
+# update checks or other calls to Anthropic.
+QUIET = (
+    "DISABLE_TELEMETRY",
+    "DISABLE_ERROR_REPORTING",
+    "DISABLE_AUTOUPDATER",
+    "DISABLE_BUG_COMMAND",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+)
+
+
+def claude_env(up: Up, home: Path, key_var: str) -> dict[str, str]:
+    models = dict.fromkeys(MODEL_VARS, MODEL)
+    return clean_env(home, ANTHROPIC_BASE_URL=up.url, **{key_var: KEY}, **models,
+                     **dict.fromkeys(QUIET, "1"))  # fmt: skip
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+# ANTHROPIC_API_KEY goes as x-api-key, ANTHROPIC_AUTH_TOKEN as a bearer token: `up` takes both.
+@pytest.mark.parametrize("key_var", ["ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"])
+async def test_a_print_mode_turn_ends_in_visible_text(up: Up, tmp_path: Path, key_var: str) -> None:
+    command = [str(client(CLAUDE_ENV)), "-p", "Say hello.", "--output-format", "stream-json",
+               "--verbose"]  # fmt: skip
+    status, out, err = await run(command, claude_env(up, tmp_path / "home", key_var), tmp_path, up)
+    assert status == 0, f"claude exited {status}: {err[-2000:]}\n{out[-2000:]}"
+    seen = events(out)
+    [result] = [e for e in seen if e["type"] == "result"]
+    assert result["subtype"] == "success" and not result["is_error"], result
+    assert result["result"].strip(), result  # visible text, not a thinking block alone
+    assert set(result["modelUsage"]) == {MODEL}, result["modelUsage"]
+    [init] = [e for e in seen if e["type"] == "system" and e.get("subtype") == "init"]
+    assert init["model"] == MODEL
+    said = [b["text"] for e in seen if e["type"] == "assistant"
+            for b in e["message"]["content"] if b["type"] == "text"]  # fmt: skip
+    assert "".join(said).strip() == result["result"].strip()

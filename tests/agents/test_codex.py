@@ -1,0 +1,52 @@
+"""Codex (`codex exec`) with its default tools on tokenway's Responses API, configured by a
+provider block as the README says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.agents.conftest import CODEX_ENV, KEY, clean_env, client, run
+from tests.test_up import MODEL, Up
+
+pytestmark = [pytest.mark.agents(CODEX_ENV), pytest.mark.asyncio(loop_scope="session")]
+
+
+def provider_config(up: Up) -> str:
+    """`$CODEX_HOME/config.toml`: the model and a provider that speaks Responses to `up`,
+    its key read from TOKENWAY_API_KEY."""
+    return (
+        f'model = "{MODEL}"\n'
+        'model_provider = "tokenway"\n'
+        "\n"
+        "[model_providers.tokenway]\n"
+        'name = "tokenway"\n'
+        f'base_url = "{up.url}/v1"\n'
+        'env_key = "TOKENWAY_API_KEY"\n'
+        'wire_api = "responses"\n'
+    )
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+async def test_exec_with_default_tools_completes_a_turn(up: Up, tmp_path: Path) -> None:
+    codex_home = tmp_path / "codex"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(provider_config(up))
+    env = clean_env(tmp_path / "home", CODEX_HOME=str(codex_home), TOKENWAY_API_KEY=KEY)
+    command = [str(client(CODEX_ENV)), "exec", "--json", "--skip-git-repo-check",
+               "--sandbox", "read-only", "Say hello."]  # fmt: skip
+    status, out, err = await run(command, env, tmp_path, up)
+    assert status == 0, f"codex exited {status}: {err[-2000:]}\n{out[-2000:]}"
+    seen = events(out)
+    assert [e["type"] for e in seen if e["type"].startswith("turn.")] == [
+        "turn.started", "turn.completed"]  # fmt: skip
+    said = [e["item"]["text"] for e in seen
+            if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]  # fmt: skip
+    assert said and all(text.strip() for text in said), seen
+    [done] = [e for e in seen if e["type"] == "turn.completed"]
+    assert done["usage"]["input_tokens"] > 0 and done["usage"]["output_tokens"] > 0
