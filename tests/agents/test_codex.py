@@ -14,16 +14,16 @@ from tests.test_up import MODEL, Up
 pytestmark = [pytest.mark.agents(CODEX_ENV), pytest.mark.asyncio(loop_scope="session")]
 
 
-def provider_config(up: Up) -> str:
-    """`$CODEX_HOME/config.toml`: the model and a provider that speaks Responses to `up`,
-    its key read from TOKENWAY_API_KEY."""
+def provider_config(url: str) -> str:
+    """`$CODEX_HOME/config.toml`: the model and a provider that speaks Responses to `up` at
+    `url`, its key read from TOKENWAY_API_KEY."""
     return (
         f'model = "{MODEL}"\n'
         'model_provider = "tokenway"\n'
         "\n"
         "[model_providers.tokenway]\n"
         'name = "tokenway"\n'
-        f'base_url = "{up.url}/v1"\n'
+        f'base_url = "{url}/v1"\n'
         'env_key = "TOKENWAY_API_KEY"\n'
         'wire_api = "responses"\n'
     )
@@ -36,7 +36,7 @@ def events(stdout: str) -> list[dict]:
 async def test_exec_with_default_tools_completes_a_turn(up: Up, tmp_path: Path) -> None:
     codex_home = tmp_path / "codex"
     codex_home.mkdir()
-    (codex_home / "config.toml").write_text(provider_config(up))
+    (codex_home / "config.toml").write_text(provider_config(up.url))
     env = clean_env(tmp_path / "home", CODEX_HOME=str(codex_home), TOKENWAY_API_KEY=KEY)
     command = [str(client(CODEX_ENV)), "exec", "--json", "--skip-git-repo-check",
                "--sandbox", "read-only", "Say hello."]  # fmt: skip
