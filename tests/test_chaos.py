@@ -111,7 +111,8 @@ async def nothing_left(c: StageProcesses, consumers: set[str]) -> None:
             await changed.wait()
     assert all(not b.tasks for b in stack.by_name.get("engine", []))
     assert not stack.ingress.router.slots
-    assert await consumer_names(stack.observer) == consumers
+    # none added: one another test left may expire meanwhile (a ledger reader's)
+    assert await consumer_names(stack.observer) <= consumers
     nc = await nats.connect(servers=bus.seeds(stack.observer))
     try:
         js = nc.jetstream()
