@@ -130,10 +130,31 @@ async def logged(proc: asyncio.subprocess.Process, text: bytes) -> None:
             assert line, f"the process exited before logging {text!r}"
 
 
+# Ports handed out by free_port in this process. A port the kernel picks (bind to 0) is
+# free only until the socket closes: the kernel may pick it again for the next call, or for
+# any connection's local end, before the server it was for binds it (a cluster's node once
+# found its monitor port taken by another node's client port).
+_issued: set[int] = set()
+_PORTS_PER_WORKER = 4000  # each pytest-xdist worker's own block, below the ephemeral range
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that no other test of this run was given: from this process's block
+    under 32768, where the kernel never picks a connection's local port (Linux's ephemeral
+    range starts there), one block per pytest-xdist worker."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 16000 + worker * _PORTS_PER_WORKER
+    for port in range(first, first + _PORTS_PER_WORKER):
+        if port in _issued:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _issued.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {first}..{first + _PORTS_PER_WORKER}")
 
 
 async def _wait_ready(nats_url: str, ingress: asyncio.subprocess.Process) -> None:
