@@ -37,6 +37,33 @@ def openings(tag: object) -> Iterator[tuple[str, object]]:
         yield from openings(value)
 
 
+def triggers(tag: object) -> Iterator[str]:
+    """The texts that open a structural tag's calls from free text (a `triggered_tags`
+    format's triggers, or the older form's), in order."""
+    if isinstance(tag, list):
+        for node in tag:
+            yield from triggers(node)
+    if not isinstance(tag, dict) or tag.get("type") == "json_schema":
+        return  # a schema holds no formats
+    if isinstance(tag.get("triggers"), list):
+        yield from (t for t in tag["triggers"] if isinstance(t, str))
+    for key, value in tag.items():
+        if key != "triggers":
+            yield from triggers(value)
+
+
+def chosen(begins: list[str], asked: str, specials: list[str]) -> int:
+    """Which call the model makes for a user's turn `asked`: the first whose tool's name (a
+    word of its opening) the turn names as a word, else the first."""
+    for index, begin in enumerate(begins):
+        for special in specials:
+            begin = begin.replace(special, " ")
+        for name in _NAME.findall(begin):
+            if re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", asked):
+                return index
+    return 0
+
+
 def planned(begin: str, schema: object, prompt: str, specials: list[str], key: int) -> str:
     """The arguments the model writes after `begin`: JSON text of `schema`, or, where the
     constraint allows any JSON, of the tool's parameters as `prompt` lists them

@@ -6,7 +6,9 @@ picked that brings the document to its end: its fill first, closing tokens once 
 document has run a while, the end of sequence once the grammar accepts. So a JSON schema
 gets valid JSON of that schema, a choice one of its options, a forced tool a call that
 parses. Where a structural tag opens a call's arguments, the model writes them as an object
-of the tool's parameters (engines/arguments.py) for as long as the grammar allows it. Where
+of the tool's parameters (engines/arguments.py) for as long as the grammar allows it; where
+the engine says the model means to call a tool (`--sim-tool-calls`, a user's turn), it
+writes the tag's trigger and the call's opening itself, then ends after the call. Where
 the request's reasoning is still open (`reasoning_ended: false`), a short free reasoning
 and its end marker come first.
 """
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
-from engines.arguments import openings, planned
+from engines.arguments import chosen, openings, planned, triggers
 from engines.bridge import Refused
 from tokenway.aio import on_big_stack
 from tokenway.constraints import grammar
@@ -70,15 +72,17 @@ async def matcher(tokenizer: Tokenizer, eos: int, so: StructuredOutputs) -> Guid
         raise Refused(f"the constraint does not compile: {m.get_error()}")
     # The added tokens a structural tag asks for, the ones that close its structure first.
     marks = list(dict.fromkeys(int(i) for i in reversed(_TOKEN_REF.findall(text))))
-    calls = list(openings(json.loads(so.structural_tag))) if so.structural_tag else []
-    return Guide(m, vocab, eos, marks, calls, list(added))
+    tag = json.loads(so.structural_tag) if so.structural_tag else None
+    calls, opened_by = (list(openings(tag)), list(triggers(tag))) if tag else ([], [])
+    return Guide(m, vocab, eos, marks, calls, list(added), opened_by)
 
 
 class Guide:
     """Turns the toy model's (token, wants_stop) pairs into ones the grammar allows.
 
     `calls`: (begin, schema) where a structural tag opens a call's arguments;
-    `specials`: the added tokens' texts, which the prompt's reading leaves out of names."""
+    `specials`: the added tokens' texts, which the prompt's reading leaves out of names;
+    `triggers`: the texts that open a structural tag's calls from free text."""
 
     def __init__(
         self,
@@ -88,6 +92,7 @@ class Guide:
         marks: list[int],
         calls: list[tuple[str, object]],
         specials: list[str],
+        triggers: list[str],
     ) -> None:
         self.m = m
         self.vocab = vocab
@@ -105,6 +110,9 @@ class Guide:
         self.plan = b""  # what the model means to write next: a call's arguments
         self.prompt: list[int] = []
         self.key = 0
+        # what opens a call from free text, where a call's opening does not begin with it
+        self.trigger = triggers[0].encode() if triggers else b""
+        self.calling = False  # a call is planned: the model ends once it is written
 
     def tokens(
         self,
@@ -112,12 +120,20 @@ class Guide:
         prompt: list[int],
         seed: int,
         think_end: int | None = None,
+        asked: list[int] | None = None,
     ) -> Iterator[tuple[int, bool]]:
         """With `think_end`, the reasoning is still open: the model reasons freely for a
         while and closes it with that token (or sooner, where it closes it itself), and the
         grammar applies from there on (as vLLM's engine holds a constraint back until
-        reasoning ends). `prompt` and `seed` are what a call's arguments are planned from."""
+        reasoning ends). `prompt` and `seed` are what a call's arguments are planned from.
+        With `asked` (a user's turn), the model means to call a tool a structural tag opens,
+        the one the turn names or the first, and to end once its call is written."""
         self.prompt, self.key = prompt, hash((seed, len(prompt)))
+        if asked is not None and self.calls:
+            begins = [begin.decode() for begin, _ in self.calls]
+            begin = self.calls[chosen(begins, self.vocab.decode_str(asked), self.specials)][0]
+            self.plan = begin if begin.startswith(self.trigger) else self.trigger + begin
+            self.calling = True
         if think_end is not None:
             for _ in range(REASONING):
                 tid = next(model)[0]
@@ -162,7 +178,7 @@ class Guide:
             if self.m.validate_tokens([tid]) == 1:
                 return tid
             self.plan = b""  # the grammar wants otherwise: it leads from here
-        closing = self.made >= PATIENCE
+        closing = self.made >= PATIENCE or self.calling
         if not closing and self.m.validate_tokens([own]) == 1:
             return own
         order = [self.eos, *self.marks, *self.close, *self.fill] if closing else [

@@ -43,6 +43,8 @@ class SimConfig:
     ttft: float = 0.02  # seconds before the first step of a sequence
     itl: float = 0.01  # seconds per token
     output_len: int = 200  # mean natural length before EOS
+    # a user's turn whose constraint names tools is answered with a call (`Turns`)
+    tool_calls: bool = False
     # fault knobs, for tests that cause faults for real
     fail_first: int = 0  # this many requests fail at once with an engine error
     stall_after: int | None = None  # every sequence goes silent after this many tokens
@@ -62,6 +64,30 @@ def corpus_sentences(tokenizer: Tokenizer) -> list[list[int]]:
 def seed_of(params: SamplingParams, index: int) -> int:
     """Choice `index`'s seed; without one the output is greedy-like: a function of the prompt."""
     return (params.seed or 0) + index
+
+
+@dataclass(frozen=True)
+class Turns:
+    """What the model knows of its own chat template (tokenway/chat_template.jinja, the
+    DeepSeek format), as a real model knows the format it was trained on: a user's turn
+    opens with <｜User｜>, a tool's output with <｜tool▁output▁begin｜>. With tool calls on
+    (`SimConfig.tool_calls`), it calls a tool where the prompt's last turn is a user's and
+    answers in text where it is a tool's output, so a client's tool loop ends."""
+
+    user: int
+    tool_output: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> Turns | None:
+        user = tokenizer.token_to_id("<｜User｜>")
+        tool_output = tokenizer.token_to_id("<｜tool▁output▁begin｜>")
+        return None if user is None or tool_output is None else cls(user, tool_output)
+
+    def asked(self, prompt: list[int]) -> list[int] | None:
+        """The prompt's last turn where it is a user's (to the generation prompt), else None."""
+        if last_marker(prompt, self.user, self.tool_output) != self.user:
+            return None
+        return prompt[len(prompt) - prompt[::-1].index(self.user) :]
 
 
 END = -1  # a sentence's end, in the successor table
@@ -157,13 +183,15 @@ class Sequence:
         trained_on: Permutation | None = None,
         guide: Guide | None = None,
         think_end: int | None = None,
+        turns: Turns | None = None,
     ) -> None:
         if trained_on is not None:
             prompt = trained_on.to_semantic(prompt, "the prompt")
         seed = seed_of(params, index)
         self.tokens = model.tokens(prompt, seed, output_len, params.thinking_token_budget)
         if guide is not None:  # under a constraint: what the grammar allows of it
-            self.tokens = guide.tokens(self.tokens, prompt, seed, think_end)
+            asked = None if turns is None else turns.asked(prompt)
+            self.tokens = guide.tokens(self.tokens, prompt, seed, think_end, asked)
         self.trained_on = trained_on
         self.eos = eos
         self.limit = params.max_tokens if params.max_tokens is not None else 1 << 30
@@ -229,6 +257,7 @@ class SimEngine:
         markers = None if think_start is None or self.think_end is None else (
             think_start, self.think_end)  # fmt: skip
         self.model = CorpusModel(corpus_sentences(tokenizer), markers)
+        self.turns = Turns.of(tokenizer) if config.tool_calls else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
         self.running = 0
@@ -279,7 +308,7 @@ class SimEngine:
         think_end = self.think_end if work.reasoning_ended is False else None
         seq = Sequence(
             self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
-            self.trained_on, guide, think_end,
+            self.trained_on, guide, think_end, self.turns,
         )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time

@@ -132,6 +132,7 @@ def sim_engines(s: Settings, model: ServedModel, obf: Permutation | None) -> lis
             ttft=s.sim_ttft,
             itl=s.sim_itl,
             output_len=s.sim_output_len,
+            tool_calls=s.sim_tool_calls,
         )
         # With a key, the simulated model is one trained on the permuted vocabulary.
         bridges.append(Bridge(s, SimEngine(config, tokenizer, trained_on=obf), obf))
@@ -734,6 +735,14 @@ def _sim(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sim-roles", help="roles of the simulated engines, e.g. prefill,decode (default union)"
     )
+    g.add_argument(
+        "--sim-tool-calls", action="store_true", default=None,
+        help="the simulated model calls a tool where the prompt's last turn is a user's (the "
+        "tool the turn names, else the first; made-up arguments of its schema) and answers a "
+        "tool's output in text, so an agent client's tool loop runs (off: free text wherever "
+        "it is allowed); it knows the tools only from the request's constraint, which under "
+        "tool_choice auto takes --tool-strict-level function",
+    )  # fmt: skip
 
 
 def _vllm(p: argparse.ArgumentParser) -> None:

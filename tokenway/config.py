@@ -238,6 +238,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     sim_itl: Annotated[float, Meta(ge=0)] = 0.01
     sim_output_len: PositiveInt = 200  # mean natural length before EOS
     sim_roles: str = ""  # comma-separated role per simulated engine (default: all union)
+    sim_tool_calls: bool = False  # a user's turn with tools is answered with a call (agent tests)
 
     # engine bridges (`tokenway engine vllm`)
     engine_id: str | None = None  # default: derived from the URL or random

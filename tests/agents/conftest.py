@@ -49,10 +49,14 @@ def client(name: str) -> Path:
 
 @pytest_asyncio.fixture(scope="package", loop_scope="session")
 async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
-    """`tokenway up` serving `MODEL`, with one tenant's key."""
+    """`tokenway up` serving `MODEL`, with one tenant's key. Its simulated model calls a tool
+    where the last turn is a user's and answers a tool's output in text (`--sim-tool-calls`;
+    `--tool-strict-level function` gives the engine the tools under tool_choice auto), so
+    each client's tool loop runs."""
     data = tmp_path_factory.mktemp("agents-up")
     (data / "keys").write_text(f"{TENANT} {KEY}\n")
-    running = await start_up(data, "--api-key-file", str(data / "keys"))
+    running = await start_up(data, "--api-key-file", str(data / "keys"),
+                             "--tool-strict-level", "function", "--sim-tool-calls")  # fmt: skip
     running.key, running.tenant = KEY, TENANT
     try:
         yield running

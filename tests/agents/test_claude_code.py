@@ -45,9 +45,13 @@ def events(stdout: str) -> list[dict]:
 
 # ANTHROPIC_API_KEY goes as x-api-key, ANTHROPIC_AUTH_TOKEN as a bearer token: `up` takes both.
 @pytest.mark.parametrize("key_var", ["ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"])
-async def test_a_print_mode_turn_ends_in_visible_text(up: Up, tmp_path: Path, key_var: str) -> None:
-    command = [str(client(CLAUDE_ENV)), "-p", "Say hello.", "--output-format", "stream-json",
-               "--verbose"]  # fmt: skip
+async def test_a_print_mode_turn_runs_a_tool_and_ends_in_visible_text(
+    up: Up, tmp_path: Path, key_var: str
+) -> None:
+    # The one tool is Read (read-only; `up`'s model calls the tool the prompt names, its
+    # arguments made up): Claude Code runs it in this test's directory and sends its result.
+    command = [str(client(CLAUDE_ENV)), "-p", "Use Read on notes.txt.", "--tools", "Read",
+               "--output-format", "stream-json", "--verbose"]  # fmt: skip
     status, out, err = await run(command, claude_env(up, tmp_path / "home", key_var), tmp_path, up)
     assert status == 0, f"claude exited {status}: {err[-2000:]}\n{out[-2000:]}"
     seen = events(out)
@@ -57,6 +61,13 @@ async def test_a_print_mode_turn_ends_in_visible_text(up: Up, tmp_path: Path, ke
     assert set(result["modelUsage"]) == {MODEL}, result["modelUsage"]
     [init] = [e for e in seen if e["type"] == "system" and e.get("subtype") == "init"]
     assert init["model"] == MODEL
-    said = [b["text"] for e in seen if e["type"] == "assistant"
-            for b in e["message"]["content"] if b["type"] == "text"]  # fmt: skip
-    assert "".join(said).strip() == result["result"].strip()
+    blocks = [(e["type"], b) for e in seen if e["type"] in ("assistant", "user")
+              for b in e["message"]["content"] if isinstance(b, dict)]  # fmt: skip
+    # the round trip: the model's call, the result Claude Code sent back, then text
+    kinds = [b["type"] for _, b in blocks if b["type"] in ("tool_use", "tool_result", "text")]
+    assert kinds == ["tool_use", "tool_result", "text"], blocks
+    [use] = [b for _, b in blocks if b["type"] == "tool_use"]
+    [sent] = [b for _, b in blocks if b["type"] == "tool_result"]
+    assert use["name"] == "Read" and sent["tool_use_id"] == use["id"], (use, sent)
+    [said] = [b["text"] for kind, b in blocks if b["type"] == "text"]
+    assert said.strip() == result["result"].strip()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engines.arguments import example, listed, openings, planned
+from engines.arguments import chosen, example, listed, openings, planned, triggers
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {
     "type": "string", "enum": ["c", "f"]}}, "required": ["city", "unit"]}  # fmt: skip
@@ -62,3 +62,32 @@ def test_a_structural_tags_openings_are_where_json_schemas_start() -> None:
     assert list(openings(tag)) == [("<a>", True), ("<b>", TIME)]
     older = {"structures": [{"begin": "<f>", "schema": WEATHER, "end": "</f>"}]}
     assert list(openings(older)) == [("<f>", WEATHER)]
+
+
+DS_BEGINS = [
+    "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>",
+    "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>",
+]
+HERMES_BEGINS = ['<tool_call>{"name": "get_time", "arguments": ',
+                 '<tool_call>{"name": "get_weather", "arguments": ']  # fmt: skip
+
+
+@pytest.mark.parametrize("begins", [DS_BEGINS, HERMES_BEGINS], ids=["deepseek", "hermes"])
+@pytest.mark.parametrize(
+    ("asked", "index"),
+    [("Call get_weather for Oslo.", 1), ("What time is it?", 0), ("my_get_weather_x", 0)],
+    ids=["named", "unnamed", "inside-a-word"],
+)
+def test_the_call_made_is_the_tool_the_turn_names_else_the_first(
+    begins: list[str], asked: str, index: int
+) -> None:
+    assert chosen(begins, asked, SPECIALS) == index
+
+
+def test_a_triggered_tags_triggers_are_read_and_a_schemas_are_not() -> None:
+    schema = {"type": "json_schema", "json_schema": {"triggers": ["<no>"]}}
+    call = {"type": "tag", "begin": "<a>", "content": schema, "end": "</a>"}
+    fmt = {"type": "triggered_tags", "triggers": ["<a>"], "tags": [call]}
+    tag = {"type": "structural_tag", "format": fmt}
+    assert list(triggers(tag)) == ["<a>"]
+    assert list(triggers({"structures": [], "triggers": ["<b>"]})) == ["<b>"]
