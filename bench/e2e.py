@@ -156,6 +156,7 @@ async def run_direct(
             logprobs: object = None,
             index: int = 0,
             kv_transfer_params: object = None,
+            cached_tokens: object = None,
         ) -> None:
             nonlocal state
             now = time.perf_counter()

@@ -51,6 +51,7 @@ class Emit(Protocol):
         logprobs: list[LogprobEntry] | None = None,
         index: int = 0,
         kv_transfer_params: dict[str, object] | None = None,
+        cached_tokens: int | None = None,  # prompt tokens found in the prefix cache
     ) -> None: ...
 
 
@@ -213,6 +214,7 @@ class Bridge:
             logprobs: list[LogprobEntry] | None = None,
             index: int = 0,
             kv_transfer_params: dict[str, object] | None = None,
+            cached_tokens: int | None = None,
         ) -> None:
             nonlocal seq
             if obf is not None:  # back to semantic IDs; an unknown ID fails the attempt
@@ -230,6 +232,7 @@ class Bridge:
                 logprobs=logprobs,
                 index=index,
                 kv_transfer_params=kv_transfer_params,
+                cached_tokens=cached_tokens,
             )
             seq += 1
             self._queue(work.owner, delta)

@@ -9,6 +9,7 @@ running sequence advances on one shared step clock, like a batch in a real engin
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -30,6 +31,7 @@ from tokenway.wire import (
 from workers.derender.reasoning import END as THINK_END
 from workers.derender.reasoning import START as THINK_START
 from workers.derender.reasoning import last_marker
+from workers.schedule.affinity import block_hashes
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class SimConfig:
     output_len: int = 200  # mean natural length before EOS
     # a user's turn whose constraint names tools is answered with a call (`Turns`)
     tool_calls: bool = False
+    kv_block_size: int = 16  # the prefix cache's block, as the owners' `kv_block_size`
+    prefix_cache_blocks: int = 1 << 14  # how many blocks the prefix cache remembers
     # fault knobs, for tests that cause faults for real
     fail_first: int = 0  # this many requests fail at once with an engine error
     stall_after: int | None = None  # every sequence goes silent after this many tokens
@@ -219,6 +223,33 @@ class Sequence:
         return out, None, None
 
 
+class PrefixCache:
+    """Which prompt blocks the engine holds, as vLLM's prefix cache knows them: whole KV
+    blocks, each by a hash of its tokens and every token before it (and the cache salt), the
+    least recently used forgotten past `blocks`."""
+
+    def __init__(self, block_size: int, blocks: int) -> None:
+        self.block_size = block_size
+        self.blocks = blocks
+        self.held: OrderedDict[int, None] = OrderedDict()
+
+    def prefill(self, prompt: list[int], salt: str | None) -> int:
+        """The prompt's tokens found cached (its leading whole blocks), then its blocks
+        cached. The block holding the last prompt token is computed anyway, as vLLM does:
+        the first output token is sampled from it."""
+        hashes = block_hashes(prompt, self.block_size, salt)
+        usable = (len(prompt) - 1) // self.block_size
+        hits = 0
+        while hits < usable and hashes[hits] in self.held:
+            hits += 1
+        for h in hashes:
+            self.held[h] = None
+            self.held.move_to_end(h)
+        while len(self.held) > self.blocks:
+            self.held.popitem(last=False)
+        return hits * self.block_size
+
+
 class StepClock:
     """One step for all running sequences: waiters of a step wake together."""
 
@@ -260,6 +291,7 @@ class SimEngine:
         self.turns = Turns.of(tokenizer) if config.tool_calls else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.clock = StepClock(config.itl * config.chunk_size)
+        self.cache = PrefixCache(config.kv_block_size, config.prefix_cache_blocks)
         self.running = 0
         self.started = 0  # requests taken, for fault knobs and tests
         # Every attempt's work, as the engine saw it, where a test asks (a list): a server
@@ -286,12 +318,13 @@ class SimEngine:
         if self.started <= self.config.fail_first:
             raise RuntimeError(f"simulated failure {self.started} of {self.config.fail_first}")
         n = max(work.sampling_params.n, 1)
+        cached = self.cache.prefill(work.token_ids, work.cache_salt)
         self.running += n
         try:
             async with asyncio.TaskGroup() as group:
                 doomed = self.started == 1 and self.config.fail_after is not None
                 for index in range(n):
-                    group.create_task(self._sequence(work, emit, index, doomed))
+                    group.create_task(self._sequence(work, emit, index, doomed, cached))
         except* Refused as refused:  # a constraint it cannot decode: the request's fault
             raise refused.exceptions[0] from None
         except* RuntimeError as failed:  # a simulated fault: the engine reports it as itself
@@ -299,7 +332,11 @@ class SimEngine:
         finally:
             self.running -= n
 
-    async def _sequence(self, work: EngineWork, emit: Emit, index: int, doomed: bool) -> None:
+    async def _sequence(
+        self, work: EngineWork, emit: Emit, index: int, doomed: bool, cached: int
+    ) -> None:
+        """One choice; its first step says the prompt tokens `cached`, as vLLM's first output
+        of a request does."""
         params = work.sampling_params
         c = self.config
         so = params.structured_outputs
@@ -312,11 +349,14 @@ class SimEngine:
         )  # fmt: skip
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time
+        first = True
         while True:
             await self.clock.tick()
             out, finish, reason = seq.step(self.config.chunk_size)
             kv = self._handoff(work) if finish else None
-            emit(out, finish, reason, self._logprobs(out, params.logprobs), index, kv)
+            emit(out, finish, reason, self._logprobs(out, params.logprobs), index, kv,
+                 cached if first else None)  # fmt: skip
+            first = False
             if finish:
                 return
             if doomed and seq.made >= (self.config.fail_after or 0):

@@ -63,7 +63,7 @@ from engines.vllm_wire import (
 from tokenway import headers as h
 from tokenway.aio import uninterrupted
 from tokenway.config import Settings
-from tokenway.wire import EngineInfo, EngineWork, FinishReason, Role
+from tokenway.wire import EngineInfo, EngineWork, FinishReason, LogprobEntry, Role
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,11 @@ class VllmEndpoint:
     abort_timeout: float = 10.0  # for vLLM to confirm an abort (see the module docstring)
 
 
+# What one `emit` reports: token IDs, finish, stop reason, logprobs, choice, KV parameters.
+_Step = tuple[list[int], FinishReason | None, int | str | None, list[LogprobEntry] | None, int,
+              dict[str, object] | None]  # fmt: skip
+
+
 @dataclass
 class _Attempt:
     request_id: str  # what we send
@@ -167,6 +172,8 @@ class _Attempt:
     done: bool = False  # vLLM sent [DONE]
     last_event: float = 0.0  # loop time of the last event, for the token timeout
     traceparent: str | None = None  # the request's W3C trace, on to vLLM's own
+    cached: int | None = None  # prompt tokens vLLM found in its prefix cache, once it says
+    held: _Step | None = None  # the last finish, held for the usage event that says `cached`
 
     @property
     def headers(self) -> dict[str, str]:
@@ -241,6 +248,7 @@ class VllmEngine:
                 await self._native(work, a, emit)
             else:
                 await self._generate_or_native(work, a, emit)
+        self._release(a, emit)  # the stream ended without its usage event
 
     def _token_route_missing(self) -> bool:
         since = self.token_route_missing_at
@@ -361,6 +369,8 @@ class VllmEngine:
         if answer.request_id:
             a.vllm_id = answer.request_id
         usage = answer.usage.completion_tokens if answer.usage else None
+        if answer.usage is not None and answer.usage.cached_tokens is not None:
+            a.cached = answer.usage.cached_tokens
         if usage is not None and not answer.choices and usage != a.tokens:
             log.warning(
                 "vLLM at %s counts %d tokens for %s, but %d arrived",
@@ -384,14 +394,20 @@ class VllmEngine:
             a.tokens += len(choice.token_ids or ())
             if a.stopped:  # the owner asked for nothing more
                 continue
-            emit(
-                choice.token_ids or [],
-                finish,
-                choice.stop_reason,
-                logprob_entries(choice.logprobs),
-                choice.index,
-                kv,
-            )
+            lps = logprob_entries(choice.logprobs)
+            step = (choice.token_ids or [], finish, choice.stop_reason, lps, choice.index, kv)
+            if finish is not None and not a.open and answer.usage is None:
+                a.held = step  # a stream's last finish: its usage event comes next
+                continue
+            emit(*step, cached_tokens=a.cached if finish is not None else None)
+        if answer.usage is not None:
+            self._release(a, emit)
+
+    def _release(self, a: _Attempt, emit: Emit) -> None:
+        """The held finish goes, with the prompt tokens cached, where vLLM said."""
+        held, a.held = a.held, None
+        if held is not None and not a.stopped:
+            emit(*held, cached_tokens=a.cached)
 
     def _raise_status(self, status: int, body: bytes, path: str) -> None:
         reason = error_message(body)

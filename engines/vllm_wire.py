@@ -83,8 +83,19 @@ class VllmErrorInfo(Struct):
     code: int | None = None
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int | None = None
+
+
 class Usage(Struct):
     completion_tokens: int | None = None
+    # with --enable-prompt-tokens-details: the prompt tokens found in the prefix cache
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        details = self.prompt_tokens_details
+        return None if details is None else details.cached_tokens
 
 
 class Answer(Struct):

@@ -124,7 +124,10 @@ async def test_a_healthy_derender_server_gives_the_local_output(
     assert text(remote) == text(local) and all(text(remote).values())
     assert finishes(remote) == finishes(local)
     usage = [d["usage"] for d in remote if d.get("usage")]
-    assert usage == [d["usage"] for d in local if d.get("usage")] and len(usage) == 1
+    # vLLM's derender server makes usage anew, without the engine's prefix-cache count
+    said = [{k: v for k, v in d["usage"].items() if k != "prompt_tokens_details"}
+            for d in local if d.get("usage")]  # fmt: skip
+    assert usage == said and len(usage) == 1
     if not body.get("stream"):
         assert remote[0]["choices"][0].get("logprobs") == local[0]["choices"][0].get("logprobs")
     assert len({d["created"] for d in remote}) == 1  # one response, one timestamp

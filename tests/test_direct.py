@@ -67,7 +67,8 @@ async def test_a_token_only_body_gets_a_whole_response_with_ids_and_logprobs(
     doc = json.loads(msg.data)
     assert doc["id"] == f"cmpl-{request.request_id}" and doc["object"] == "text_completion"
     assert doc["model"] == stack.model and doc["created"] > 0
-    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
+    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     assert [c["index"] for c in doc["choices"]] == [0, 1]
     for choice in doc["choices"]:
         ids, lp = choice["token_ids"], choice["logprobs"]

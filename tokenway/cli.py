@@ -133,6 +133,7 @@ def sim_engines(s: Settings, model: ServedModel, obf: Permutation | None) -> lis
             itl=s.sim_itl,
             output_len=s.sim_output_len,
             tool_calls=s.sim_tool_calls,
+            kv_block_size=s.kv_block_size,
         )
         # With a key, the simulated model is one trained on the permuted vocabulary.
         bridges.append(Bridge(s, SimEngine(config, tokenizer, trained_on=obf), obf))

@@ -140,6 +140,9 @@ class OutputContext(Struct, kw_only=True, omit_defaults=True):
     request_body: bytes | None = None
     # A Responses request's fields its response object echoes (a JSON object).
     response_fields: bytes | None = None
+    # Prompt tokens the engine read from its prefix cache, as the attempt that answered
+    # reported them (set by the owner once known; None: the engine did not say).
+    cached_tokens: int | None = None
 
 
 # `Tw-Kind`s that end a request's output: an end, a whole response, an error.
@@ -292,6 +295,10 @@ class TokenDelta(Struct, kw_only=True, omit_defaults=True):
     # The request's own error then: it ends with it, never relayed nor held against the
     # engine. None: the engine failed the attempt.
     refused: int | None = None
+    # How many of the attempt's prompt tokens the engine found in its prefix cache, on one
+    # of its deltas (vLLM's closing usage says it, so its attempt's finish carries it).
+    # None: the engine does not say.
+    cached_tokens: int | None = None
 
 
 class TokenStep(Struct, kw_only=True):

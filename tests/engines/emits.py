@@ -15,6 +15,7 @@ class Emits:
         self.calls: list[tuple[list[int], FinishReason | None, int | str | None, int]] = []
         self.logprobs: list[list[LogprobEntry] | None] = []
         self.kv: list[dict[str, object] | None] = []
+        self.cached: list[int | None] = []
         self.first = asyncio.Event()
 
     def __call__(
@@ -25,10 +26,12 @@ class Emits:
         logprobs: list[LogprobEntry] | None = None,
         index: int = 0,
         kv_transfer_params: dict[str, object] | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         self.calls.append((list(token_ids), finish, stop_reason, index))
         self.logprobs.append(logprobs)
         self.kv.append(kv_transfer_params)
+        self.cached.append(cached_tokens)
         self.first.set()
 
     def tokens(self, index: int = 0) -> list[int]:

@@ -8,6 +8,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
+import msgspec
 import pytest
 from tokenizers import Tokenizer
 
@@ -227,6 +228,7 @@ async def test_running_counts_the_sequences_in_flight(engine: SimEngine) -> None
         logprobs: object = None,
         index: int = 0,
         kv_transfer_params: object = None,
+        cached_tokens: object = None,
     ) -> None:
         seen.append(engine.info().running)
 
@@ -266,6 +268,7 @@ async def test_concurrent_sequences_advance_in_lockstep(engine: SimEngine) -> No
             logprobs: object = None,
             index: int = 0,
             kv_transfer_params: object = None,
+            cached_tokens: object = None,
         ) -> None:
             order.append(rid)
 
@@ -386,3 +389,24 @@ async def test_a_constraint_it_cannot_decode_is_refused_as_the_requests_fault(
     with pytest.raises(Refused, match=says) as refused:
         await engine.generate(work(max_tokens=5, n=2, structured_outputs=so), Emits())
     assert refused.value.status == 400 and engine.running == 0
+
+
+async def test_a_prompt_sent_again_finds_its_whole_blocks_in_the_prefix_cache(
+    tokenizer: Tokenizer,
+) -> None:
+    """As vLLM's: the leading whole blocks a previous prompt left, never the block holding
+    the last prompt token (computed to sample from), said once per choice, on its first
+    step; a cache salt keeps prompts apart."""
+    engine = make_engine(tokenizer)
+    prompt = list(range(100, 150))  # 3 whole blocks of 16 and 2 tokens
+    said = await run(engine, work(prompt=prompt, max_tokens=3, ignore_eos=True))
+    assert said.cached == [0, None, None]
+    again = Emits()  # two choices, two finishes
+    await engine.generate(work("r2", prompt=prompt, max_tokens=3, ignore_eos=True, n=2), again)
+    assert sorted(c for c in again.cached if c is not None) == [48, 48]
+    longer = await run(engine, work("r3", prompt=[*prompt[:40], 7, 8], max_tokens=1))
+    assert longer.cached == [32]  # the blocks it shares
+    exact = await run(engine, work("r4", prompt=prompt[:48], max_tokens=1))
+    assert exact.cached == [32]  # its last block holds its last token
+    salted = msgspec.structs.replace(work("r5", prompt=prompt, max_tokens=1), cache_salt="t")
+    assert (await run(engine, salted)).cached == [0]

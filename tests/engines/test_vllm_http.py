@@ -195,6 +195,29 @@ async def test_n_choices_arrive_with_their_indices(fake: FakeVllm, make_engine: 
     assert engine.running == 0
 
 
+async def test_the_prompt_tokens_vllm_found_cached_ride_on_the_last_finish(
+    fake: FakeVllm, make_engine: MakeEngine
+) -> None:
+    """vLLM says them in the usage event after every choice finished (with
+    --enable-prompt-tokens-details): the last finish waits for it; on either route, streamed
+    or whole. Without them, no count."""
+    engine = make_engine()
+    emits = await run(engine, work(n=2, seed=8, max_tokens=3, ignore_eos=True))
+    assert emits.cached == [None] * len(emits.calls)
+    fake.knobs.cached_tokens = 32
+    emits = await run(engine, work(n=2, seed=8, max_tokens=3, ignore_eos=True))
+    assert [f for _, f, _, _ in emits.calls].count("length") == 2
+    assert emits.cached == [None] * (len(emits.calls) - 1) + [32]
+    assert emits.calls[-1][1] == "length"
+    native = await run(engine, work(native_ok=True, max_tokens=3))  # a prefill's whole answer
+    whole = await run(make_engine(role="prefill"), work("p", kv={"do_remote_decode": True},
+                                                        max_tokens=1))  # fmt: skip
+    fake.knobs.capability = 404
+    fallback = await run(make_engine(), work(native_ok=True, max_tokens=3))
+    for said in (native, whole, fallback):
+        assert said.cached[-1] == 32 and said.calls[-1][1] is not None
+
+
 # -- P/D -----------------------------------------------------------------------------------
 
 

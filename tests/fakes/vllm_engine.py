@@ -88,6 +88,8 @@ class Knobs:
     queue_until: asyncio.Event | None = None
     abort_fail_first: int = 0  # answer the first N abort calls with a 503
     health: int = 200  # what GET /health answers (vLLM: 503 once its engine died)
+    # As vLLM with --enable-prompt-tokens-details: usage says this many prompt tokens cached
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -582,7 +584,8 @@ class FakeVllm:
         for index, _ in sequences:
             rec.finish[index] = "abort"
         usage = self._usage(rec)
-        usage.update(prompt_tokens_details=None, completion_tokens_details=None)
+        usage.setdefault("prompt_tokens_details", None)
+        usage.update(completion_tokens_details=None)
         if rec.native:
             await send_json(send, 200, self._completion_response(rec, reasons, usage))
             return False
@@ -654,8 +657,11 @@ class FakeVllm:
     def _usage(self, rec: Received) -> dict[str, Any]:
         prompt = len(rec.prompt)
         completion = sum(len(ids) for ids in rec.outputs.values())
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                "completion_tokens": completion}  # fmt: skip
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                                 "completion_tokens": completion}  # fmt: skip
+        if self.knobs.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.knobs.cached_tokens}
+        return usage
 
     def _completion_logprobs(self, rec: Received, ids: list[int]) -> dict[str, Any] | None:
         """Completions-shaped logprobs (vLLM's CompletionLogProbs): per token its name and

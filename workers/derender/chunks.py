@@ -29,10 +29,16 @@ class Out:
     prompt_token_ids: list[int] | None = None
 
 
-class Usage(Struct, kw_only=True):
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class Usage(Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # as vLLM with --enable-prompt-tokens-details: only where the engine said
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Delta(Struct, kw_only=True, omit_defaults=True):
@@ -142,11 +148,15 @@ class CompletionResponse(Struct, kw_only=True):
 _json = msgspec.json.Encoder()
 
 
-def usage(ctx: OutputContext, completion_tokens: int) -> Usage:
+def usage(ctx: OutputContext, completion_tokens: int, final: bool = True) -> Usage:
+    """`final`: a closing usage or a whole response's, where vLLM says the cached tokens
+    (never in `continuous_usage_stats` chunks)."""
+    cached = ctx.cached_tokens if final else None
     return Usage(
         prompt_tokens=ctx.prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=ctx.prompt_tokens + completion_tokens,
+        prompt_tokens_details=None if cached is None else PromptTokensDetails(cached),
     )
 
 
@@ -282,7 +292,8 @@ def merge_responses(into: bytes, other: bytes) -> bytes:
 
 def combine_responses(docs: list[bytes], same_prompt: bool) -> bytes:
     """One response holding every choice of `docs`, by index, with their usage summed:
-    completion tokens always, prompt tokens when the documents answer different prompts."""
+    completion tokens always, prompt tokens (and those cached, where every one says) when
+    the documents answer different prompts."""
     first, *rest = [_decode_any.decode(d) for d in docs]
     usage_ = first["usage"]
     for doc in rest:
@@ -290,6 +301,16 @@ def combine_responses(docs: list[bytes], same_prompt: bool) -> bytes:
         usage_["completion_tokens"] += doc["usage"]["completion_tokens"]
         if not same_prompt:
             usage_["prompt_tokens"] += doc["usage"]["prompt_tokens"]
+            _add_cached(usage_, doc["usage"].get("prompt_tokens_details"))
     first["choices"].sort(key=lambda c: c["index"])
     usage_["total_tokens"] = usage_["prompt_tokens"] + usage_["completion_tokens"]
     return _json.encode(first)
+
+
+def _add_cached(usage_: dict[str, Any], details: dict[str, Any] | None) -> None:
+    if "prompt_tokens_details" not in usage_:
+        return
+    if details is None:  # a prompt whose engine did not say: no sum to tell
+        del usage_["prompt_tokens_details"]
+    else:
+        usage_["prompt_tokens_details"]["cached_tokens"] += details["cached_tokens"]

@@ -202,12 +202,12 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         continuous = ctx.include_usage and ctx.continuous_usage_stats
         if first_chat:  # vLLM opens each choice with a chunk of its own: the role, no output
             shown_prompt = prompt_ids if ctx.return_token_ids else None
-            none_yet = chunks.usage(ctx, 0) if continuous else None
+            none_yet = chunks.usage(ctx, 0, final=False) if continuous else None
             docs.append(chunks.role_chunk(ctx, index, shown_prompt, none_yet))
             out.prompt_token_ids = None  # on the role chunk alone
         shown = out.text or out.reasoning or out.tool_calls or (entry.logprobs and kept)
         if shown or done or (ctx.return_token_ids and kept):
-            usage = chunks.usage(ctx, state.completion_tokens) if continuous else None
+            usage = chunks.usage(ctx, state.completion_tokens, final=False) if continuous else None
             docs.append(chunks.stream_chunk(ctx, index, out, usage_=usage))
         if done and ctx.include_usage and ctx.closing_usage and ctx.n == 1:
             docs.append(chunks.usage_chunk(ctx, state.completion_tokens))

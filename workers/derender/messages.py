@@ -29,10 +29,13 @@ def _event(doc: dict[str, Any]) -> bytes:
 
 
 def _usage(ctx: OutputContext, output_tokens: int) -> dict[str, int]:
-    """Anthropic's usage; no prompt tokens are counted as read from or written to a cache, as
-    the engines do not report their prefix-cache hits to tokenway."""
-    return {"input_tokens": ctx.prompt_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+    """Anthropic's usage, whose `input_tokens` are the prompt's tokens after the cache: those
+    the engine found in its prefix cache are `cache_read_input_tokens`. None are counted as
+    written to a cache: that is what `cache_control` asks of Anthropic's, and here the
+    engine caches every prompt by itself."""
+    cached = ctx.cached_tokens or 0
+    return {"input_tokens": ctx.prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
 
 
 def _stop_sequence(out: Out) -> str | None:
@@ -99,7 +102,7 @@ def events(
         docs.append({"type": "message_delta", "delta": {
             "stop_reason": stop_reason(out.finish_reason, out.stop_reason, called),
             "stop_sequence": _stop_sequence(out),
-        }, "usage": {"output_tokens": output_tokens}})  # fmt: skip
+        }, "usage": _usage(ctx, output_tokens)})  # fmt: skip
         docs.append({"type": "message_stop"})
     return [_event(d) for d in docs], blocks
 

@@ -65,7 +65,7 @@ def response(ctx: OutputContext, out: Out, output_tokens: int, reasoning_tokens:
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "model": ctx.model, "output": output,
         "usage": {"input_tokens": ctx.prompt_tokens,
-                  "input_tokens_details": {"cached_tokens": 0},
+                  "input_tokens_details": {"cached_tokens": ctx.cached_tokens or 0},
                   "output_tokens": output_tokens,
                   "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                   "total_tokens": ctx.prompt_tokens + output_tokens},

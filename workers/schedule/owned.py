@@ -136,6 +136,8 @@ class Owned:
     span: Span = OFF  # the owner's part of it (`tokenway.spans`)
     first_token: float | None = None  # when its engine's first output reached this owner
     last_token: float = 0.0  # when the latest did
+    # prompt tokens the live attempt's engine found in its prefix cache (None: not said)
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -151,7 +153,14 @@ class Owned:
 
     @property
     def ctx(self) -> OutputContext:
-        return self.request.context
+        """The request's output context, with the prompt tokens found cached once known (at
+        most the prompt's: a relay's prompt holds output too)."""
+        ctx = self.request.context
+        if self.cached_tokens is None:
+            return ctx
+        return msgspec.structs.replace(
+            ctx, cached_tokens=min(self.cached_tokens, ctx.prompt_tokens)
+        )
 
     @property
     def stream(self) -> bool:
@@ -190,6 +199,7 @@ class Owned:
         self.relays += 1
         self.attempt += 1  # from here the failed attempt's late deltas are stale
         self.prefill_kv = None
+        self.cached_tokens = None  # the relay's engine says its own
         for c in self.choices:
             c.roll_back()
         done = len(self.choices[0].committed)
@@ -276,6 +286,8 @@ class Owned:
             else:
                 self.attempt_failed(EngineFailed(delta.error).info())
             return False
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
         choice.pending.extend(delta.token_ids)
         choice.made += len(delta.token_ids)
         if delta.logprobs is not None:

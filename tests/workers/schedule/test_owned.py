@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tokenway.errors import EngineFailed
@@ -349,3 +350,20 @@ def test_an_error_without_a_4xx_refusal_is_the_engines_failure(status: int | Non
                         refused=status)  # fmt: skip
     assert not r.accept(failed)
     assert r.broken is not None and r.broken.status == 502 and not r.ended.is_set()
+
+
+def test_the_cached_prompt_tokens_said_are_the_answering_attempts_own() -> None:
+    r = owned()
+    r.request.context = msgspec.structs.replace(r.request.context, prompt_tokens=40)
+    assert r.ctx.cached_tokens is None  # no engine said
+    assert r.accept(msgspec.structs.replace(delta(0, [7]), cached_tokens=32))
+    [(_, entry)] = r.take_ready()
+    assert entry.context.cached_tokens == 32
+    r.choices[0].busy = False
+    r.attempt_failed(EngineFailed("engine e1: boom").info())
+    assert r.relay()
+    assert r.ctx.cached_tokens is None  # the failed attempt's count is not the relay's
+    r.attempt += 1
+    r.next_delta = 0
+    assert r.accept(msgspec.structs.replace(delta(0, [9], attempt=r.attempt), cached_tokens=48))
+    assert r.ctx.cached_tokens == 40  # at most the prompt: a relay's prompt holds output too
