@@ -87,6 +87,8 @@ def server_command(
         "--no-enable-prefix-caching",
         "--seed", "0",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        # usage says the prompt tokens found in the prefix cache, as tokenway's does
+        "--enable-prompt-tokens-details",
         # Each request's arrival and abort in the log: the engine's side of what happened.
         *(["--enable-log-requests"] if log_requests else []),
     ]  # fmt: skip

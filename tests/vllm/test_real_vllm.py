@@ -372,6 +372,26 @@ async def test_same_tokens_text_finish_and_usage_as_vllm(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("api", ["chat", "completion"])
+async def test_same_prompt_tokens_details_as_vllm(
+    vllm_stack: VllmStack, api: str, stream: bool
+) -> None:
+    """vLLM's count of prompt tokens found in its prefix cache (its generate route's
+    closing usage, with --enable-prompt-tokens-details) reaches tokenway's usage as vLLM's own
+    server reports it, for a prompt it has seen. The tier runs without a prefix cache (for
+    determinism), so the count is vLLM's 0."""
+    body = BODIES[api](stream, **({"stream_options": USAGE} if stream else {}))
+    said = []
+    for url in (vllm_stack.server.url, vllm_stack.url, vllm_stack.server.url, vllm_stack.url):
+        docs = await post(url, PATHS[api], body)
+        [usage] = [d["usage"] for d in docs if d.get("usage")]
+        said.append(usage.get("prompt_tokens_details"))
+    theirs, ours = said[2], said[3]
+    assert theirs is not None and theirs["cached_tokens"] is not None
+    assert ours is not None and ours["cached_tokens"] == theirs["cached_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", ["chat", "completion"])
 async def test_same_stop_on_a_stop_token_id_as_vllm(
     vllm_stack: VllmStack, api: str, stream: bool
 ) -> None:
@@ -525,7 +545,10 @@ def framing(docs: list[Any]) -> dict[str, Any]:
         return top, [k for c in doc["choices"] for k in c]
 
     def usage(doc: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in doc["usage"].items() if k not in VLLM_ONLY}
+        out = {k: v for k, v in doc["usage"].items() if k not in VLLM_ONLY}
+        if details := out.get("prompt_tokens_details"):  # what vLLM's generate route says
+            out["prompt_tokens_details"] = {"cached_tokens": details["cached_tokens"]}
+        return out
 
     choices: dict[int, list[dict[str, Any]]] = {}
     closing = None
