@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
+import msgspec
+import nats
 import pytest
 
 from tests.conftest import Stack, dead_letter_one
 from tests.test_cli import spawn
 from tokenway import bus
+from tokenway.wire import EngineInfo
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -100,3 +104,35 @@ async def test_a_command_against_an_unreachable_nats_fails_at_once(command: list
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 1 and "cannot connect to NATS" in err.decode()
     assert "Traceback" not in err.decode()
+
+
+async def test_an_engine_beating_while_status_reads_the_registry_is_listed(
+    stack: Stack,
+) -> None:
+    """Heartbeats replace an engine's entry every third of a TTL. Listing the bucket's keys
+    with a watch could come back without an entry replaced while the watch started (a
+    status in CI once showed no engines); the listing is the server's own, at one instant."""
+    from tokenway.status import _engines
+
+    nc = await nats.connect(stack.observer)
+    js = nc.jetstream()
+    kv = await js.key_value(bus.ENGINES_BUCKET)
+    key, stop = "beating-fast", asyncio.Event()
+    beat = msgspec.msgpack.encode(EngineInfo(id=key, model="m", updated=time.time()))
+
+    async def beating() -> None:
+        while not stop.is_set():
+            await kv.put(key, beat)
+
+    await kv.put(key, beat)
+    running = asyncio.create_task(beating())
+    try:
+        missed = 0
+        for _ in range(100):
+            missed += key not in {e.id for e in await _engines(js, 5.0, [])}
+        assert missed == 0, f"{missed} of 100 listings missed an engine that beat throughout"
+    finally:
+        stop.set()
+        await running
+        await kv.delete(key)
+        await nc.close()

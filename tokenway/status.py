@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Struct
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from tokenway import batch_store, bus, quota, quota_book
 from tokenway.batches import ENDED
@@ -179,14 +179,16 @@ async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[Ow
 
 
 async def _engines(js: JetStreamContext, ttl: float, missing: list[str]) -> list[Engine]:
+    # The keys as the server holds them at one instant (a stream's subjects): a watch's
+    # listing missed an entry that a heartbeat replaced while the watch began.
+    prefix = f"$KV.{bus.ENGINES_BUCKET}."
     try:
         kv = await js.key_value(bus.ENGINES_BUCKET)
-        keys = await kv.keys()
+        info = await js.stream_info(f"KV_{bus.ENGINES_BUCKET}", subjects_filter=f"{prefix}>")
     except BucketNotFoundError:
         missing.append(bus.ENGINES_BUCKET)
         return []
-    except NoKeysError:
-        return []
+    keys = [subject.removeprefix(prefix) for subject in info.state.subjects or ()]
     now, engines = time.time(), []
     for key in sorted(keys):
         try:
