@@ -550,6 +550,17 @@ async def _bucket(js: JetStreamContext, config: jsapi.KeyValueConfig) -> KeyValu
         return await js.create_key_value(config)
 
 
+async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """A bucket's keys as the server holds them at one instant: its stream's subjects (a
+    key whose latest is a delete marker among them). nats-py's `KeyValue.keys()` lists them
+    with a watch, which misses a key whose entry is replaced as the watch begins (a
+    heartbeating engine, 7 listings in 100). One page of the server's answer: for buckets of
+    up to 100,000 keys (engines, tenants), not for ones that grow with use."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    return [subject.removeprefix(prefix) for subject in info.state.subjects or ()]
+
+
 async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     """The engine registry. Limit markers make an expired heartbeat visible to watchers as
     a delete: no polling."""

@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import msgspec
 import nats.errors
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from tokenway import bus
 from tokenway.errors import Unavailable
 from tokenway.quota import Charge, Kept, Quota, Store, admits, charge, release
 
@@ -78,14 +80,10 @@ class QuotaBook:
         raise Unavailable(f"the storage usage of tenant {tenant!r} is too contended; retry")
 
 
-async def every_tenant(kv: KeyValue) -> dict[str, Kept]:
+async def every_tenant(js: JetStreamContext, kv: KeyValue) -> dict[str, Kept]:
     """Every tenant's usage (a read: `tokenway status`), by tenant ("" for a keyless one)."""
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return {}
     found = {}
-    for name in sorted(keys):
+    for name in sorted(await bus.kv_keys(js, bus.STORED_BUCKET)):
         try:
             entry = await kv.get(name)
         except KeyNotFoundError:

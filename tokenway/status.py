@@ -126,7 +126,7 @@ async def _stored(js: JetStreamContext) -> list[TenantStored]:
     except BucketNotFoundError:
         return []
     now, found = time.time(), []
-    for tenant, kept in (await quota_book.every_tenant(kv)).items():
+    for tenant, kept in (await quota_book.every_tenant(js, kv)).items():
         found.append(TenantStored(tenant=tenant, files=_usage(kept, FILES, now),
                                   responses=_usage(kept, RESPONSES, now)))  # fmt: skip
     return found
@@ -179,16 +179,12 @@ async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[Ow
 
 
 async def _engines(js: JetStreamContext, ttl: float, missing: list[str]) -> list[Engine]:
-    # The keys as the server holds them at one instant (a stream's subjects): a watch's
-    # listing missed an entry that a heartbeat replaced while the watch began.
-    prefix = f"$KV.{bus.ENGINES_BUCKET}."
     try:
         kv = await js.key_value(bus.ENGINES_BUCKET)
-        info = await js.stream_info(f"KV_{bus.ENGINES_BUCKET}", subjects_filter=f"{prefix}>")
+        keys = await bus.kv_keys(js, bus.ENGINES_BUCKET)
     except BucketNotFoundError:
         missing.append(bus.ENGINES_BUCKET)
         return []
-    keys = [subject.removeprefix(prefix) for subject in info.state.subjects or ()]
     now, engines = time.time(), []
     for key in sorted(keys):
         try:
