@@ -279,18 +279,18 @@ async def refused_grammars(
 
 
 @contextlib.asynccontextmanager
-async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, int]]:
-    limit = f" concurrent={args.flood_limit}" if args.flood_limit else ""
-    keys = data / "keys"
-    keys.write_text(f"calm {CALM_KEY}\nflood {FLOOD_KEY}{limit}\n")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_TTFT": "0.02",
-           "TOKENWAY_SIM_ITL": str(args.itl), "TOKENWAY_SIM_OUTPUT_LEN": "32",
-           "PYTHONPATH": args.code}  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0",
-        "--api-key-file", str(keys), "--sim-max-seqs", str(args.max_seqs),
-        cwd=args.code, env=env, stdout=asyncio.subprocess.PIPE, stderr=(data / "up.log").open("wb"),
-    )  # fmt: skip
+async def up_process(
+    code: str, data: Path, env: dict[str, str], *flags: str
+) -> AsyncIterator[tuple[str, int]]:
+    """`tokenway up` from the checkout `code` on `data` (its log in `data/up.log`), with the
+    bench's environment and `env` over it: its API's URL and its pid."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_TTFT": "0.02", **env,
+           "PYTHONPATH": code}  # fmt: skip
+    with open(data / "up.log", "wb") as log:  # noqa: ASYNC230 - once, at start
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0",
+            *flags, cwd=code, env=env, stdout=asyncio.subprocess.PIPE, stderr=log,
+        )  # fmt: skip
     try:
         assert proc.stdout is not None
         while line := (await asyncio.wait_for(proc.stdout.readline(), 120)).decode():
@@ -302,6 +302,17 @@ async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, i
     finally:
         proc.terminate()
         await proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def up(args: argparse.Namespace, data: Path) -> AsyncIterator[tuple[str, int]]:
+    limit = f" concurrent={args.flood_limit}" if args.flood_limit else ""
+    keys = data / "keys"
+    keys.write_text(f"calm {CALM_KEY}\nflood {FLOOD_KEY}{limit}\n")
+    env = {"TOKENWAY_SIM_ITL": str(args.itl), "TOKENWAY_SIM_OUTPUT_LEN": "32"}
+    flags = ["--api-key-file", str(keys), "--sim-max-seqs", str(args.max_seqs)]
+    async with up_process(args.code, data, env, *flags) as running:
+        yield running
 
 
 async def scenario(url: str, pid: int, args: argparse.Namespace, name: str) -> dict[str, Any]:

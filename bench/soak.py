@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
-import re
-import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.e2e import rss_kb
+from bench.hostile import up_process
 
 WORDS = "the pipeline carries token ids between stages and engines over the bus".split()
 
@@ -45,29 +42,6 @@ def children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-
-
-@contextlib.asynccontextmanager
-async def up(code: str, data: Path, itl: float) -> AsyncIterator[tuple[str, int]]:
-    """`tokenway up` from `code` on `data`: its API's URL and its pid."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_ITL": str(itl),
-           "TOKENWAY_SIM_TTFT": "0.02", "PYTHONPATH": code}  # fmt: skip
-    with open(data / "up.log", "wb") as log:  # noqa: ASYNC230 - once, at start
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0",
-            cwd=code, env=env, stdout=asyncio.subprocess.PIPE, stderr=log,
-        )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        while line := (await asyncio.wait_for(proc.stdout.readline(), 120)).decode():
-            if match := re.search(r"at (http://\S+)/v1", line):
-                break
-        else:
-            raise SystemExit((data / "up.log").read_text()[-2000:])
-        yield match.group(1), proc.pid
-    finally:
-        proc.terminate()
-        await proc.wait()
 
 
 def request(rng: random.Random) -> tuple[str, dict[str, Any], bool]:
@@ -112,7 +86,8 @@ async def client(url: str, until: float, seed: int, seen: Counter[str]) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        async with up(args.code, Path(tmp), args.itl) as (url, pid):
+        itl = {"TOKENWAY_SIM_ITL": str(args.itl)}
+        async with up_process(args.code, Path(tmp), itl) as (url, pid):
             procs = {"up": pid}
             if server := children(pid):  # the embedded nats-server, up's one child
                 procs["nats-server"] = server[0]
