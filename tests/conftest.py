@@ -273,6 +273,14 @@ async def start_stack(
     return stack
 
 
+def keyed_settings(stack: Stack, folder: Path, keys: str, **overrides: object) -> Settings:
+    """`stack`'s settings with the API keys `keys` (an --api-key-file's lines, written into
+    `folder`) and `overrides`: for an ingress of tenants beside the session's pipeline."""
+    key_file = folder / "keys"
+    key_file.write_text(keys)
+    return msgspec.structs.replace(stack.settings, api_key_file=str(key_file), **overrides)
+
+
 def recording(engine: SimEngine) -> SimEngine:
     """`engine`, keeping every attempt's work it is sent (in `received`) for the test."""
     engine.received = []

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from openai.types.responses import Response
 
-from tests.conftest import Stack, start_stack
+from tests.conftest import Stack, keyed_settings, start_stack
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.client import Output
@@ -31,9 +31,8 @@ KEY_ACME, KEY_RIVAL = "sk-acme-chosen-0123456789ab", "sk-rival-chosen-0123456789
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """An ingress with the keys of two tenants, acme and rival, on the session's bus."""
-    key_file = tmp_path_factory.mktemp("chosen") / "keys"
-    key_file.write_text(f"acme {KEY_ACME}\nrival {KEY_RIVAL}\n")
-    settings = msgspec.structs.replace(stack.settings, api_key_file=str(key_file))
+    keys = f"acme {KEY_ACME}\nrival {KEY_RIVAL}\n"
+    settings = keyed_settings(stack, tmp_path_factory.mktemp("chosen"), keys)
     ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
     yield ingress
     await ingress.close()

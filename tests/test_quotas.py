@@ -19,7 +19,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Stack, guarded_bus, make_settings, start_stack
+from tests.conftest import Stack, guarded_bus, keyed_settings, make_settings, start_stack
 from tests.test_batches import chat_line, finished, jsonl
 from tests.test_status import status
 from tokenway import bus
@@ -55,9 +55,8 @@ async def ingresses(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[Stack, Stack]]:
     """Two ingresses with the tenants' keys, beside the session pipeline's."""
-    key_file = tmp_path_factory.mktemp("quotas") / "keys"
-    key_file.write_text("".join(t.line for t in (TIGHT, ROOMY, OUTGROWN, RIVAL)))
-    settings = msgspec.structs.replace(stack.settings, api_key_file=str(key_file))
+    keys = "".join(t.line for t in (TIGHT, ROOMY, OUTGROWN, RIVAL))
+    settings = keyed_settings(stack, tmp_path_factory.mktemp("quotas"), keys)
     one = await start_stack(stack.settings.nats, settings, ["ingress"])
     two = await start_stack(stack.settings.nats, settings, ["ingress"])
     yield one, two

@@ -12,13 +12,12 @@ import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import msgspec
 import openai
 import pytest
 import pytest_asyncio
 
 from engines.sim import SimEngine
-from tests.conftest import Stack, start_stack
+from tests.conftest import Stack, keyed_settings, start_stack
 from tests.test_scheduling import pipeline, sim
 from tokenway.client import RequestFailed
 from tokenway.wire import EngineWork, GenerateRequest, SamplingParams
@@ -40,9 +39,7 @@ ROUTED = re.compile(r"request (\S+) .*→ engine \S+ \(overlap (\d+)/(\d+) block
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """An ingress with the keys of two tenants, acme and rival, on the session's bus."""
-    key_file = tmp_path_factory.mktemp("engines") / "keys"
-    key_file.write_text(KEYS)
-    settings = msgspec.structs.replace(stack.settings, api_key_file=str(key_file))
+    settings = keyed_settings(stack, tmp_path_factory.mktemp("engines"), KEYS)
     ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
     yield ingress
     await ingress.close()

@@ -16,7 +16,7 @@ import nats
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Stack, make_settings, start_stack
+from tests.conftest import Stack, keyed_settings, make_settings, start_stack
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.tenancy import Usage
@@ -34,11 +34,8 @@ async def ingresses(
 ) -> AsyncIterator[tuple[Stack, Stack]]:
     """Two ingresses with the same keys: `flood` may run 2 requests at once, `metered` start
     600 tokens a minute, `calm` is unlimited."""
-    key_file = tmp_path_factory.mktemp("tenants") / "keys"
-    key_file.write_text(
-        f"flood {FLOOD} concurrent=2\nmetered {METERED} tokens_per_minute=600\ncalm {CALM}\n"
-    )
-    settings = msgspec.structs.replace(stack.settings, api_key_file=str(key_file))
+    keys = f"flood {FLOOD} concurrent=2\nmetered {METERED} tokens_per_minute=600\ncalm {CALM}\n"
+    settings = keyed_settings(stack, tmp_path_factory.mktemp("tenants"), keys)
     one = await start_stack(stack.settings.nats, settings, ["ingress"])
     two = await start_stack(stack.settings.nats, settings, ["ingress"])
     yield one, two

@@ -10,7 +10,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.conftest import Stack, start_stack
+from tests.conftest import Stack, keyed_settings, start_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -30,10 +30,9 @@ def _big_body() -> bytes:
 async def test_a_tenants_big_bodies_wait_for_its_own_rate_and_nobody_elses(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    key_file = tmp_path_factory.mktemp("body-rate") / "keys"
-    key_file.write_text(f"big {BIG}\ncalm {CALM}\n")
-    settings = msgspec.structs.replace(stack.settings, api_key_file=str(key_file),
-                                       max_request_bytes=LIMIT, max_body_rate=RATE)  # fmt: skip
+    settings = keyed_settings(stack, tmp_path_factory.mktemp("body-rate"),
+                              f"big {BIG}\ncalm {CALM}\n",
+                              max_request_bytes=LIMIT, max_body_rate=RATE)  # fmt: skip
     ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
     rate = ingress.ingress.body_rate
     try:
