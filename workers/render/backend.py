@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
@@ -69,6 +70,12 @@ async def worked(size: int, work: Callable[..., T], *args: object) -> T:
 def _given_back(work: Callable[..., T], *args: object) -> T:
     try:
         return work(*args)
+    except BaseException as exc:
+        # A refusal's traceback keeps the frames that raised it, and their locals (the
+        # prompt's millions of ids) with them: cleared now, or the trim below runs while
+        # they are alive and they are freed after it, kept by the allocator.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         heap.give_back()
 
