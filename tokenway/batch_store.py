@@ -16,7 +16,6 @@ from nats.js import api as jsapi
 from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     NotFoundError,
     ObjectNotFoundError,
 )
@@ -155,20 +154,16 @@ class BatchStore:
 
     async def records(self) -> list[Record]:
         """Every batch (for runners and listings), oldest first."""
-        return await records(self.kv)
+        return await records(self.js, self.kv)
 
     async def _read(self, batch_id: str) -> tuple[Record, int]:
         return await _read(self.kv, batch_id)
 
 
-async def records(kv: KeyValue) -> list[Record]:
+async def records(js: JetStreamContext, kv: KeyValue) -> list[Record]:
     """Every batch in the `tw-batches` bucket, oldest first (a read: `tokenway status`)."""
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
     out = []
-    for key in keys:
+    for key in await bus.kv_keys(js, bus.BATCHES_BUCKET):
         try:
             out.append((await _read(kv, key))[0])
         except NotFound:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import ssl
@@ -554,11 +555,19 @@ async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
     """A bucket's keys as the server holds them at one instant: its stream's subjects (a
     key whose latest is a delete marker among them). nats-py's `KeyValue.keys()` lists them
     with a watch, which misses a key whose entry is replaced as the watch begins (a
-    heartbeating engine, 7 listings in 100). One page of the server's answer: for buckets of
-    up to 100,000 keys (engines, tenants), not for ones that grow with use."""
-    prefix = f"$KV.{bucket}."
-    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-    return [subject.removeprefix(prefix) for subject in info.state.subjects or ()]
+    heartbeating engine, 7 listings in 100). The server answers a page of subjects at a
+    time, and nats-py's `stream_info` reads the first only: read page by page."""
+    prefix, subject = f"$KV.{bucket}.", f"{js._prefix}.STREAM.INFO.KV_{bucket}"
+    keys: list[str] = []
+    while True:
+        ask = json.dumps({"subjects_filter": f"{prefix}>", "offset": len(keys)}).encode()
+        page = json.loads((await js._nc.request(subject, ask, timeout=10)).data)
+        if "error" in page:
+            raise APIError.from_error(page["error"])
+        found = (page.get("state") or {}).get("subjects") or {}
+        keys += [s.removeprefix(prefix) for s in found]
+        if not found or len(keys) >= page.get("total", 0):
+            return keys
 
 
 async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:

@@ -139,7 +139,7 @@ async def _batches(js: JetStreamContext) -> tuple[list[BatchRun], int]:
     except BucketNotFoundError:
         return [], 0
     runs, ended = [], 0
-    for record in await batch_store.records(kv):
+    for record in await batch_store.records(js, kv):
         b = record.batch
         if b.status in ENDED:
             ended += 1
