@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 from nats.aio.client import Client
 
-from tokenway import asyncapi, bus, spans
+from tokenway import asyncapi, bus, heap, spans
 from tokenway.aio import Stop
 from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
@@ -310,6 +310,7 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _open_files()
+    heap.map_big_blocks()
 
     stopping = threading.Event()  # outlives the loop: a stop is no failure to report
 
