@@ -106,14 +106,13 @@ def _answering(send: Send, metrics: Metrics, echo: tuple[bytes, bytes] | None) -
 
 
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    metrics = Metrics()
+    metrics = Metrics(ctx.body_rate)
     completions = Completions(
         ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
         ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits, ctx.response_store,
         request_limits=ctx.request_limits,
         quota=ctx.keys.quota, ledger_room=ctx.ledger_room, body_rate=ctx.body_rate,
     )  # fmt: skip
-    metrics.body_waiting.set_function(lambda: ctx.body_rate.waiting)
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 
     def openapi() -> dict[str, Any]:
@@ -211,10 +210,9 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
 
     @app.get("/metrics")
     async def metrics_page() -> Response:
-        # This app's metrics, then the process's (stages running in this process, e.g. the
-        # schedule worker's queue-wait histogram under `tokenway up`).
-        page = generate_latest(metrics.registry) + generate_latest(REGISTRY)
-        return Response(page, media_type=CONTENT_TYPE_LATEST)
+        # The process's registry, as on --metrics-port: this ingress's counts and those of
+        # every stage in this process (e.g. the schedule worker's under `tokenway up`).
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -360,7 +360,8 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
 
 
 def serve_metrics(host: str, port: int) -> None:
-    """The process's registry (every stage's metrics) on a thread of its own."""
+    """The process's registry (every stage's metrics, an ingress's too: the page its API's
+    /metrics serves) on a thread of its own."""
     from prometheus_client import start_http_server
 
     try:
@@ -429,10 +430,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--metrics-port", type=int,
-        help="serve this process's metrics at http://HOST:PORT/metrics (default: none; under "
-        "`up`, the API's /metrics has them all)",
+        help="serve this process's metrics at http://HOST:PORT/metrics (default: none); an "
+        "ingress's API /metrics is the same page",
     )  # fmt: skip
-    g.add_argument("--metrics-host", help="where --metrics-port listens (default 127.0.0.1)")
+    g.add_argument(
+        "--metrics-host",
+        help="where --metrics-port listens (default 127.0.0.1; 0.0.0.0 in a container, for "
+        "the scraper)",
+    )
     g.add_argument(
         "--engine-ttl", type=float, help="seconds an engine stays registered without a beat (5)"
     )

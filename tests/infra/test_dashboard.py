@@ -9,23 +9,22 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from ingress.metrics import Metrics
-
 DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "tokenway.json"
 _NAME = re.compile(r"\b(tokenway[:_][a-z0-9_:]+)")
 
 
-# What registers metrics on the process's registry: render fallbacks, request families, stages.
-MODULES = ("workers.render.backend", "workers.schedule.metrics", "tokenway.metrics")
+# What registers metrics on the process's registry: render fallbacks, request families, stages,
+# the ingress's answers.
+MODULES = ("workers.render.backend", "workers.schedule.metrics", "tokenway.metrics",
+           "ingress.metrics")  # fmt: skip
 
 
 def exported() -> set[str]:
     for module in MODULES:
         importlib.import_module(module)
     names = set()
-    for registry in (REGISTRY, Metrics().registry):
-        for family in registry.collect():
-            names |= {sample.name for sample in family.samples} | {family.name}
+    for family in REGISTRY.collect():
+        names |= {sample.name for sample in family.samples} | {family.name}
     # a histogram's samples exist per label set only once observed: name them all
     names |= {f"{n}{part}" for n in names for part in ("_bucket", "_count", "_sum", "_total")}
     return names
