@@ -822,14 +822,17 @@ def dlq_parser() -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=text)
         p.add_argument("--nats", help="NATS server URL (required)")
         _nats_credentials(p)
-        p.add_argument("--json", action="store_true", help="one JSON object per line")
+        p.add_argument("--json", action="store_true",
+                       help="print JSON lines: one object per line (per letter for ls), not an "
+                            "array, so a script can read them as they come")  # fmt: skip
         if filters:
             p.add_argument("--stage", help="only this stage's letters (render, schedule, ...)")
             p.add_argument("--since", help="since a duration ago (30m, 2h) or an ISO time")
-            p.add_argument("--reason", help="only letters whose reason contains this text")
+            p.add_argument("--reason", help="only letters whose reason contains this text "
+                           "(each starts with decode: or exhausted:)")  # fmt: skip
         return p
 
-    verb("ls", "list dead letters", filters=True)
+    verb("ls", "list dead letters (ID: the letter's TW_DLQ sequence)", filters=True)
     verb("show", "one dead letter with headers and payload").add_argument("id", type=int)
     replay = verb("replay", "republish to the original subject (once)", filters=True)
     replay.add_argument("ids", type=int, nargs="*", metavar="ID")

@@ -1,7 +1,8 @@
 """Dead letters: the mover stage (max-deliveries advisories → `TW_DLQ`) and the operations
 behind `tokenway dlq` (list, show, replay, purge).
 
-A letter's id is its `TW_DLQ` stream sequence. A replayed letter gets a marker on
+A letter's id is its `TW_DLQ` stream sequence (so ids skip: a marker takes one, below, and a
+purge leaves gaps). A replayed letter gets a marker on
 `tw.dlq.replayed.<id>` in the same stream (so it lives and is purged with the letters); the
 replay itself carries a fresh, deterministic `Nats-Msg-Id`, so two racing replays inside the
 work queue's duplicate window still run the request once, and the marker refuses later ones.
@@ -37,6 +38,7 @@ ADVISORIES = "$JS.EVENT.ADVISORY.CONSUMER.>"
 MAX_DELIVERIES = "MAX_DELIVERIES"
 _REPLAYED = "replayed"
 _ALL_LETTERS = bus.dlq_subject("*")  # markers have one token more and stay out
+IDS_NOTE = "ID: the letter's TW_DLQ sequence; a replay's marker takes one too, so ids skip"
 
 
 class MaxDeliveries(msgspec.Struct):
@@ -93,7 +95,7 @@ def exhausted_letter(
     return DeadLetter(
         stage=stage_of(adv.consumer),
         subject=subject,
-        reason=f"max deliveries ({adv.deliveries}) exhausted",
+        reason=f"exhausted: max deliveries ({adv.deliveries}) exhausted",
         delivered=adv.deliveries,
         headers=headers,
         payload=payload,
@@ -183,9 +185,10 @@ def format_table(letters: list[Letter], reason_width: int = 60) -> str:
         replayed = "yes" if letter.replayed else ""
         rows.append([str(letter.id), local, d.stage, d.subject, str(d.delivered), replayed, why])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join(
+    table = [
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows
-    )
+    ]
+    return "\n".join([*table, IDS_NOTE] if letters else table)
 
 
 def format_letter(letter: Letter) -> str:
@@ -200,10 +203,22 @@ def format_letter(letter: Letter) -> str:
         f"reason      {d.reason}",
         f"replayed    {f'as {mark.msg_id} at {_iso(mark.time)}' if mark else 'no'}",
         "headers     " + "\n            ".join(f"{k}: {v}" for k, v in d.headers.items()),
-        f"payload     {len(d.payload)} bytes",
-        d.payload.decode("utf-8", "backslashreplace"),
+        *payload_lines(d.payload),
     ]
     return "\n".join(lines)
+
+
+def payload_lines(payload: bytes) -> list[str]:
+    """Its size, then the payload: text as text; else (a terminal would act on a NUL or an
+    escape) on one line with each byte that is not printable ASCII written as `\\xNN`."""
+    try:
+        text = payload.decode()
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(c.isprintable() or c in "\n\t" for c in text):
+        return [f"payload     {len(payload)} bytes", text]
+    shown = "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in payload)
+    return [f"payload     {len(payload)} bytes, binary (non-printable bytes as \\xNN)", shown]
 
 
 # -- the mover stage --------------------------------------------------------------------------
@@ -246,7 +261,7 @@ class DlqMover:
         try:
             adv = _advisory.decode(msg.data)
         except msgspec.DecodeError as exc:
-            await ledger.dead_letter(js, self.name, msg, f"undecodable advisory: {exc}")
+            await ledger.dead_letter(js, self.name, msg, "decode", f"undecodable advisory: {exc}")
             return
         await move(js, adv)
         await msg.ack()
@@ -311,7 +326,7 @@ def _decode_letter(data: bytes, subject: str, stored: float) -> DeadLetter:
         return DeadLetter(
             stage=bus.rid_of(subject),
             subject=subject,
-            reason=f"undecodable dead letter: {exc}",
+            reason=f"decode: undecodable dead letter: {exc}",
             payload=data,
             time=stored,
         )
@@ -402,8 +417,15 @@ async def count_letters(js: JetStreamContext, stage: str | None = None) -> int:
 
 
 async def purge(js: JetStreamContext, stage: str | None = None) -> int:
-    """Remove the letters of one stage (or every letter and marker); how many letters went."""
-    count = await count_letters(js, stage)
-    subject = bus.dlq_subject(bus.token(stage)) if stage else bus.dlq_subject(">")
-    await js.purge_stream(bus.DLQ_STREAM, subject=subject)
-    return count
+    """Remove the letters of one stage and their replay markers (or every letter and marker);
+    how many letters went."""
+    if not stage:
+        count = await count_letters(js)
+        await js.purge_stream(bus.DLQ_STREAM, subject=bus.dlq_subject(">"))
+        return count
+    letters = await list_letters(js, stage)
+    await js.purge_stream(bus.DLQ_STREAM, subject=bus.dlq_subject(bus.token(stage)))
+    for letter in letters:
+        if letter.replayed is not None:
+            await js.purge_stream(bus.DLQ_STREAM, subject=marker_subject(letter.id))
+    return len(letters)

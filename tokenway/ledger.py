@@ -13,6 +13,7 @@ import time
 from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import msgspec
 import nats.errors
@@ -233,12 +234,27 @@ def delivered(rid: str, msg: Msg | RawStreamMsg) -> Delivered:
     )
 
 
-async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -> None:
+# The word a dead letter's reason starts with (`decode: ...`), what `tokenway dlq ls --reason`
+# filters on: the message could not be read, or its deliveries ran out.
+DEAD_REASONS = ("decode", "exhausted")
+DeadReason = Literal["decode", "exhausted"]
+
+
+def what_is_wrong(exc: Exception) -> str:
+    """A failure to read a message, in words: `Identity.of`'s KeyError names a header."""
+    if isinstance(exc, KeyError) and exc.args:
+        return f"the {exc.args[0]} header is missing"
+    return str(exc)
+
+
+async def dead_letter(
+    js: JetStreamContext, stage: str, msg: Msg, category: DeadReason, reason: str
+) -> None:
     """Copy a message that cannot be processed to `TW_DLQ`, then terminate it."""
     letter = DeadLetter(
         stage=stage,
         subject=msg.subject,
-        reason=reason,
+        reason=f"{category}: {reason}",
         delivered=msg.metadata.num_delivered,
         headers=dict(msg.headers or {}),
         payload=msg.data,
@@ -246,7 +262,7 @@ async def dead_letter(js: JetStreamContext, stage: str, msg: Msg, reason: str) -
     )
     DEAD_LETTERS.labels(stage).inc()  # before its publish: a reader of TW_DLQ sees it counted
     await js.publish(bus.dlq_subject(stage), _json.encode(letter))
-    log.warning("dead-lettered %s from %s: %s", msg.subject, stage, reason)
+    log.warning("dead-lettered %s from %s: %s", msg.subject, stage, letter.reason)
     await msg.term()
 
 

@@ -108,7 +108,8 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
         ))  # fmt: skip
     letters: dict[str, int] = {}
     if bus.DLQ_STREAM not in missing:
-        info = await js.stream_info(bus.DLQ_STREAM, subjects_filter=bus.dlq_subject(">"))
+        # `tw.dlq.<stage>` only: a replay's marker, `tw.dlq.replayed.<id>`, is no letter
+        info = await js.stream_info(bus.DLQ_STREAM, subjects_filter=bus.dlq_subject("*"))
         for subject, count in (info.state.subjects or {}).items():
             stage = subject.removeprefix(bus.dlq_subject(""))
             letters[stage] = letters.get(stage, 0) + count

@@ -81,10 +81,10 @@ async def test_undecodable_render_requests_are_dead_lettered_with_a_reason(
 
     letters = await dlq.list_letters(js, stage="render")
     by_payload = {x.dead.payload: x.dead for x in letters}
-    assert by_payload[b"\xc1 not msgpack"].reason.startswith("undecodable render request")
+    assert by_payload[b"\xc1 not msgpack"].reason.startswith("decode: undecodable render request")
     assert by_payload[b"\xc1 not msgpack"].headers[h.RID] == "r1"
     assert by_payload[b"\xc1 not msgpack"].subject == subject
-    assert by_payload[b"no headers at all"].reason.startswith("no valid request headers")
+    assert by_payload[b"no headers at all"].reason.startswith("decode: no valid request headers")
     # Terminated, not left in the work queue.
     assert (await js.stream_info(bus.RENDER_STREAM)).state.messages == 0
 
@@ -120,7 +120,7 @@ async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
 
     dead = msgspec.json.decode(moved.data, type=DeadLetter)
     assert moved.subject == bus.dlq_subject("render")
-    assert dead.reason == "max deliveries (2) exhausted"
+    assert dead.reason == "exhausted: max deliveries (2) exhausted"
     assert (dead.stage, dead.delivered, dead.subject) == ("render", 2, bus.render_subject("poison"))
     assert dead.payload == b"crashes the worker"
     assert dead.headers[h.RID] == "rid-1"
@@ -251,7 +251,8 @@ async def test_cli_prints_tables_and_json_and_refuses_a_second_replay(
         return rc, capsys.readouterr().out
 
     rc, out = await run("ls", "--stage", "render")
-    assert rc == 0 and out.splitlines()[0].startswith("ID") and len(out.splitlines()) == 3
+    assert rc == 0 and out.splitlines()[0].startswith("ID") and len(out.splitlines()) == 4
+    assert out.splitlines()[-1] == dlq.IDS_NOTE  # what the ids are, under the table
     rc, out = await run("show", str(a), "--json")
     assert json.loads(out)["headers"][h.RID] == "r1"
     assert (await run("replay", str(a)))[0] == 0

@@ -104,14 +104,15 @@ class RenderService:
         try:
             who = ledger.Identity.of(msg)
         except (KeyError, ValueError) as exc:
-            await ledger.dead_letter(js, "render", msg, f"no valid request headers: {exc!r}")
+            why = f"no valid request headers: {ledger.what_is_wrong(exc)}"
+            await ledger.dead_letter(js, "render", msg, "decode", why)
             return
         try:
             request = _decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             reason = f"undecodable render request: {exc}"
             await self._fail(who, InvalidRequest(reason).info())
-            await ledger.dead_letter(js, "render", msg, reason)
+            await ledger.dead_letter(js, "render", msg, "decode", reason)
             return
         began = time.perf_counter()
         span = spans.start("render", who.trace or None, request_id=who.rid, model=self.model)

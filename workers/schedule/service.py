@@ -235,9 +235,15 @@ class ScheduleService:
         assert self._js is not None and self._group is not None
         try:
             who = ledger.Identity.of(msg)
+        except (KeyError, ValueError) as exc:
+            why = f"no valid request headers: {ledger.what_is_wrong(exc)}"
+            await ledger.dead_letter(self._js, "schedule", msg, "decode", why)
+            return
+        try:
             request = _request_decoder.decode(msg.data)
-        except (KeyError, ValueError, msgspec.DecodeError) as exc:
-            await ledger.dead_letter(self._js, "schedule", msg, f"undecodable request: {exc!r}")
+        except msgspec.DecodeError as exc:
+            why = f"undecodable request: {exc}"
+            await ledger.dead_letter(self._js, "schedule", msg, "decode", why)
             return
         rid, key = who.rid, who.key
         if key in self.requests:  # redelivered while we still own it: keep the newest handle
