@@ -8,12 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tokenway import bus
 from tokenway.nats_users import NatsUsers
 from tokenway.natsd import server_binary
-from tokenway.roles import roles
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "infra" / "nats").glob("*.conf"))
 
@@ -41,24 +38,5 @@ def test_no_config_opens_the_bus_or_its_monitoring_to_the_world(config: Path) ->
     assert "http: 127.0.0.1:" in text
 
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
-
-
-def _check_role(command: list[str], env: dict[str, str]) -> str:
-    role = command[0]  # `tokenway <stage>`, `engine sim`, `dlq move`: the role's name first
-    assert env["TOKENWAY_NATS_NKEY_FILE"] == f"/auth/{role}.nk", command
-    assert env["TOKENWAY_NATS_INBOX_PREFIX"] == bus.inbox_prefix(role), command
-    return role
-
-
-def test_every_container_connects_as_the_role_of_what_it_runs() -> None:
-    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())["services"]
-    stages = {k: v for k, v in compose.items() if k not in ("nats", "nats-auth")}
-    ran = {_check_role(s["command"], s["environment"]) for s in stages.values()}
-    assert "4222:4222" not in str(compose["nats"]) and "8222" not in str(compose["nats"])
-    for doc in yaml.safe_load_all((INFRA / "k8s" / "tokenway.yaml").read_text()):
-        if doc["kind"] in ("Deployment", "Job"):
-            (container,) = doc["spec"]["template"]["spec"]["containers"]
-            env = {e["name"]: e["value"] for e in container["env"]}
-            ran.add(_check_role(container["args"], env))
-    assert ran == {r.name for r in roles()} - {"ops"}  # ops: a person's `tokenway dlq`
+# Which role each container of infra/compose.yaml and infra/k8s/ connects as, and what it
+# mounts: tests/infra/test_manifests.py.
