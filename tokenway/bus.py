@@ -529,17 +529,36 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
     raise AssertionError("unreachable: tenacity reraises")
 
 
-async def check_streams(js: JetStreamContext, s: Settings) -> None:
-    """For a process that does not provision: every stream and the registry exist."""
+PROVISION_POLL = 2.0  # seconds at most between looks for the streams a stage waits for
+
+
+async def wait_for_streams(js: JetStreamContext, s: Settings, stop: asyncio.Event) -> None:
+    """For a process that does not provision: until every stream and the registry exist, as
+    `tokenway provision` makes them (a stage started first waits, where exiting would
+    crash-loop its container). One line says what it waits for; it looks again at growing
+    intervals up to PROVISION_POLL; a set `stop` ends the wait (`CannotStart`)."""
     names = [spec.config.name for spec in streams(s)]
+    delay, told = 0.1, False
     for name in [*names, ENGINES_STREAM, TENANTS_STREAM, STORED_STREAM]:
-        try:
-            await js.stream_info(name)
-        except NotFoundError:
-            raise CannotStart(
-                f"stream {name} does not exist; create the streams with `tokenway provision` "
-                "(the provision role's credentials) or let this process do it (--provision)"
-            ) from None
+        while True:
+            try:
+                await js.stream_info(name)
+                break
+            except NotFoundError:
+                if not told:
+                    log.warning(
+                        "waiting for stream %s: run `tokenway provision` (the provision "
+                        "role's credentials) to create the streams, or let this process do it "
+                        "(--provision)", name,
+                    )  # fmt: skip
+                    told = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            if stop.is_set():
+                raise CannotStart(f"stopped while waiting for stream {name} to be provisioned")
+            delay = min(delay * 2, PROVISION_POLL)
+    if told:
+        log.info("the streams are provisioned: starting")
 
 
 async def _bucket(js: JetStreamContext, config: jsapi.KeyValueConfig) -> KeyValue:

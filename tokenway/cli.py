@@ -182,7 +182,7 @@ async def serve(
         if provisioner.provision:
             await bus.provision_streams(nc.jetstream(), s)
         else:
-            await bus.check_streams(nc.jetstream(), s)
+            await bus.wait_for_streams(nc.jetstream(), s, stop)
         await nc.close()
         async with asyncio.TaskGroup() as group:
             tiers = []
@@ -396,8 +396,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--provision", action=argparse.BooleanOptionalAction,
-        help="create or update the streams at start (default); --no-provision only checks "
-        "that they exist (a least-privilege role may not touch them)",
+        help="create or update the streams at start (default); --no-provision waits until "
+        "they exist, as `tokenway provision` makes them (a least-privilege role may not touch "
+        "them)",
     )  # fmt: skip
     g.add_argument(
         "--connect-timeout",
