@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -341,3 +342,13 @@ def test_compose_up_streams_a_chat_and_every_stage_serves_prometheus(compose_up:
         page = run(*compose_up.compose, "exec", "-T", "prometheus", "wget", "-qO-", url,
                    env=compose_up.env)  # fmt: skip
         assert page.returncode == 0 and "tokenway_" in page.stdout, (url, page.stderr)
+
+
+def test_the_operations_guide_shows_what_the_compose_test_runs_and_names_real_files() -> None:
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    for command in ("docker compose -f infra/compose.yaml up -d --build --wait",
+                    "docker compose -f infra/compose.yaml down -v"):  # fmt: skip
+        assert command in guide
+    named = set(re.findall(r"(?<![\w/])infra/[\w./-]*\w", guide))
+    assert named, "the guide names no file of infra/"
+    assert [n for n in sorted(named) if not (ROOT / n).exists()] == []
