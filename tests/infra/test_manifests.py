@@ -7,21 +7,26 @@ the schemas, and compose is brought up and streams a chat (docs/operations.md's 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import yaml
 
-from tests.test_cli import free_port
+from tests.conftest import Bus, guarded_bus
+from tests.stages import READY
+from tests.test_cli import free_port, logged, spawn, stop
 from tokenway import bus, cli
 from tokenway.config import Settings, load_settings
 from tokenway.roles import roles
@@ -352,3 +357,73 @@ def test_the_operations_guide_shows_what_the_compose_test_runs_and_names_real_fi
     named = set(re.findall(r"(?<![\w/])infra/[\w./-]*\w", guide))
     assert named, "the guide names no file of infra/"
     assert [n for n in sorted(named) if not (ROOT / n).exists()] == []
+
+
+# --- compose's commands, without Docker ------------------------------------------------------
+
+
+def as_process(c: Container, bus_: Bus, data: Path, ports: dict[int, int]) -> tuple[list, dict]:
+    """`c`'s command and environment for a process on this host: its seed where
+    `tokenway nats-auth` wrote it, the bus's URL, and each of its ports on a free one."""
+    argv = [str(ports.setdefault(int(a), free_port())) if a in ("8000", "9090") else a
+            for a in c.argv]  # fmt: skip
+    assert bus_.users is not None
+    seed = bus_.users.directory / Path(c.env["TOKENWAY_NATS_NKEY_FILE"]).name
+    env = {**c.env, "TOKENWAY_NATS_NKEY_FILE": str(seed), "TOKENWAY_NATS": bus_.url,
+           "TOKENWAY_DATA_DIR": str(data)}  # fmt: skip
+    return argv, env
+
+
+async def said(name: str, proc: asyncio.subprocess.Process, text: bytes) -> None:
+    try:
+        await logged(proc, text)
+    except (AssertionError, TimeoutError) as exc:
+        raise AssertionError(f"compose {name} did not log {text!r}: {exc!r}") from None
+
+
+@pytest.mark.timeout(300)
+async def test_compose_commands_serve_a_chat_each_as_its_role_without_docker(
+    tmp_path: Path,
+) -> None:
+    """What the compose-up test checks, where no Docker daemon answers: each container's
+    command and environment as a process, against a server that lets in the role users only.
+    Provision creates the streams, every stage serves its metrics on 0.0.0.0 and a chat
+    streams through them all."""
+    containers = {c.where.removeprefix("compose "): c for c in compose_containers()}
+    stages = [n for n, s in COMPOSE["services"].items()
+              if n in containers and n != "provision" and not s.get("profiles")]  # fmt: skip
+    async with guarded_bus(tmp_path / "nats") as bus_:
+        argv, env = as_process(containers["provision"], bus_, tmp_path / "data", {})
+        provision = await spawn(*argv, env=env)
+        _, err = await provision.communicate()
+        assert provision.returncode == 0, err.decode()
+        procs, metrics = {}, {}
+        try:
+            for name in stages:
+                ports: dict[int, int] = {}
+                argv, env = as_process(containers[name], bus_, tmp_path / "data", ports)
+                procs[name] = await spawn(*argv, env=env)
+                metrics[name] = ports[9090]
+                if name == "ingress":
+                    api = f"http://127.0.0.1:{ports[8000]}"
+            for name, proc in procs.items():
+                await said(name, proc, f"metrics at http://0.0.0.0:{metrics[name]}/".encode())
+            for name, proc in procs.items():
+                ready = {**READY, "batch": b"running batches"}.get(containers[name].role)
+                if ready:  # (the dead-letter mover says nothing until it moves one)
+                    await said(name, proc, ready)
+            client = openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="-", max_retries=0)
+            stream = await client.chat.completions.create(
+                model="deepseek-v4", messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=8, stream=True,
+            )  # fmt: skip
+            chunks = [c async for c in stream if c.choices]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks)
+            async with httpx.AsyncClient(timeout=10) as http:
+                for name, port in metrics.items():
+                    page = await http.get(f"http://127.0.0.1:{port}/metrics")
+                    assert page.status_code == 200 and "tokenway_" in page.text, name
+            assert {n: p.returncode for n, p in procs.items()} == dict.fromkeys(procs)
+        finally:
+            for proc in procs.values():
+                await stop(proc, signal.SIGKILL)
