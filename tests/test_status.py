@@ -37,6 +37,9 @@ async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack
     assert all(e["alive"] and e["max_seqs"] > 0 and e["role"] == "union" for e in engines.values())
     streams = {s["name"]: s for s in doc["streams"]}
     assert set(streams) >= {bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM}
+    # A lone server: every stream has the one replica it can (nothing below it to flag).
+    assert {s["replicas"] for s in streams.values()} == {1} and doc["replicas_default"] == 1
+    assert not any(s["replicas_low"] for s in streams.values())
     queues = {c["name"] for s in streams.values() for c in s["consumers"]}
     assert {"render-deepseek-v4", "schedule-deepseek-v4"} <= queues
     assert doc["dead_letters"]["render"] >= 1 and doc["missing"] == []
@@ -45,6 +48,7 @@ async def test_status_shows_engines_queues_dead_letters_and_streams(stack: Stack
     for heading in ("engines", "queues", "dead letters", "batches", "streams"):
         assert f"\n{heading}\n" in f"\n{text}"
     assert "render-deepseek-v4" in text and "TW_OUT" in text
+    assert "R1" in text.split("\nstreams\n")[1] and "below the cluster" not in text
 
 
 async def test_status_shows_what_each_owner_holds(stack: Stack) -> None:
@@ -129,7 +133,7 @@ async def test_an_engine_beating_while_status_reads_the_registry_is_listed(
     try:
         missed = 0
         for _ in range(100):
-            missed += key not in {e.id for e in await _engines(js, 5.0, [])}
+            missed += key not in {e.id for e in await _engines(js, 5.0)}
         assert missed == 0, f"{missed} of 100 listings missed an engine that beat throughout"
     finally:
         stop.set()

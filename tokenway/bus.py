@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -502,31 +504,168 @@ async def ack_surely(msg: Msg, within: float) -> None:
         log.warning("ack of %s not confirmed (%r): it will be redelivered", msg.subject, exc)
 
 
-async def _ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> None:
+# The streams JetStream keeps the buckets in: made by `provision_streams` beside `streams`.
+BUCKET_STREAMS = (ENGINES_STREAM, TENANTS_STREAM, FILES_STREAM, BATCHES_STREAM,
+                  RESPONSES_STREAM, STORED_STREAM)  # fmt: skip
+MAX_DEFAULT_REPLICAS = 3  # a quorum that outlives one lost server; more only when asked
+
+
+def default_replicas(server_info: Mapping[str, Any]) -> int:
+    """The replicas a stream gets unless `--replicas` says otherwise: the servers of the
+    cluster as the server's INFO advertises them to clients (`connect_urls`, its own among
+    them), up to 3; 1 on a lone server. A cluster that advertises none (`no_advertise`)
+    gets 3: placing them fails loudly on fewer servers, where R1 would lose the ledger
+    quietly."""
+    if not server_info.get("cluster"):
+        return 1
+    advertised = len(set(server_info.get("connect_urls") or ()))
+    return min(MAX_DEFAULT_REPLICAS, advertised or MAX_DEFAULT_REPLICAS)
+
+
+def replicas_for(stream: str, existing: int | None, asked: int, explicit: bool) -> int:
+    """The replicas `stream` gets: those asked where it is new or has fewer (JetStream
+    scales a stream up); never fewer than it has. An explicit setting below them is
+    refused (CannotStart); a default below them (a server away as the process starts, a
+    5-node cluster's R5) keeps them."""
+    if existing is None or asked >= existing:
+        return asked
+    if explicit:
+        raise CannotStart(
+            f"stream {stream} has {existing} replicas and --replicas {asked} would lower them "
+            f"(a lost server would lose what fewer hold); provision never lowers replicas: "
+            f"pass --replicas {existing} (or TOKENWAY_REPLICAS={existing}), or leave it out"
+        )
+    return existing
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """What provisioning did to one stream (or a bucket's): `created`, `updated` (the
+    fields that changed) or `unchanged`."""
+
+    stream: str
+    action: str
+    replicas: int
+    was: int | None = None  # its replicas before, where it existed
+    fields: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        changed = ", ".join(
+            f"{f} (R{self.was} → R{self.replicas})" if f == "num_replicas" else f
+            for f in self.fields
+        )
+        return f"{self.stream:<18} {self.action:<10} R{self.replicas}" + (
+            f"  {changed}" if changed else ""
+        )
+
+
+# Values a stream config sends that the server replaces with its own default.
+_SERVER_FILLS = {"duplicate_window": 0}
+
+
+def _changed(wanted: jsapi.StreamConfig, current: jsapi.StreamConfig) -> tuple[str, ...]:
+    """The fields of `wanted` (those it sets) that `current` holds otherwise."""
+    have = current.as_dict()
+    return tuple(
+        k for k, v in wanted.as_dict().items()
+        if k != "name" and have.get(k) != v and not (k in _SERVER_FILLS and v == _SERVER_FILLS[k])
+    )  # fmt: skip
+
+
+async def _info(js: JetStreamContext, name: str) -> jsapi.StreamInfo | None:
     try:
-        await js.add_stream(config)
-    except BadRequestError as exc:
-        if exc.err_code != 10058:  # stream name already in use with a different config
-            raise
-        log.info("updating stream %s to the configured limits", config.name)
+        return await js.stream_info(name)
+    except NotFoundError:
+        return None
+
+
+async def _ensure_stream(
+    js: JetStreamContext, config: jsapi.StreamConfig, info: jsapi.StreamInfo | None
+) -> Provisioned:
+    assert config.name is not None and config.num_replicas is not None
+    if info is None:
+        try:
+            await js.add_stream(config)
+            return Provisioned(config.name, "created", config.num_replicas)
+        except BadRequestError as exc:
+            if exc.err_code != 10058:  # made meanwhile by another process, otherwise
+                raise
+            info = await js.stream_info(config.name)
+    was = info.config.num_replicas or 1
+    fields = _changed(config, info.config)
+    if fields:
         await js.update_stream(config)
+        return Provisioned(config.name, "updated", config.num_replicas, was, fields)
+    return Provisioned(config.name, "unchanged", was, was)
 
 
-async def provision_streams(js: JetStreamContext, s: Settings) -> KeyValue:
-    """Create or update every stream and bucket; safe to call from every process. A cluster
-    that cannot place a replica yet (a peer restarting) is waited for, up to the connect
-    timeout."""
+async def _ensure_bucket(
+    js: JetStreamContext, name: str, replicas: int, info: jsapi.StreamInfo | None
+) -> Provisioned:
+    """A bucket's stream, made by its bucket's function (`info`: as it was before): raised
+    to `replicas` where it has fewer; its other limits are its provisioner's."""
+    if info is None:
+        return Provisioned(name, "created", replicas)
+    was = info.config.num_replicas or 1
+    if was >= replicas:
+        return Provisioned(name, "unchanged", was, was)
+    config = info.config
+    config.num_replicas = replicas
+    await js.update_stream(config)
+    return Provisioned(name, "updated", replicas, was, ("num_replicas",))
+
+
+async def provision_streams(js: JetStreamContext, s: Settings) -> list[Provisioned]:
+    """Create or update every stream and bucket; safe to call from every process. Replicas
+    are `s.replicas`, or the cluster's size (`default_replicas`); they are never lowered:
+    a stream with more than `--replicas` asks is refused (CannotStart) before anything
+    changes. Each stream's outcome is logged and returned. A cluster that cannot place a
+    replica yet (a peer restarting) is waited for, up to the connect timeout."""
+    info = js._nc._server_info
+    asked = s.replicas or default_replicas(info)
+    if asked > 1 and not info.get("cluster"):  # the server's answer would be a bare 10074
+        raise CannotStart(
+            f"--replicas {asked} needs a JetStream cluster; server {info.get('server_name')} "
+            "runs alone and keeps one copy of each stream (leave --replicas out)"
+        )
     async for attempt in _retrying(s.connect_timeout, _placeable):
         with attempt:
-            for spec in streams(s):
-                await _ensure_stream(js, spec.config)
-            await tenants_kv(js, s)
-            await files_store(js, s)
-            await batches_kv(js, s)
-            await responses_kv(js, s)
-            await stored_kv(js, s)
-            return await engines_kv(js, s)
+            configs = [spec.config for spec in streams(s)]
+            names = [*(c.name or "" for c in configs), *BUCKET_STREAMS]
+            before = {name: await _info(js, name) for name in names}
+            wanted = {
+                name: replicas_for(name, info and (info.config.num_replicas or 1), asked,
+                                   explicit=s.replicas > 0)
+                for name, info in before.items()
+            }  # fmt: skip
+            done = []
+            for config in configs:
+                config = dataclasses.replace(config, num_replicas=wanted[config.name or ""])
+                done.append(await _ensure_stream(js, config, before[config.name or ""]))
+            made = msgspec.structs.replace(s, replicas=asked)  # what a new bucket gets
+            for bucket in (tenants_kv, files_store, batches_kv, responses_kv, stored_kv,
+                           engines_kv):  # fmt: skip
+                await bucket(js, made)
+            for name in BUCKET_STREAMS:
+                done.append(await _ensure_bucket(js, name, wanted[name], before[name]))
+            for p in done:
+                log.log(logging.DEBUG if p.action == "unchanged" else logging.INFO,
+                        "stream %s", p.line())  # fmt: skip
+            log.info("%s", provisioned_summary(done))
+            return done
     raise AssertionError("unreachable: tenacity reraises")
+
+
+def provisioned_summary(done: list[Provisioned]) -> str:
+    """One line: how many streams were made, changed and found as they were, and their
+    replicas."""
+    counts = {a: sum(p.action == a for p in done) for a in ("created", "updated", "unchanged")}
+    kinds = sorted({p.replicas for p in done})
+    replicas = f"all R{kinds[0]}" if len(kinds) == 1 else "R" + ", R".join(map(str, kinds))
+    return (
+        f"provisioned {len(done)} streams: {counts['created']} created, "
+        f"{counts['updated']} updated, {counts['unchanged']} unchanged; {replicas}"
+    )
 
 
 PROVISION_POLL = 2.0  # seconds at most between looks for the streams a stage waits for

@@ -359,6 +359,32 @@ def _run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> Non
         spans.shutdown()  # the spans still batched go out before the process does
 
 
+def _provision(s: Settings) -> None:
+    """`tokenway provision`: every stream and bucket made or brought to the settings, each
+    one's outcome on a line of stdout, then a line of summary; a refusal (replicas it would
+    lower) is one line on stderr and status 1."""
+    logging.basicConfig(
+        level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def main() -> list[bus.Provisioned]:
+        nc = await bus.connect(s.nats or "", "tokenway-provision", s)
+        try:
+            return await bus.provision_streams(nc.jetstream(), s)
+        finally:
+            await nc.close()
+
+    try:
+        done = asyncio.run(main())
+    except CannotStart as exc:
+        raise SystemExit(f"tokenway: {exc}") from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    for p in done:
+        print(p.line())
+    print(f"{bus.provisioned_summary(done)} at {bus.redacted(s.nats or '')}", flush=True)
+
+
 def serve_metrics(host: str, port: int) -> None:
     """The process's registry (every stage's metrics, an ingress's too: the page its API's
     /metrics serves) on a thread of its own."""
@@ -399,6 +425,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="create or update the streams at start (default); --no-provision waits until "
         "they exist, as `tokenway provision` makes them (a least-privilege role may not touch "
         "them)",
+    )  # fmt: skip
+    g.add_argument(
+        "--replicas", type=int,
+        help="replicas of each stream and bucket it creates, or raises (TOKENWAY_REPLICAS; "
+        "default 0: the cluster's servers up to 3, 1 on a lone server); provision never lowers "
+        "a stream's replicas, it refuses",
     )  # fmt: skip
     g.add_argument(
         "--connect-timeout",
@@ -1110,7 +1142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "status":
         asyncio.run(_status(args, settings))
     elif args.command == "provision":
-        _run(msgspec.structs.replace(settings, provision=True), [])
+        _provision(settings)
     elif args.command == "up":
         _run(settings, up_stages(settings), announce=True)
     elif args.command == "engine":

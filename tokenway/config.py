@@ -172,7 +172,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     dlq_max_age: PositiveFloat = 7 * 86400.0
     dlq_max_bytes: PositiveInt = 1 << 30
     max_payload: PositiveInt = 8 * 1024 * 1024  # embedded server's max_payload
-    replicas: Annotated[int, Meta(ge=1, le=5)] = 1  # stream replicas: 3 on a cluster
+    # each stream's and bucket's replicas; 0: the cluster's size as its server advertises
+    # it, up to 3 (`bus.default_replicas`). Provision never lowers a stream's replicas.
+    replicas: Annotated[int, Meta(ge=0, le=5)] = 0
 
     # request lifecycle
     request_timeout: PositiveFloat = 600.0  # default deadline (`Tw-Deadline`)

@@ -49,6 +49,10 @@ class Stream(Struct, kw_only=True):
     bytes: int
     max_bytes: int
     consumers: list[Consumer]
+    replicas: int = 1
+    # fewer replicas than a stream gets by default here (`Status.replicas_default`): a
+    # lost server may take what it holds
+    replicas_low: bool = False
 
 
 class BatchRun(Struct, kw_only=True):
@@ -84,14 +88,17 @@ class Status(Struct, kw_only=True):
     batches_ended: int
     missing: list[str]  # streams or the registry not there (not provisioned?)
     stored: list[TenantStored] = []  # each tenant's usage of the files and responses stores
+    # the replicas `tokenway provision` gives a stream here: the cluster's size, up to 3
+    replicas_default: int = 1
 
 
 async def read_status(nc: NATS, settings: Settings) -> Status:
     js = nc.jetstream()
     missing: list[str] = []
     streams = []
-    for spec in (s.config.name for s in bus.streams(settings)):
-        assert spec is not None
+    wanted = bus.default_replicas(nc._server_info)
+    names = [s.config.name or "" for s in bus.streams(settings)]
+    for spec in [*names, *bus.BUCKET_STREAMS]:
         try:
             info = await js.stream_info(spec)
         except NotFoundError:
@@ -101,6 +108,8 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
         streams.append(Stream(
             name=spec, messages=info.state.messages, bytes=info.state.bytes,
             max_bytes=info.config.max_bytes or -1,
+            replicas=info.config.num_replicas or 1,
+            replicas_low=(info.config.num_replicas or 1) < wanted,
             consumers=[Consumer(
                 name=c.name, pending=c.num_pending or 0, in_flight=c.num_ack_pending or 0,
                 redelivered=c.num_redelivered or 0, pulling=c.num_waiting or 0,
@@ -114,10 +123,10 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
             stage = subject.removeprefix(bus.dlq_subject(""))
             letters[stage] = letters.get(stage, 0) + count
     runs, ended = await _batches(js)
-    return Status(engines=await _engines(js, settings.engine_ttl, missing),
+    return Status(engines=await _engines(js, settings.engine_ttl),
                   owners=await _owners(nc), streams=streams, dead_letters=letters,
                   batches=runs, batches_ended=ended, missing=missing,
-                  stored=await _stored(js))  # fmt: skip
+                  stored=await _stored(js), replicas_default=wanted)  # fmt: skip
 
 
 async def _stored(js: JetStreamContext) -> list[TenantStored]:
@@ -179,12 +188,11 @@ async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[Ow
     return sorted(owners, key=lambda o: (o.model, o.id))
 
 
-async def _engines(js: JetStreamContext, ttl: float, missing: list[str]) -> list[Engine]:
+async def _engines(js: JetStreamContext, ttl: float) -> list[Engine]:
     try:
         kv = await js.key_value(bus.ENGINES_BUCKET)
         keys = await bus.kv_keys(js, bus.ENGINES_BUCKET)
-    except BucketNotFoundError:
-        missing.append(bus.ENGINES_BUCKET)
+    except BucketNotFoundError:  # its stream is listed missing
         return []
     now, engines = time.time(), []
     for key in sorted(keys):
@@ -265,7 +273,10 @@ def format_status(s: Status) -> str:
     lines.append("streams")
     for st in s.streams:
         cap = "unbounded" if st.max_bytes < 0 else _size(st.max_bytes)
-        lines.append(f"  {st.name:<14} {st.messages:>8} messages  {_size(st.bytes):>10} of {cap}")
+        low = (f"  below the cluster's {s.replicas_default}: a lost server may lose it "
+               f"(`tokenway provision --replicas {s.replicas_default}` raises it)")  # fmt: skip
+        lines.append(f"  {st.name:<16} {st.messages:>8} messages  {_size(st.bytes):>10} of "
+                     f"{cap:<10} R{st.replicas}" + (low if st.replicas_low else ""))  # fmt: skip
     if s.missing:
         lines.append(f"missing: {', '.join(s.missing)} (run `tokenway provision`)")
     return "\n".join(lines)
