@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import NotFoundError
 
 from ingress.router import Event, event_of
 from tokenway import bus
@@ -50,10 +50,15 @@ class LedgerRead:
                 yield [event]
 
     async def close(self) -> None:
-        """Unsubscribe and delete the consumer: the server would keep it a while otherwise."""
-        info = await self._sub.consumer_info()
-        await self._sub.unsubscribe()
-        with contextlib.suppress(NotFoundError):
+        """Unsubscribe, then delete the consumer (the server would keep it a while otherwise).
+
+        The unsubscribe comes first because it ends before its first wait: a close cut short
+        (a client that leaves cancels it) still leaves no subscription behind, which would
+        fill with the ledger and hold the connection's drain at exit for 30 s."""
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
+        with contextlib.suppress(nats.errors.Error):  # gone already, or NATS away: the
+            info = await self._sub.consumer_info()  # server drops it without interest
             await self._js.delete_consumer(info.stream_name, info.name)
 
 
@@ -71,7 +76,11 @@ class LedgerReader:
             ordered_consumer=True,
             deliver_policy=jsapi.DeliverPolicy.ALL,
         )
-        info = await sub.consumer_info()
+        try:
+            info = await sub.consumer_info()
+        except BaseException:
+            await sub.unsubscribe()  # (see close)
+            raise
         # consumer_seq counts what this consumer delivered (stream_seq may have moved past
         # other requests' messages it skipped): nothing pending, nothing delivered = unknown.
         first = None
