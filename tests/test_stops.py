@@ -5,14 +5,19 @@ and says so, and an engine that stops on purpose is told apart from one that wen
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import Stack
+from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.streams import Streamed, read, until
 from tests.test_cli import free_port, logged, spawn
+from tokenway.aio import Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -47,3 +52,52 @@ async def test_an_ingress_a_resumed_client_left_exits_on_sigterm_without_a_drain
         _, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"DrainTimeoutError" not in err, err.decode()[-2000:]
+
+
+def story(model: str, tokens: int) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Tell a long story."}],
+            "stream": True, "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+
+
+async def chat(http: httpx.AsyncClient, url: str, body: dict, out: Streamed,
+               progress: Signal) -> Streamed:  # fmt: skip
+    out.started = time.monotonic()
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200, (await resp.aread()).decode()
+        await read(resp, out, progress)
+    return out
+
+
+async def test_an_engine_that_stops_on_purpose_is_logged_as_left_not_as_silent(
+    nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine running a stream stops gracefully: its owner relays the stream to another
+    engine and says the engine left (stopped), not that it stopped heartbeating (what a
+    lost engine is told by)."""
+    caplog.set_level(logging.INFO)
+    settings = make_settings(tmp_path, served_model_name=f"leave-{uuid.uuid4().hex[:8]}",
+                             sim_itl=0.01)  # fmt: skip
+    front = await start_stack(nats_url, settings, ["ingress", "render", "schedule"])
+    first = await start_stack(nats_url, settings, ["sim"])
+    await wait_engines(front.ingress.registry, 1)
+    second = None
+    out, progress = Streamed(), Signal()
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            streaming = asyncio.create_task(
+                chat(http, front.url, story(front.model, 400), out, progress)
+            )
+            await until(progress, lambda: len(out.times) >= 3)
+            second = await start_stack(nats_url, settings, ["sim"])
+            await wait_engines(front.ingress.registry, 2)
+            await first.close()
+            await streaming
+    finally:
+        for stack in (second, front):
+            if stack is not None:
+                await stack.close()
+    assert out.done == 1 and '"error"' not in out.raw.decode()
+    gone = first.by_name["engine"][0].id
+    said = [r.getMessage() for r in caplog.records if gone in r.getMessage()]
+    assert any(f"engine {gone} left (stopped)" in line for line in said), said
+    assert not any("stopped heartbeating" in line for line in said), said

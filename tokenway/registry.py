@@ -1,7 +1,8 @@
 """The engine registry: bridges heartbeat their engines into KV `tw-engines`; owners watch it.
 
 Entries expire one TTL after the last heartbeat; the bucket's limit markers turn expiry
-into a delete that watchers see, so nobody polls.
+into a delete that watchers see, so nobody polls. A bridge that stops on purpose writes a
+last entry marked `leaving` before its delete, so that owners tell a stop from a loss.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EngineInfo)
 _told: set[tuple[float, float]] = set()  # (bucket's, configured) TTLs warned of
+# Why an engine left the registry, as owners say it ("engine X left (stopped)").
+STOPPED = "left (stopped)"
+SILENT = "stopped heartbeating"
 
 
 class EngineRegistry:
@@ -37,7 +41,7 @@ class EngineRegistry:
         self.ttl = ttl
         self.engines: dict[str, EngineInfo] = {}
         self.changed = Signal()
-        self.on_removed: list[Callable[[str], None]] = []
+        self.on_removed: list[Callable[[str, str], None]] = []  # (engine id, STOPPED|SILENT)
         # When the bucket last answered (an update, a watch made). Heartbeats age against
         # it, not the clock: while NATS is away or elects a leader, nothing is heard from
         # any engine, which says nothing about the engines.
@@ -52,11 +56,11 @@ class EngineRegistry:
         horizon = self._horizon()
         return [e for e in self.engines.values() if e.updated >= horizon]
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, why: str = SILENT) -> None:
         if self.engines.pop(key, None) is not None:
-            log.info("engine %s left the registry", key)
+            log.info("engine %s %s: out of the registry", key, why)
             for callback in self.on_removed:
-                callback(key)
+                callback(key, why)
 
     def _prune(self) -> None:
         """Drop engines past their TTL: the delete that says so may have been lost."""
@@ -109,7 +113,9 @@ class EngineRegistry:
                     self._remove(entry.key)
                 else:
                     info = _decoder.decode(entry.value)
-                    if self.models is None or info.model in self.models:
+                    if info.leaving:
+                        self._remove(entry.key, STOPPED)
+                    elif self.models is None or info.model in self.models:
                         self.engines[entry.key] = info
                 self.changed.fire()
         finally:
@@ -191,4 +197,8 @@ async def heartbeat(
         was_healthy = problem is None
         await wait_any(stop, timeout=ttl / 3)
     with contextlib.suppress(nats.errors.Error):
+        if was_healthy:  # in the registry: say it leaves on purpose, then leave
+            last = info()
+            last.updated, last.leaving = time.time(), True
+            await kv.put(key, _encoder.encode(last))
         await kv.delete(key)

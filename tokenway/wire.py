@@ -321,6 +321,7 @@ class EngineInfo(Struct, kw_only=True, omit_defaults=True):
     kv_usage: float | None = None
     updated: float = 0.0
     obfuscation: str | None = None  # key fingerprint when the bridge maps token IDs
+    leaving: bool = False  # its last entry: the bridge stops on purpose (a delete follows)
 
 
 class OwnerInfo(Struct, kw_only=True, omit_defaults=True):

@@ -431,12 +431,13 @@ class ScheduleService:
             log.info("request %s cancelled", rid)
             r.cancel()
 
-    def _engine_gone(self, engine_id: str) -> None:
+    def _engine_gone(self, engine_id: str, why: str) -> None:
+        """An engine left the registry: `why` says whether it stopped or went silent."""
         if self.dispatcher is not None:
             self.dispatcher.engine_gone(engine_id)
         for r in self.requests.values():
             if r.engine == engine_id and not r.engine_done:
-                r.attempt_failed(EngineFailed(f"engine {engine_id} stopped heartbeating").info())
+                r.attempt_failed(EngineFailed(f"engine {engine_id} {why}").info())
             elif r.prefill_engine == engine_id and not r.prefill_done.is_set():
                 r.prefill_done.set()  # the leg is lost; dispatch chooses again
 
