@@ -29,7 +29,7 @@ from tokenway.config import Settings, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
 from tokenway.model import default_model_dir, tokenizer_of
-from tokenway.nats_users import AUTH_FILE, NatsUsers
+from tokenway.nats_users import AUTH_FILE, LOCAL_ROUTES, NatsUsers, write_routes
 from tokenway.natsd import EmbeddedNats
 from tokenway.obfuscation import Permutation
 from tokenway.served import ServedModel, obfuscation, parser_flags, served_models
@@ -1061,6 +1061,11 @@ def parser() -> argparse.ArgumentParser:
         "queues and reads that tenant's requests only (repeatable)",
     )  # fmt: skip
     auth.add_argument("--api-key-file", help="a client user for each tenant the key file names")
+    auth.add_argument(
+        "--route", action="append", metavar="HOST:PORT",
+        help="a cluster node's route address, for routes.conf (repeatable; default: the three "
+        "nodes of infra/nats/cluster-*.conf on 127.0.0.1:6222-6224)",
+    )  # fmt: skip
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
     sub.add_parser(
@@ -1119,6 +1124,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"wrote {users.directory / AUTH_FILE} (include it in the nats-server configuration)")
         print(f"and per role a seed (<role>.nk, mode 0600) and the settings to use it "
               f"(<role>.env) in {users.directory}")  # fmt: skip
+        routes = write_routes(users.directory, args.route or LOCAL_ROUTES)
+        print(f"and {routes}: the route user and routes a cluster node's `cluster` block "
+              "includes (mode 0600)")  # fmt: skip
         return
     if args.command == "dlq":
         if not settings.nats:
