@@ -357,32 +357,47 @@ async def connect(
     (nats-py's: `nkeys_seed`, `inbox_prefix`, `tls`...); `noted` hears every error of the
     server once connected (a permissions violation among them).
 
-    Reaching NATS the first time takes at most the settings' connect timeout (30 s without
-    settings; then `CannotStart`), one log line per failed attempt; a set `stop` ends the
-    attempt at once, and so does a server refusing the credentials (`CannotStart` both).
+    What happens to it is one log line each, naming the server and the reason: a failed
+    attempt, an error, a disconnection, a reconnection. Reaching NATS the first time takes
+    at most the settings' connect timeout (30 s without settings; then `CannotStart`); a set
+    `stop` ends the attempt at once, and so does a server refusing the credentials or this
+    process's inboxes (`CannotStart` both: `cannot connect to nats://host:port: reason`).
     """
     timeout = settings.connect_timeout if settings is not None else 30.0
     options = {**(connect_options(settings) if settings is not None else {}), **options}
+    nc = NATS()
     last: list[BaseException] = []
-    shown = redacted(url)
-    # The server's refusal of our credentials, when it comes (a reset may follow it).
+    # The server's refusal of us, when it comes (a reset may follow it): of the credentials
+    # while connecting, of our inboxes while they are tried (`try_inboxes`).
     refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
     errors = BUS_ERRORS.labels(name.removeprefix("tokenway-").split("-", 1)[0])  # its stage
+    at = [redacted(url)]  # the server connected to: what a disconnection lost
+    up = asyncio.Event()  # connected, and its inboxes ours: errors are a running stage's now
 
     async def failed(exc: Exception) -> None:  # nats-py would log a traceback each time
         last[:] = [exc]
-        if attempt.done():  # connected once: reconnects, slow consumers, server errors
+        if up.is_set():  # reconnects, slow consumers, server errors
             errors.inc()
-            log.warning("%s: NATS error (%s): %r", name, shown, exc)
+            log.warning("%s: NATS error at %s: %s", name, _server(nc, url), reason(exc))
             if noted is not None:
                 await noted(exc)
             return
-        log.warning("%s cannot reach NATS (%s): %r", name, shown, exc)
-        if _refusal(exc) and not refused.done():
+        log.warning("%s cannot reach NATS at %s: %s", name, _server(nc, url), reason(exc))
+        if (_refusal(exc) or _violation(exc)) and not refused.done():
             refused.set_result(exc)
 
-    attempt = asyncio.ensure_future(
-        nats.connect(
+    async def lost() -> None:
+        if not nc.is_closed:  # (closing calls it too)
+            log.warning("%s: disconnected from %s", name, at[0])
+
+    async def back() -> None:
+        at[0] = _server(nc, url)
+        log.warning("%s: reconnected to %s", name, at[0])
+        if reconnected is not None:
+            await reconnected()
+
+    async def connected() -> NATS:
+        await nc.connect(
             servers=seeds(url),
             name=name,
             connect_timeout=2,
@@ -390,11 +405,16 @@ async def connect(
             reconnect_time_wait=0.5,
             ping_interval=5,
             max_outstanding_pings=3,
-            reconnected_cb=reconnected,
+            disconnected_cb=lost,
+            reconnected_cb=back,
             error_cb=failed,
             **options,
         )
-    )
+        at[0] = _server(nc, url)
+        await try_inboxes(nc)
+        return nc
+
+    attempt = asyncio.ensure_future(connected())
     waits: set[asyncio.Future[object]] = {attempt, refused}
     stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
     if stopping is not None:
@@ -404,17 +424,68 @@ async def connect(
     finally:
         if stopping is not None:
             stopping.cancel()
-    if attempt.done():
+    if attempt.done() and not refused.done():
+        up.set()
         return attempt.result()
     attempt.cancel()
+    where = _server(nc, url)
+    await nc.close()
     if stop is not None and stop.is_set():
-        raise CannotStart(f"stopped while connecting to NATS at {shown}")
+        raise CannotStart(f"stopped while connecting to {where}")
     if refused.done():
-        raise CannotStart(
-            f"NATS at {shown} refused this process's credentials: {refused.result()!r}"
-        )
-    cause = f" (last error: {last[0]!r})" if last else ""
-    raise CannotStart(f"cannot reach NATS at {shown} within {timeout:g}s{cause}")
+        raise CannotStart(f"cannot connect to {where}: {reason(refused.result())}")
+    cause = f": {reason(last[0])}" if last else ""
+    raise CannotStart(f"cannot connect to {where}{cause} (for {timeout:g}s)")
+
+
+async def try_inboxes(nc: NATS) -> None:
+    """Subscribe to one of this connection's inboxes and back: a server that denies them
+    (another role's seed, an inbox prefix not the role's) has said so (the error callback
+    ran) before it answers the flush, where every request would time out later instead.
+    Twice: nats-py writes a flush's PING ahead of commands it still buffers (the SUB)."""
+    sub = await nc.subscribe(nc.new_inbox())
+    await nc.flush(timeout=10)
+    await nc.flush(timeout=10)
+    await sub.unsubscribe()
+
+
+def _server(nc: NATS, url: str) -> str:
+    """`nats://host:port` of the server `nc` is connected to or trying (nats-py tells the
+    one it tries in no public attribute); the seed list when neither is known yet."""
+    server = nc.connected_url or getattr(getattr(nc, "_current_server", None), "uri", None)
+    if server is None or server.hostname is None:
+        return redacted(url)
+    return f"{server.scheme}://{server.hostname}:{server.port}"  # no credentials in it
+
+
+def reason(exc: BaseException) -> str:
+    """Why a connection failed, in a few words: the server's (an authorization or
+    permissions violation, naming the subject) or the socket's."""
+    if isinstance(exc, nats.errors.AuthorizationError):
+        return "Authorization Violation (the server refused this process's credentials)"
+    if isinstance(exc, nats.errors.UnexpectedEOF):
+        return "connection closed by the server (unexpected EOF)"
+    if isinstance(exc, nats.errors.StaleConnectionError):
+        return "stale connection (no answer to pings)"
+    if isinstance(exc, nats.errors.NoServersError):
+        return "no server answered"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError | nats.errors.TimeoutError):
+        return "timeout"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc).removeprefix("nats: ").strip().strip("'")  # nats-py's: 'the server's'
+    if "authorization violation" in text.lower():
+        return "Authorization Violation (the server refused this process's credentials)"
+    return text or type(exc).__name__
+
+
+def _violation(exc: Exception) -> bool:
+    """The server denies this connection a subject it tried (its inboxes, at start)."""
+    return "permissions violation" in str(exc).lower()
 
 
 def _refusal(exc: Exception) -> bool:

@@ -25,7 +25,7 @@ from nats.aio.client import Client
 
 from tokenway import asyncapi, bus, heap, spans
 from tokenway.aio import Stop
-from tokenway.config import Settings, load_settings
+from tokenway.config import NATS_CREDENTIALS, Settings, given, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
 from tokenway.model import default_model_dir, tokenizer_of
@@ -178,7 +178,10 @@ async def serve(
             if users is not None:  # a process that loads a role's env file finds the server
                 users.write_env(url)
         provisioner = s if users is None else users.settings(s, "provision")
-        nc = await bus.connect(url, "tokenway-provision", provisioner, stop=stop)
+        # Named for who connects: the provision role, or the one stage run alone.
+        kinds = {stage.name for stage in stages}
+        who = f"{kinds.pop()}-streams" if users is None and len(kinds) == 1 else "provision"
+        nc = await bus.connect(url, f"tokenway-{who}", provisioner, stop=stop)
         if provisioner.provision:
             await bus.provision_streams(nc.jetstream(), s)
         else:
@@ -493,6 +496,11 @@ def _nats_credentials(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nats-tls-ca", help="CA certificate(s) to trust for the server (PEM)")
     g.add_argument("--nats-tls-cert", help="client certificate for mutual TLS (PEM)")
     g.add_argument("--nats-tls-key", help="its private key (PEM)")
+    g.add_argument(
+        "--nats-inbox-prefix",
+        help="where this process's replies arrive (default: its role's own, _INBOX.<role>, "
+        "as `tokenway nats-auth` gives each role; under `up --nats`, _INBOX)",
+    )
 
 
 def _scheduling(p: argparse.ArgumentParser) -> None:
@@ -893,14 +901,19 @@ async def _command_connection(settings: Settings, name: str) -> Client:
     try:
         # Each server tried once (nats-py's 0 here is "for ever", even without reconnects).
         async with asyncio.timeout(settings.connect_timeout):
-            return await nats.connect(
+            nc = await nats.connect(
                 servers=bus.seeds(url), name=name, allow_reconnect=False, connect_timeout=3,
                 max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=noted, **options,
             )  # fmt: skip
+            await bus.try_inboxes(nc)  # denied (another role's seed): said by now
+        if not errors:
+            return nc
+        await nc.close()
+        raise errors[-1]
     except Exception as exc:
         cause = errors[-1] if errors else exc
         raise SystemExit(
-            f"tokenway: cannot connect to NATS at {bus.redacted(url)}: {cause!r}"
+            f"tokenway: cannot connect to NATS at {bus.redacted(url)}: {bus.reason(cause)}"
         ) from exc
 
 
@@ -1097,6 +1110,32 @@ def _warn_secret_flags(flags: dict[str, object]) -> None:
               f"(ps, /proc/PID/cmdline); use {safe}", file=sys.stderr, flush=True)  # fmt: skip
 
 
+def _role(args: argparse.Namespace) -> str | None:
+    """The role (`tokenway.roles`) of the process a command starts; None for `up`, whose
+    stages each connect as theirs, and for the commands that do not connect."""
+    verb = getattr(args, "verb", None)
+    if args.command in ("up", "model-dir", "asyncapi", "nats-auth"):
+        return None
+    if args.command == "dlq":
+        return "dlq" if verb == "move" else "ops"
+    return {"engine": "engine", "status": "ops"}.get(args.command, args.command)
+
+
+def _as_role(s: Settings, role: str, flags: dict[str, object]) -> Settings:
+    """A process of one role: what the operator left unset follows from the role, as the
+    role's `.env` of `tokenway nats-auth` sets it (its own inboxes; where it authenticates,
+    provisioning only as the provision role, the only one that may), so a role's seed is
+    all a stage needs beside `--nats`. An explicit setting wins."""
+    changes: dict[str, object] = {}
+    if s.nats_inbox_prefix is None:
+        changes["nats_inbox_prefix"] = bus.inbox_prefix(role)
+    authenticates = any(getattr(s, n) is not None for n in NATS_CREDENTIALS
+                        if not n.startswith("nats_tls_"))  # fmt: skip
+    if authenticates and not given("provision", flags):
+        changes["provision"] = role == "provision"
+    return msgspec.structs.replace(s, **changes)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     # We only use transformers' tokenizers; its "PyTorch was not found" advice is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -1109,6 +1148,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             flags[name] = ",".join(flags[name])
     _warn_secret_flags(flags)
     settings = load_settings(flags)
+    if (role := _role(args)) is not None:
+        settings = _as_role(settings, role, flags)
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
         return

@@ -59,8 +59,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     nats_tls_ca: str | None = None  # CA to trust for the server's certificate
     nats_tls_cert: str | None = None  # client certificate (with its key) for mutual TLS
     nats_tls_key: str | None = None
-    # where this process's replies arrive: a role's own (`tokenway nats-auth` sets it)
-    nats_inbox_prefix: str = "_INBOX"
+    # where this process's replies arrive; None: a stage run alone uses its role's own
+    # (`bus.inbox_prefix`), as a role's `.env` of `tokenway nats-auth` sets it; `up`, _INBOX
+    nats_inbox_prefix: str | None = None
     # create or update the streams at start; off, a process only checks that they exist
     # (a least-privilege role may not touch them: `tokenway provision` does)
     provision: bool = True
@@ -269,6 +270,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 
     def resolved_ingress_id(self) -> str:
         return self.ingress_id or f"i{secrets.token_hex(4)}"
+
+
+def given(name: str, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> bool:
+    """Whether a flag or `TOKENWAY_<NAME>` sets `name` (as `load_settings` reads them): a
+    setting left unset may follow from what the process is (its role, `tokenway.cli`)."""
+    env = os.environ if env is None else env
+    value = env.get(ENV_PREFIX + name.upper())
+    in_env = value is not None and (value != "" or name in _EMPTY_IS_SET)
+    return flags.get(name) is not None or in_env
 
 
 def load_settings(

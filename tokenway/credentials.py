@@ -50,8 +50,10 @@ def _file(s: Settings, name: str) -> str | None:
 
 def connect_options(s: Settings) -> dict[str, Any]:
     """`nats.connect` keyword arguments for who the settings say this process is: its
-    credentials (none: an anonymous connection) and its inboxes."""
-    options: dict[str, Any] = {"inbox_prefix": s.nats_inbox_prefix}
+    credentials (none: an anonymous connection) and its inboxes (none: nats-py's `_INBOX`)."""
+    options: dict[str, Any] = {}
+    if s.nats_inbox_prefix is not None:
+        options["inbox_prefix"] = s.nats_inbox_prefix
     password, token = _secret(s, "nats_password"), _secret(s, "nats_token")
     ways = {
         "user": s.nats_user is not None or password is not None,

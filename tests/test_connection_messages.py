@@ -1,0 +1,124 @@
+"""A stage run alone with its role's seed, as an operator runs each stage from the users
+`tokenway nats-auth` writes: its other settings follow from its role, and what happens to
+its connection is one line that names the server and the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import nkeys
+import pytest
+import pytest_asyncio
+
+from tests.conftest import make_settings, nats_server
+from tests.natsauth import new_key
+from tests.test_cli import free_port, logged, spawn, stop
+from tokenway import bus
+from tokenway.nats_users import NatsUsers
+from tokenway.natsd import EmbeddedNats
+
+
+class Guarded:
+    """A nats-server with the authorization `tokenway nats-auth` writes, its streams made
+    by the provision role, and its monitoring port (to see the clients' names)."""
+
+    def __init__(self, server: EmbeddedNats, users: NatsUsers, monitor: int) -> None:
+        self.server, self.users, self.monitor = server, users, monitor
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def seed(self, role: str) -> str:
+        return str(self.users.directory / f"{role}.nk")
+
+    async def names(self) -> set[str]:
+        """The names of every client the server has seen, connected or closed since."""
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.monitor}") as http:
+            pages = [(await http.get("/connz", params={"state": s})).json()
+                     for s in ("open", "closed")]  # fmt: skip
+        return {c.get("name", "") for page in pages for c in page.get("connections") or []}
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def guarded(tmp_path: Path) -> AsyncIterator[Guarded]:
+    users = NatsUsers.prepare(tmp_path / "auth")
+    monitor = free_port()
+    config = {"authorization": users.authorization, "http_port": monitor}
+    async with nats_server(tmp_path / "js", port=free_port(), config=config) as server:
+        provision = users.settings(make_settings(tmp_path / "provision"), "provision")
+        nc = await bus.connect(server.url, "test-provision", provision)
+        await bus.provision_streams(nc.jetstream(), provision)
+        await nc.close()
+        yield Guarded(server, users, monitor)
+
+
+def _stage(guarded: Guarded, tmp_path: Path, stage: str, seed: str, *extra: str) -> list[str]:
+    """A stage's command line: the server and a seed, nothing of the role's `.env`."""
+    return [stage, "--nats", guarded.url, "--nats-nkey-file", seed,
+            "--data-dir", str(tmp_path / "data"), *extra]  # fmt: skip
+
+
+async def test_a_stage_with_only_its_roles_seed_starts_and_names_itself(
+    guarded: Guarded, tmp_path: Path
+) -> None:
+    proc = await spawn(*_stage(guarded, tmp_path, "render", guarded.seed("render")))
+    try:
+        await logged(proc, b"render serving")  # subscribed to its queue, through its inbox
+        names = await guarded.names()
+    finally:
+        assert await stop(proc) == 0
+    names.discard("test-provision")
+    assert names and all(n.startswith("tokenway-render") for n in names), names
+
+
+@pytest.mark.parametrize("seed", ["another role's", "unknown"])
+async def test_a_stage_with_a_wrong_seed_exits_with_one_line_naming_server_and_reason(
+    guarded: Guarded, tmp_path: Path, seed: str
+) -> None:
+    if seed == "unknown":
+        path = tmp_path / "stranger.nk"
+        path.write_bytes(new_key(nkeys.PREFIX_BYTE_USER).seed)
+        given, reason = str(path), "authorization violation"
+    else:  # the derender user exists, but may not read render's inboxes or queue
+        given, reason = guarded.seed("derender"), "permissions violation"
+    # A connect timeout far beyond any start-up: the server's refusal ends the start.
+    proc = await spawn(*_stage(guarded, tmp_path, "render", given, "--connect-timeout", "600"))
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    said = err.decode()
+    assert proc.returncode == 1, said
+    assert "Traceback" not in said, said
+    last = said.strip().splitlines()[-1]
+    assert last.startswith(f"tokenway: cannot connect to {guarded.url}: "), said
+    assert reason in last.lower(), said
+
+
+async def test_a_stage_says_which_server_it_lost_and_which_it_reconnected_to(
+    guarded: Guarded, tmp_path: Path
+) -> None:
+    proc = await spawn(*_stage(guarded, tmp_path, "schedule", guarded.seed("schedule")))
+    try:
+        await logged(proc, b"owning")
+        await asyncio.to_thread(guarded.server.stop)
+        await logged(proc, f"disconnected from {guarded.url}".encode())
+        await guarded.server.start()  # the same port and store
+        await logged(proc, f"reconnected to {guarded.url}".encode())
+    finally:
+        code = await stop(proc, signal.SIGTERM)
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "path", ["infra/nats/auth/render.nk", "infra/nats/auth/auth.conf", "infra/k8s/ops.creds"]
+)
+def test_the_seeds_the_readme_writes_into_infra_are_never_committed(path: str) -> None:
+    root = Path(__file__).parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    check = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, check=False)
+    assert check.returncode == 0, f"{path} is not ignored"
