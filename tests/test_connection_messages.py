@@ -122,3 +122,18 @@ def test_the_seeds_the_readme_writes_into_infra_are_never_committed(path: str) -
         pytest.skip("not a git checkout")
     check = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, check=False)
     assert check.returncode == 0, f"{path} is not ignored"
+
+
+async def test_a_command_with_only_its_roles_seed_reads_the_bus_and_a_wrong_one_says_why(
+    guarded: Guarded,
+) -> None:
+    ops = await spawn("status", "--nats", guarded.url, "--nats-nkey-file", guarded.seed("ops"))
+    out, err = await asyncio.wait_for(ops.communicate(), 60)
+    assert ops.returncode == 0, err.decode()
+    assert b"engines" in out
+    wrong = await spawn("status", "--nats", guarded.url, "--nats-nkey-file", guarded.seed("render"))
+    _, err = await asyncio.wait_for(wrong.communicate(), 60)
+    said = err.decode()
+    assert wrong.returncode == 1 and "Traceback" not in said, said
+    assert said.strip().startswith(f"tokenway: cannot connect to NATS at {guarded.url}: "), said
+    assert "permissions violation" in said, said
