@@ -16,10 +16,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.conftest import make_settings, nats_server, start_stack
+from tests.conftest import Logged, make_settings, nats_server, start_stack
 from tests.test_cli import spawn
 from tokenway.cli import serve
-from tokenway.errors import CannotStart
 from tokenway.nats_users import NatsUsers
 from tokenway.natsd import server_binary
 from tokenway.roles import roles
@@ -204,6 +203,9 @@ async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Pa
     again = await spawn("nats-auth", str(tmp_path / "auth"), "--tenant", "acme")
     await again.communicate()
     assert seeds == {r: (tmp_path / "auth" / f"{r}.nk").read_bytes() for r in ROLES}  # kept
+    routes = tmp_path / "auth" / "routes.conf"  # a cluster's route credentials, as secret
+    assert routes.stat().st_mode & 0o077 == 0
+    assert "nats-route://tokenway-route:" in routes.read_text()
     conf = tmp_path / "server.conf"
     conf.write_text("port: -1\ninclude ./auth/auth.conf\n")
     check = await asyncio.create_subprocess_exec(
@@ -214,15 +216,23 @@ async def test_nats_auth_writes_a_configuration_nats_server_accepts(tmp_path: Pa
     assert check.returncode == 0, out.decode()
 
 
-async def test_a_stage_that_does_not_provision_needs_the_streams_to_exist(
+async def test_a_stage_that_does_not_provision_waits_for_the_streams(
     guarded: str, users: NatsUsers, tmp_path: Path
 ) -> None:
     settings = make_settings(tmp_path)
     render = users.settings(msgspec.structs.replace(settings, nats=guarded), "render")
-    with pytest.raises(CannotStart, match="tokenway provision"):
-        await serve(render, [], asyncio.Event())
-    provision = {f"TOKENWAY_{k.upper()}": v for k, v in users.env("provision").items()}
-    proc = await spawn("provision", "--nats", guarded, "--data-dir", str(tmp_path), env=provision)
-    _, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    await serve(render, [], asyncio.Event())  # checks, finds them, runs nothing
+    waiting = Logged("run `tokenway provision`")
+    logging.getLogger("tokenway.bus").addHandler(waiting)
+    serving = asyncio.create_task(serve(render, [], asyncio.Event()))
+    try:
+        await asyncio.wait_for(waiting.event.wait(), 30)
+        assert not serving.done()
+        provision = {f"TOKENWAY_{k.upper()}": v for k, v in users.env("provision").items()}
+        proc = await spawn("provision", "--nats", guarded, "--data-dir", str(tmp_path),
+                           env=provision)  # fmt: skip
+        _, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        await asyncio.wait_for(serving, 30)  # finds them, runs nothing
+    finally:
+        serving.cancel()
+        logging.getLogger("tokenway.bus").removeHandler(waiting)
