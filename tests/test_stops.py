@@ -101,3 +101,40 @@ async def test_an_engine_that_stops_on_purpose_is_logged_as_left_not_as_silent(
     said = [r.getMessage() for r in caplog.records if gone in r.getMessage()]
     assert any(f"engine {gone} left (stopped)" in line for line in said), said
     assert not any("stopped heartbeating" in line for line in said), said
+
+
+async def test_a_draining_schedule_worker_hands_its_stream_to_a_peer_and_says_so(
+    nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A schedule worker owning a chat stream stops with nothing left of its drain: it hands
+    the stream back to TW_SCHED, a peer takes it over from the ledger and the client sees
+    one unbroken stream; the stopping worker says how many it handed over, then that it
+    stopped (it said nothing of either)."""
+    caplog.set_level(logging.INFO)
+    settings = make_settings(tmp_path, served_model_name=f"hand-{uuid.uuid4().hex[:8]}",
+                             sim_itl=0.01, drain_timeout=0)  # fmt: skip
+    front = await start_stack(nats_url, settings, ["ingress", "render", "sim"])
+    first = await start_stack(nats_url, settings, ["schedule"])
+    peer = None
+    out, progress = Streamed(), Signal()
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            streaming = asyncio.create_task(
+                chat(http, front.url, story(front.model, 300), out, progress)
+            )
+            await until(progress, lambda: len(out.times) >= 3)
+            peer = await start_stack(nats_url, settings, ["schedule"])
+            await peer.by_name["schedule"][0].started.wait()
+            await first.close()
+            await streaming
+    finally:
+        for stack in (peer, front):
+            if stack is not None:
+                await stack.close()
+    assert out.done == 1 and '"error"' not in out.raw.decode()
+    owner = first.by_name["schedule"][0].owner_id
+    said = [r.getMessage() for r in caplog.records]
+    handed = f"schedule {owner} handed 1 request back to TW_SCHED"
+    taken = next(i for i, line in enumerate(said) if "taken over after" in line)
+    assert any(line.startswith(handed) for line in said[:taken]), said
+    assert f"schedule {owner} stopped: 1 request handed over" in said, said

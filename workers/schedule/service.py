@@ -168,25 +168,33 @@ class ScheduleService:
                 behind=Behind(bus.sched_consumer(self.settings, self.model, batch=True),
                               partial(self.dispatcher.may_pull, batch=True)),
             )  # fmt: skip
-            await self._shutdown(grace(stop, self.settings.drain_timeout))
+            handed = await self._shutdown(grace(stop, self.settings.drain_timeout))
             drained.set()
             rounds.cancel()
         await bus.drain(nc)
         await self.derenderer.aclose()
+        left = f"{_requests(handed)} handed over" if handed else "nothing left to hand over"
+        log.info("schedule %s stopped: %s", self.owner_id, left)
 
-    async def _shutdown(self, within: float) -> None:
+    async def _shutdown(self, within: float) -> int:
         """Stop fetching (done by now), let owned requests finish within `within` seconds,
         then hand the rest over: a NAK redelivers each at once to a peer, which continues
-        it from the ledger (no waiting out the owner's ack wait)."""
+        it from the ledger (no waiting out the owner's ack wait). How many it handed over."""
         self._draining = True
         if self.requests:
             log.info("schedule %s draining: %d requests", self.owner_id, len(self.requests))
         try:
             await asyncio.wait_for(self.empty.wait(), within)
+            return 0
         except TimeoutError:
-            for r in list(self.requests.values()):
+            handed = list(self.requests.values())
+            for r in handed:
                 r.hand_over()
             await self.empty.wait()
+        log.info("schedule %s handed %s back to %s after a %gs drain: the other schedule "
+                 "workers of %s continue them from the ledger", self.owner_id,
+                 _requests(len(handed)), bus.SCHED_STREAM, within, self.model)  # fmt: skip
+        return len(handed)
 
     def _capacity(self) -> int:
         if self.dispatcher is None:
@@ -644,3 +652,7 @@ class ScheduleService:
         kind = h.KIND_END if last and r.is_last(choice) else h.KIND_CHUNK
         choice.done = last
         return kind, framed(r.ctx.api, res.chunks), tokens
+
+
+def _requests(count: int) -> str:
+    return f"{count} request" if count == 1 else f"{count} requests"
