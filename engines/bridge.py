@@ -116,6 +116,9 @@ class Bridge:
         self._group: asyncio.TaskGroup | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        # Set when an abort freed sequences: the registry hears it at once, not at the next
+        # beat (a new owner relaying handed-over streams onto a full engine waits for it).
+        self.freed = asyncio.Event()
         self.problem: str | None = None  # why the last health check kept it out, if it did
         self.checked = asyncio.Event()  # a health check has answered
         self.started = asyncio.Event()  # it takes work
@@ -136,7 +139,7 @@ class Bridge:
             await nc.subscribe(bus.engine_subject(self.id, "generate"), cb=self._on_generate)
             await nc.subscribe(bus.engine_subject(self.id, "abort"), cb=self._on_abort)
             await nc.subscribe(bus.orphan_subject(), cb=self._on_abort)
-            group.create_task(heartbeat(kv, self.info, self._healthy, ttl, stop))
+            group.create_task(heartbeat(kv, self.info, self._healthy, ttl, stop, self.freed))
             log.info(
                 "engine %s (%s) serving %s%s",
                 self.id,
@@ -247,6 +250,7 @@ class Bridge:
             await self.engine.generate(obf.work_to_physical(work) if obf else work, emit)
         except asyncio.CancelledError:
             span.set(aborted=True)
+            self.freed.set()  # (the task ends, and its sequence with it, before the beat)
             if key in self.orphaned:  # an owner thought dead may be alive: it must know
                 failed = "dropped for the request's new owner"
                 self._fail(work, seq, f"engine {self.id}: {failed}")

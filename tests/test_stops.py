@@ -12,11 +12,14 @@ import uuid
 from pathlib import Path
 
 import httpx
+import msgspec
+import nats
 import pytest
 
-from tests.conftest import Stack, make_settings, start_stack, wait_engines
+from tests.conftest import Stack, make_settings, provisioned_bus, start_stack, wait_engines
 from tests.streams import Streamed, read, until
 from tests.test_cli import free_port, logged, spawn
+from tokenway import bus
 from tokenway.aio import Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -138,3 +141,55 @@ async def test_a_draining_schedule_worker_hands_its_stream_to_a_peer_and_says_so
     taken = next(i for i, line in enumerate(said) if "taken over after" in line)
     assert any(line.startswith(handed) for line in said[:taken]), said
     assert f"schedule {owner} stopped: 1 request handed over" in said, said
+
+
+# The engine registry's heartbeats in the test below: one every 200 s (a third of the TTL).
+SLOW_BEATS_TTL = 600.0
+
+
+async def test_a_hand_over_onto_a_full_engine_relays_without_waiting_for_its_next_beat(
+    tmp_path: Path,
+) -> None:
+    """Two streams fill an engine of two sequences; their schedule worker stops and hands
+    them over. The engine's last beat said it was full, so the peer relays them only once
+    it hears of the room the hand-over's aborts made: the engine says so at once, not at
+    its next beat. With beats 200 s apart, streams that waited for one would not end within
+    the 30 s allowed here (they end in about 3 s)."""
+    async with provisioned_bus(tmp_path / "bus", engine_ttl=SLOW_BEATS_TTL) as own:
+        settings = make_settings(tmp_path, served_model_name=f"full-{uuid.uuid4().hex[:8]}",
+                                 engine_ttl=SLOW_BEATS_TTL, sim_max_seqs=2, sim_itl=0.01,
+                                 drain_timeout=0)  # fmt: skip
+        front = await start_stack(own.url, settings, ["ingress", "render", "sim"])
+        first = await start_stack(own.url, settings, ["schedule"])
+        peer = None
+        outs, progress = [Streamed(), Streamed()], Signal()
+        try:
+            async with httpx.AsyncClient(timeout=60) as http:
+                streaming = [
+                    asyncio.create_task(chat(http, front.url, story(front.model, 300), o, progress))
+                    for o in outs
+                ]
+                await until(progress, lambda: all(len(o.times) >= 3 for o in outs))
+                peer = await start_stack(own.url, settings, ["schedule"])
+                schedule = peer.by_name["schedule"][0]
+                await schedule.started.wait()
+                # The beat the engine gives at most every 200 s, given now: it is full.
+                bridge = front.by_name["engine"][0]
+                nc = await nats.connect(own.watch)
+                kv = await bus.engines_kv(nc.jetstream(), settings)
+                beat = bridge.info()
+                beat.updated = time.time()
+                assert beat.running == beat.max_seqs == 2
+                await kv.put(bus.token(bridge.id), msgspec.msgpack.encode(beat))
+                await nc.close()
+                await until(schedule.registry.changed,
+                            lambda: schedule.registry.engines[bridge.id].running == 2)  # fmt: skip
+                await first.close()  # hands both streams over at once
+                async with asyncio.timeout(30):
+                    await asyncio.gather(*streaming)
+        finally:
+            for stack in (peer, front):
+                if stack is not None:
+                    await stack.close()
+    for out in outs:
+        assert out.done == 1 and '"error"' not in out.raw.decode(), out.raw[-300:]

@@ -173,9 +173,13 @@ async def heartbeat(
     healthy: Callable[[], Awaitable[str | None]],
     ttl: float,
     stop: asyncio.Event,
+    soon: asyncio.Event | None = None,
 ) -> None:
     """Refresh an engine's entry three times per TTL while `healthy()` finds nothing wrong;
-    while it does, the entry is gone (owners send nothing there). Removed at `stop`."""
+    while it does, the entry is gone (owners send nothing there). Removed at `stop`.
+
+    `soon` beats before the third of a TTL is up: the engine freed room that owners would
+    otherwise see only then (a full engine's aborted sequences, which a relay waits for)."""
     key = bus.token(info().id)
     was_healthy: bool | None = None  # at the last check; None before the first
     while not stop.is_set():
@@ -195,7 +199,9 @@ async def heartbeat(
         except nats.errors.Error as exc:  # NATS away for a moment: the next beat may land
             log.warning("heartbeat of %s not stored: %r", key, exc)
         was_healthy = problem is None
-        await wait_any(stop, timeout=ttl / 3)
+        await wait_any(stop, *([soon] if soon is not None else []), timeout=ttl / 3)
+        if soon is not None:
+            soon.clear()  # what sets it again from here on is in the next beat
     with contextlib.suppress(nats.errors.Error):
         if was_healthy:  # in the registry: say it leaves on purpose, then leave
             last = info()
