@@ -110,9 +110,10 @@ async def test_a_draining_schedule_worker_hands_its_stream_to_a_peer_and_says_so
     nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A schedule worker owning a chat stream stops with nothing left of its drain: it hands
-    the stream back to TW_SCHED, a peer takes it over from the ledger and the client sees
-    one unbroken stream; the stopping worker says how many it handed over, then that it
-    stopped (it said nothing of either)."""
+    the stream back to TW_SCHED and a peer takes it over where the hand-over says it stands,
+    without reading its ledger back message by message (what made a long stream stall for
+    seconds); the client sees one unbroken stream. The stopping worker says how many it
+    handed over, then that it stopped (it said nothing of either)."""
     caplog.set_level(logging.INFO)
     settings = make_settings(tmp_path, served_model_name=f"hand-{uuid.uuid4().hex[:8]}",
                              sim_itl=0.01, drain_timeout=0)  # fmt: skip
@@ -138,8 +139,9 @@ async def test_a_draining_schedule_worker_hands_its_stream_to_a_peer_and_says_so
     owner = first.by_name["schedule"][0].owner_id
     said = [r.getMessage() for r in caplog.records]
     handed = f"schedule {owner} handed 1 request back to TW_SCHED"
-    taken = next(i for i, line in enumerate(said) if "taken over after" in line)
+    taken = next(i for i, line in enumerate(said) if "taken over" in line)
     assert any(line.startswith(handed) for line in said[:taken]), said
+    assert "taken over as its last owner handed it over" in said[taken], said[taken]
     assert f"schedule {owner} stopped: 1 request handed over" in said, said
 
 

@@ -30,6 +30,7 @@ from tokenway.wire import (
     EngineWork,
     ErrorInfo,
     GenerateRequest,
+    HandOver,
     OwnerInfo,
     RenderRequest,
     TokenizeAnswer,
@@ -153,6 +154,11 @@ def channels() -> list[Channel]:
                 "A new owner's word to every bridge: drop the request's work for the old one "
                 "(`key`: the request's, a digest of its reply and rid, as in `EngineWork.rid`).",
                 EngineAbort, senders=("schedule",), receivers=("engine bridge",)),
+        Channel("handover", _address(bus.handover_subject, "model"),
+                "A stopping owner's word to the model's other owners: where a request it "
+                "hands back to `TW_SCHED` stands, so the one taking it over reads one ledger "
+                "message (to check) instead of all of them.",
+                HandOver, senders=("schedule",), receivers=("schedule",)),
         Channel("cancel", _address(bus.cancel_subject, "reply", "rid"),
                 "The client left: its owner stops the request, if the request has both "
                 "names (a tenant's client cancels its own only). An empty body.", None,

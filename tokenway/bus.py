@@ -190,6 +190,12 @@ def orphan_subject(key: str = "*") -> str:
     return f"tw.orphan.{key}"
 
 
+def handover_subject(model: str | None) -> str:
+    """A stopping owner tells the model's other owners where each request it hands back
+    stands (`wire.HandOver`), so the one taking it over need not read its ledger back."""
+    return f"tw.handover.{'*' if model is ANY else token(model)}"
+
+
 def dlq_subject(stage: str) -> str:
     return f"tw.dlq.{stage}"
 

@@ -174,7 +174,7 @@ class Committed:
     ended: bool  # an end, a whole response or an error is stored: nothing is left to do
     state: bytes | None  # the last stream_state
     tokens: array  # every committed output token ID, in order
-    last: Delivered  # the last message, as it was delivered
+    last: Delivered | None  # the last message, as delivered (None: from a hand-over)
 
 
 async def stored(

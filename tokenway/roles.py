@@ -183,6 +183,7 @@ def _stages() -> list[Role]:
                 *_lanes(bus.sched_subject),  # a multi-prompt request's prompts
                 bus.engine_subject("*", "*"),
                 bus.orphan_subject(),
+                bus.handover_subject(bus.ANY),
                 _CANCEL_ANY,  # a multi-prompt request's prompts
                 bus.derender_subject(bus.ANY),
                 bus.dlq_subject("schedule"),
@@ -195,6 +196,7 @@ def _stages() -> list[Role]:
                 bus.CANCELS,
                 bus.sse_subject("*"),
                 bus.OWNERS_SUBJECT,
+                bus.handover_subject(bus.ANY),
             ),
             responds=True,  # to `tokenway status`
         ),

@@ -324,6 +324,18 @@ class EngineInfo(Struct, kw_only=True, omit_defaults=True):
     leaving: bool = False  # its last entry: the bridge stops on purpose (a delete follows)
 
 
+class HandOver(Struct, kw_only=True, omit_defaults=True):
+    """A request as its stopping owner hands it back to `TW_SCHED`, everything committed:
+    what a takeover would otherwise read back from the ledger, one message at a time."""
+
+    key: str  # the request's (`ledger.request_key`)
+    ledger_seq: int  # TW_OUT's sequence of its last committed message
+    out_seq: int  # its last committed Tw-Seq
+    attempt: int
+    state: bytes | None = None  # the last committed stream_state (derender's)
+    tokens: list[int] = []  # every committed output token ID, in order
+
+
 class OwnerInfo(Struct, kw_only=True, omit_defaults=True):
     """A schedule worker's answer on `bus.OWNERS_SUBJECT`: what it owns right now."""
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
+from array import array
 from collections import OrderedDict, deque
 from functools import partial
 
@@ -24,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from tokenway import bus, ledger, ledger_writer, spans
 from tokenway import headers as h
@@ -54,6 +55,7 @@ from tokenway.wire import (
     DerenderResult,
     EngineAbort,
     GenerateRequest,
+    HandOver,
     OwnerInfo,
     TokenDelta,
     TokenStep,
@@ -71,9 +73,11 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _step_decoder = msgspec.msgpack.Decoder(TokenStep)
+_handover_decoder = msgspec.msgpack.Decoder(HandOver)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
+_HANDOVER_MEMORY = 4_096  # hand-overs heard from stopping peers, until taken over
 # Engine work still reporting to us that we no longer want is aborted again this often.
 _REABORT_EVERY = 1.0
 _DERENDER_BACKOFF = 0.05
@@ -107,6 +111,7 @@ class ScheduleService:
         self.started = asyncio.Event()  # it owns requests
         self.empty.set()
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reply, rid)
+        self._handovers: OrderedDict[str, HandOver] = OrderedDict()  # by request key
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # (key, attempt)
         self._ready: dict[str, Owned] = {}  # what the next derender + commit round looks at
         self._work = asyncio.Event()  # set when `_ready` gained a request
@@ -157,6 +162,7 @@ class ScheduleService:
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
             await nc.subscribe(bus.CANCELS, cb=self._on_cancel)
             await nc.subscribe(bus.OWNERS_SUBJECT, cb=self._on_owners)
+            await nc.subscribe(bus.handover_subject(self.model), cb=self._on_handover)
             group.create_task(self._keepalive(drained))
             rounds = group.create_task(self._rounds())
             await self.fanout.started.wait()  # its subscription made
@@ -347,7 +353,8 @@ class ScheduleService:
         return not r.ended.is_set()
 
     async def _read_back(self, r: Owned) -> bool:
-        """A new owner after the last one died: pick the request up where its ledger ends.
+        """A new owner after the last one died or stopped: pick the request up where its
+        ledger ends (where a stopping owner's hand-over says it does, once checked).
 
         False when the ledger already holds its end. Engine work the old owner started is
         aborted, then the request relays from the committed output like after an engine
@@ -357,13 +364,19 @@ class ScheduleService:
         await self._nc.publish(bus.orphan_subject(r.key), _encoder.encode(
             EngineAbort(rid=r.key, attempt=0, owner=self.owner_id)
         ))  # fmt: skip
-        found = await ledger.read_back(self._js, r.reply, r.rid)
+        found = await self._handed_over(r)
+        if found is not None:
+            log.warning("request %s: taken over as its last owner handed it over, after %d "
+                        "committed chunks", r.rid, found.seq)  # fmt: skip
+        else:
+            found = await ledger.read_back(self._js, r.reply, r.rid)
         if found is None:
             return True  # nothing was committed: start afresh
         if found.ended:
             log.info("request %s was finished by its last owner", r.rid)
             # Its last owner may have died before delivering the end: a reader still waiting
             # gets it now (and reads back whatever else it missed).
+            assert found.last is not None  # (read back: a hand-over is of a request going on)
             await ledger.deliver(self._nc, r.reply, [found.last])
             return False
         r.refuse_continuing(f"the owner of request {r.rid} stopped", "resumed")
@@ -373,8 +386,54 @@ class ScheduleService:
         # Relayed like an engine failure (and counted as one relay).
         r.attempt_failed(EngineFailed(f"the owner of request {r.rid} stopped").info())
         self.observed.takeovers.inc()
-        log.warning("request %s: taken over after %d committed chunks", r.rid, found.seq)
+        if found.last is not None:  # (else said above)
+            log.warning("request %s: taken over after %d committed chunks", r.rid, found.seq)
         return True
+
+    async def _on_handover(self, msg: Msg) -> None:
+        try:
+            handed = _handover_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable hand-over ignored: %s", exc)
+            return
+        if handed.key not in self.requests:  # (our own, as we stop)
+            self._handovers[handed.key] = handed
+            if len(self._handovers) > _HANDOVER_MEMORY:
+                self._handovers.popitem(last=False)
+
+    async def _handed_over(self, r: Owned) -> ledger.Committed | None:
+        """What the request's stopping owner said of it, if the ledger still ends where it
+        said (one read, where reading the whole ledger back took seconds for a long
+        stream); None to read the ledger back."""
+        assert self._js is not None
+        handed = self._handovers.pop(r.key, None)
+        if handed is None or len(r.choices) != 1:
+            return None
+        try:
+            last = await self._js.get_last_msg(bus.OUT_STREAM, bus.out_subject(r.reply, r.rid))
+        except NotFoundError:
+            return None
+        if last.seq != handed.ledger_seq:
+            return None  # committed to since, or not what it said: read it all
+        return ledger.Committed(
+            seq=handed.out_seq, stream_seq=handed.ledger_seq, attempt=handed.attempt,
+            ended=False, state=handed.state, tokens=array("i", handed.tokens), last=None,
+        )  # fmt: skip
+
+    async def _hand_over(self, r: Owned) -> None:
+        """Tell the model's other owners where the request stands (everything of it is
+        committed by now): the one it goes to picks it up from there."""
+        if len(r.choices) != 1 or not r.ledger_seq:
+            return  # nothing committed: a peer starts it afresh anyway
+        assert self._nc is not None
+        choice = r.choices[0]
+        handed = HandOver(key=r.key, ledger_seq=r.ledger_seq, out_seq=r.out_seq,
+                          attempt=r.attempt, state=choice.state,
+                          tokens=choice.committed.tolist())  # fmt: skip
+        try:
+            await self._nc.publish(bus.handover_subject(self.model), _encoder.encode(handed))
+        except nats.errors.Error as exc:  # the peer reads the ledger back instead
+            log.warning("hand-over of %s not sent: %r", r.rid, exc)
 
     async def _finish(self, r: Owned) -> None:
         """The one exit of every request: abort leftovers, let what is in flight land, tell the
@@ -416,6 +475,7 @@ class ScheduleService:
         # Still ours (kept in progress) until the server confirms the ack: gone from
         # `requests` only then, so a drained worker has nothing left in flight.
         if r.handed_over:
+            await self._hand_over(r)  # before the NAK that gives the request to a peer
             await r.msg.nak()
         elif not r.superseded:  # its new owner holds the message now
             await bus.ack_surely(r.msg, self.settings.bus_retry)
