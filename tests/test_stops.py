@@ -15,12 +15,15 @@ import httpx
 import msgspec
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from tests.conftest import Stack, make_settings, provisioned_bus, start_stack, wait_engines
 from tests.streams import Streamed, read, until
 from tests.test_cli import free_port, logged, spawn
 from tokenway import bus
 from tokenway.aio import Signal
+from tokenway.wire import HandOver
+from workers.schedule import service as schedule_service
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -195,3 +198,25 @@ async def test_a_hand_over_onto_a_full_engine_relays_without_waiting_for_its_nex
                     await stack.close()
     for out in outs:
         assert out.done == 1 and '"error"' not in out.raw.decode(), out.raw[-300:]
+
+
+async def test_the_hand_overs_an_owner_keeps_for_its_peers_are_bounded_by_their_tokens(
+    nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every owner of a model hears every hand-over, and only one takes each: what the others
+    keep is bounded by the committed tokens it holds, the oldest forgotten first (its taker
+    reads the ledger back instead)."""
+    monkeypatch.setattr(schedule_service, "_HANDOVER_TOKENS", 1000)
+    settings = make_settings(tmp_path, served_model_name=f"kept-{uuid.uuid4().hex[:8]}")
+    stack = await start_stack(nats_url, settings, ["schedule"])
+    try:
+        owner = stack.by_name["schedule"][0]
+        await owner.started.wait()
+        for n in range(5):
+            handed = HandOver(key=f"k{n}", ledger_seq=n + 1, out_seq=400, attempt=0,
+                              tokens=list(range(400)))  # fmt: skip
+            await owner._on_handover(Msg(_client=None, data=msgspec.msgpack.encode(handed)))
+        assert list(owner._handovers) == ["k3", "k4"]
+        assert owner._handover_tokens == 800
+    finally:
+        await stack.close()

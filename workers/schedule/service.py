@@ -77,7 +77,9 @@ _handover_decoder = msgspec.msgpack.Decoder(HandOver)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
-_HANDOVER_MEMORY = 4_096  # hand-overs heard from stopping peers, until taken over
+# Hand-overs heard from stopping peers, kept until taken over: every owner of the model hears
+# each one and one takes it, so they are bounded by the tokens they hold (4 bytes each).
+_HANDOVER_TOKENS = 1 << 22
 # Engine work still reporting to us that we no longer want is aborted again this often.
 _REABORT_EVERY = 1.0
 _DERENDER_BACKOFF = 0.05
@@ -111,7 +113,8 @@ class ScheduleService:
         self.started = asyncio.Event()  # it owns requests
         self.empty.set()
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reply, rid)
-        self._handovers: OrderedDict[str, HandOver] = OrderedDict()  # by request key
+        self._handovers: OrderedDict[str, ledger.Committed] = OrderedDict()  # by request key
+        self._handover_tokens = 0
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # (key, attempt)
         self._ready: dict[str, Owned] = {}  # what the next derender + commit round looks at
         self._work = asyncio.Event()  # set when `_ready` gained a request
@@ -396,29 +399,38 @@ class ScheduleService:
         except msgspec.DecodeError as exc:
             log.warning("undecodable hand-over ignored: %s", exc)
             return
-        if handed.key not in self.requests:  # (our own, as we stop)
-            self._handovers[handed.key] = handed
-            if len(self._handovers) > _HANDOVER_MEMORY:
-                self._handovers.popitem(last=False)
+        if handed.key in self.requests:  # (our own, as we stop)
+            return
+        self._forget_handover(handed.key)
+        self._handovers[handed.key] = ledger.Committed(
+            seq=handed.out_seq, stream_seq=handed.ledger_seq, attempt=handed.attempt,
+            ended=False, state=handed.state, tokens=array("i", handed.tokens), last=None,
+        )  # fmt: skip
+        self._handover_tokens += len(handed.tokens)
+        while self._handover_tokens > _HANDOVER_TOKENS:  # the oldest go: read back instead
+            self._forget_handover(next(iter(self._handovers)))
+
+    def _forget_handover(self, key: str) -> ledger.Committed | None:
+        handed = self._handovers.pop(key, None)
+        if handed is not None:
+            self._handover_tokens -= len(handed.tokens)
+        return handed
 
     async def _handed_over(self, r: Owned) -> ledger.Committed | None:
         """What the request's stopping owner said of it, if the ledger still ends where it
         said (one read, where reading the whole ledger back took seconds for a long
         stream); None to read the ledger back."""
         assert self._js is not None
-        handed = self._handovers.pop(r.key, None)
+        handed = self._forget_handover(r.key)
         if handed is None or len(r.choices) != 1:
             return None
         try:
             last = await self._js.get_last_msg(bus.OUT_STREAM, bus.out_subject(r.reply, r.rid))
         except NotFoundError:
             return None
-        if last.seq != handed.ledger_seq:
+        if last.seq != handed.stream_seq:
             return None  # committed to since, or not what it said: read it all
-        return ledger.Committed(
-            seq=handed.out_seq, stream_seq=handed.ledger_seq, attempt=handed.attempt,
-            ended=False, state=handed.state, tokens=array("i", handed.tokens), last=None,
-        )  # fmt: skip
+        return handed
 
     async def _hand_over(self, r: Owned) -> None:
         """Tell the model's other owners where the request stands (everything of it is
