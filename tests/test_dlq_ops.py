@@ -1,5 +1,5 @@
 """Dead letters as an operator meets them: `status` counts them by the stage that failed them,
-reasons start with the category word the README filters on, ids say what they are, `show`
+reasons start with the category word the docs filter on, ids say what they are, `show`
 prints binary payloads safely, and `ls --json` says it prints JSON lines."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 __all__ = ["js", "server"]  # fixtures of tests.tokenway.test_dlq, used here by name
 
-README = Path(__file__).parent.parent / "README.md"
+OBSERVABILITY = Path(__file__).parent.parent / "docs" / "observability.md"
 
 
 async def dead_letters_in_status(server: Bus, tmp_path: Path) -> dict[str, int]:
@@ -55,8 +55,8 @@ async def test_status_counts_letters_by_stage_not_replay_markers_and_purge_clear
 
 
 def readme_reason_filters() -> list[str]:
-    """Every `--reason WORD` the README shows."""
-    return re.findall(r"--reason (\w+)", README.read_text())
+    """Every `--reason WORD` docs/observability.md shows."""
+    return re.findall(r"--reason (\w+)", OBSERVABILITY.read_text())
 
 
 async def test_every_reason_starts_with_a_category_the_readme_filters_on(
@@ -91,7 +91,7 @@ async def test_every_reason_starts_with_a_category_the_readme_filters_on(
         assert reason.split(":", 1)[0] in ledger.DEAD_REASONS, reason
         assert "Error(" not in reason, reason  # says what is wrong, not an exception's repr
 
-    # The README's filters find the letters of the case they describe.
+    # The docs' filters find the letters of the case they describe.
     filters = readme_reason_filters()
     assert filters and set(filters) <= set(ledger.DEAD_REASONS)
     decoded = await dlq.list_letters(js, reason="decode")

@@ -1,4 +1,4 @@
-"""Claude Code (`claude -p`) on tokenway's Messages API, configured as the README says."""
+"""Claude Code (`claude -p`) on tokenway's Messages API, configured as docs/agents.md says."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Codex (`codex exec`) with its default tools on tokenway's Responses API, configured by a
-provider block as the README says."""
+provider block as docs/agents.md says."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The README's Agent clients section configures the clients as the tier does (these run in
-the main suite: they need no client)."""
+"""docs/agents.md configures the clients as the tier does (these run in the main suite: they
+need no client)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,12 @@ from pathlib import Path
 from tests.agents.test_claude_code import MODEL_VARS, QUIET
 from tests.agents.test_codex import provider_config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-URL = "http://127.0.0.1:8000"  # the address the README's examples use
-
-
-def section() -> str:
-    text = README.read_text()
-    start = text.index("### Agent clients\n")
-    return text[start : text.index("\n### ", start + 1)]
+AGENTS = Path(__file__).resolve().parents[2] / "docs" / "agents.md"
+URL = "http://127.0.0.1:8000"  # the address the documentation's examples use
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", section(), re.S)
+    return re.findall(rf"```{language}\n(.*?)```", AGENTS.read_text(), re.S)
 
 
 def test_the_codex_provider_block_is_the_tiers() -> None:
