@@ -37,12 +37,18 @@ class Guarded:
     def seed(self, role: str) -> str:
         return str(self.users.directory / f"{role}.nk")
 
-    async def names(self) -> set[str]:
-        """The names of every client the server has seen, connected or closed since."""
+    def key(self, role: str) -> str:
+        """The role's public key: the user the server says a client connected as."""
+        return nkeys.from_seed(Path(self.seed(role)).read_bytes().strip()).public_key.decode()
+
+    async def names(self, role: str) -> set[str]:
+        """The names of the clients that connected as `role`, connected or closed since."""
+        key = self.key(role)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.monitor}") as http:
-            pages = [(await http.get("/connz", params={"state": s})).json()
+            pages = [(await http.get("/connz", params={"state": s, "auth": "true"})).json()
                      for s in ("open", "closed")]  # fmt: skip
-        return {c.get("name", "") for page in pages for c in page.get("connections") or []}
+        clients = [c for page in pages for c in page.get("connections") or []]
+        return {c.get("name", "") for c in clients if c.get("authorized_user") == key}
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -52,7 +58,7 @@ async def guarded(tmp_path: Path) -> AsyncIterator[Guarded]:
     config = {"authorization": users.authorization, "http_port": monitor}
     async with nats_server(tmp_path / "js", port=free_port(), config=config) as server:
         provision = users.settings(make_settings(tmp_path / "provision"), "provision")
-        nc = await bus.connect(server.url, "test-provision", provision)
+        nc = await bus.connect(server.url, "tokenway-provision", provision)
         await bus.provision_streams(nc.jetstream(), provision)
         await nc.close()
         yield Guarded(server, users, monitor)
@@ -70,10 +76,9 @@ async def test_a_stage_with_only_its_roles_seed_starts_and_names_itself(
     proc = await spawn(*_stage(guarded, tmp_path, "render", guarded.seed("render")))
     try:
         await logged(proc, b"render serving")  # subscribed to its queue, through its inbox
-        names = await guarded.names()
+        names = await guarded.names("render")
     finally:
         assert await stop(proc) == 0
-    names.discard("test-provision")
     assert names and all(n.startswith("tokenway-render") for n in names), names
 
 
@@ -137,3 +142,19 @@ async def test_a_command_with_only_its_roles_seed_reads_the_bus_and_a_wrong_one_
     assert wrong.returncode == 1 and "Traceback" not in said, said
     assert said.strip().startswith(f"tokenway: cannot connect to NATS at {guarded.url}: "), said
     assert "permissions violation" in said, said
+
+
+async def test_a_role_told_to_provision_what_it_may_not_exits_with_one_line(
+    guarded: Guarded, tmp_path: Path
+) -> None:
+    """The server says at once that render may not change a stream (to limits of its
+    own): no retrying the requests it denies until the connect timeout, no traceback."""
+    args = _stage(guarded, tmp_path, "render", guarded.seed("render"), "--provision",
+                  "--connect-timeout", "600")  # fmt: skip
+    proc = await spawn(*args, env={"TOKENWAY_QUEUE_MAX_MSGS": "7"})
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    said = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in said, said
+    last = said.strip().splitlines()[-1]
+    assert last.startswith(f"tokenway: cannot connect to {guarded.url}: "), said
+    assert "permissions violation for publish to" in last and "stream" in last, said

@@ -389,7 +389,7 @@ async def connect(
                 await noted(exc)
             return
         log.warning("%s cannot reach NATS at %s: %s", name, _server(nc, url), reason(exc))
-        if (_refusal(exc) or _violation(exc)) and not refused.done():
+        if (_refusal(exc) or violation(exc)) and not refused.done():
             refused.set_result(exc)
 
     async def lost() -> None:
@@ -489,9 +489,28 @@ def reason(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _violation(exc: Exception) -> bool:
+def violation(exc: Exception) -> bool:
     """The server denies this connection a subject it tried (its inboxes, at start)."""
     return "permissions violation" in str(exc).lower()
+
+
+async def unless_denied(
+    nc: NATS, url: str, work: Awaitable[object], denied: asyncio.Future[Exception]
+) -> None:
+    """`work` on `nc` (a start-up's), ended at once when the server denies it a subject
+    (`denied`, set from `connect`'s `noted`): `CannotStart` naming the server and the
+    subject, where each denied request would time out and be tried again instead."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, denied}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # denied, or this start cancelled: the work ends here too
+        task.cancel()
+        await asyncio.wait({task})
+    if denied.done():
+        where = _server(nc, url)
+        await nc.close()
+        raise CannotStart(f"cannot connect to {where}: {reason(denied.result())}")
+    task.result()
 
 
 def _refusal(exc: Exception) -> bool:

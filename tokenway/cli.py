@@ -181,11 +181,18 @@ async def serve(
         # Named for who connects: the provision role, or the one stage run alone.
         kinds = {stage.name for stage in stages}
         who = f"{kinds.pop()}-streams" if users is None and len(kinds) == 1 else "provision"
-        nc = await bus.connect(url, f"tokenway-{who}", provisioner, stop=stop)
+        denied: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+        async def noted(exc: Exception) -> None:  # a role told to do what it may not
+            if bus.violation(exc) and not denied.done():
+                denied.set_result(exc)
+
+        nc = await bus.connect(url, f"tokenway-{who}", provisioner, stop=stop, noted=noted)
         if provisioner.provision:
-            await bus.provision_streams(nc.jetstream(), s)
+            ready = bus.provision_streams(nc.jetstream(), s)
         else:
-            await bus.wait_for_streams(nc.jetstream(), s, stop)
+            ready = bus.wait_for_streams(nc.jetstream(), s, stop)
+        await bus.unless_denied(nc, url, ready, denied)
         await nc.close()
         async with asyncio.TaskGroup() as group:
             tiers = []
