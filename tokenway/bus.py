@@ -430,7 +430,7 @@ async def connect(
     finally:
         if stopping is not None:
             stopping.cancel()
-    if attempt.done() and not refused.done():
+    if attempt.done() and not refused.done() and attempt.exception() is None:
         up.set()
         return attempt.result()
     attempt.cancel()
@@ -438,8 +438,9 @@ async def connect(
     await nc.close()
     if stop is not None and stop.is_set():
         raise CannotStart(f"stopped while connecting to {where}")
-    if refused.done():
-        raise CannotStart(f"cannot connect to {where}: {reason(refused.result())}")
+    if refused.done() or attempt.done():  # refused, or its inboxes not tried (a reset)
+        cause = refused.result() if refused.done() else attempt.exception()
+        raise CannotStart(f"cannot connect to {where}: {reason(cause)}")
     cause = f": {reason(last[0])}" if last else ""
     raise CannotStart(f"cannot connect to {where}{cause} (for {timeout:g}s)")
 
