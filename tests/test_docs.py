@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Stack
-from tokenway.cli import parser
+from tokenway.cli import batch_parser, dlq_parser, parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -124,7 +124,7 @@ def test_the_readme_installs_and_tests_as_ci_does() -> None:
 
 def cli_flags() -> set[str]:
     flags: set[str] = set()
-    todo = [parser()]
+    todo = [parser(), dlq_parser(), batch_parser()]
     while todo:
         for action in todo.pop()._actions:
             flags.update(o for o in action.option_strings if o.startswith("--"))
@@ -139,6 +139,21 @@ def test_every_flag_is_documented() -> None:
     flags = cli_flags()
     undocumented = {f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", text)}
     assert undocumented == set(), "document these flags in README.md or docs/"
+
+
+def test_every_flag_a_documented_command_passes_exists() -> None:
+    """A `tokenway ...` command on a page (inline or a line of a code block) passes only
+    flags tokenway has: a renamed or removed flag takes its documentation along."""
+    flags = cli_flags() | {"--help", "--version"}
+    unknown = []
+    for page in PAGES:
+        text = page.read_text()
+        commands = re.findall(r"`(tokenway [^`]*)`", text)
+        commands += re.findall(r"^\s*(tokenway .*)$", text, re.M)
+        for command in commands:
+            passed = re.findall(r"(?<![\w-])--[a-z][\w-]*", command)
+            unknown += [(page.name, f, command) for f in passed if f not in flags]
+    assert unknown == []
 
 
 def readme_examples() -> dict[str, str]:
