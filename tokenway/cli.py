@@ -819,7 +819,7 @@ def _vllm(p: argparse.ArgumentParser) -> None:
 
 def _obfuscation(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "token obfuscation (the same key on every schedule and engine stage; see README)"
+        "token obfuscation (the same key on every schedule and engine stage; see docs/engines.md)"
     )
     g.add_argument(
         "--obfuscation-key",
