@@ -302,8 +302,9 @@ async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     from tokenway.config import Settings, load_settings
 
     root = parser()
-    # `dir` and `tenant`: where and for whom `nats-auth` writes; `json`: how `status` prints
-    internal = {"help", "version", "command", "kind", "dir", "tenant", "json"}
+    # `dir`, `tenant` and `route`: where, for whom and for which cluster nodes `nats-auth`
+    # writes; `json`: how `status` prints
+    internal = {"help", "version", "command", "kind", "dir", "tenant", "route", "json"}
     stack = [root]
     while stack:
         p = stack.pop()
