@@ -433,12 +433,13 @@ async def connect(
     if attempt.done() and not refused.done() and attempt.exception() is None:
         up.set()
         return attempt.result()
+    ended = attempt.done()  # (before the cancel, which ends it too once the close yields)
     attempt.cancel()
     where = _server(nc, url)
     await nc.close()
     if stop is not None and stop.is_set():
         raise CannotStart(f"stopped while connecting to {where}")
-    if refused.done() or attempt.done():  # refused, or its inboxes not tried (a reset)
+    if refused.done() or ended:  # refused, or its inboxes not tried (a reset)
         cause = refused.result() if refused.done() else attempt.exception()
         raise CannotStart(f"cannot connect to {where}: {reason(cause)}")
     cause = f": {reason(last[0])}" if last else ""
