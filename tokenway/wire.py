@@ -100,6 +100,11 @@ class ParseContext(Struct, kw_only=True, omit_defaults=True):
     native_calls: bool = False
 
 
+# How many last prompt tokens travel in `OutputContext.prompt_tail`: what derender seeds its
+# detokenizer from, as vLLM does, so the first output token decodes in context.
+SEED_TOKENS = 7
+
+
 class OutputContext(Struct, kw_only=True, omit_defaults=True):
     """What derender needs from the original request to shape OpenAI output.
 

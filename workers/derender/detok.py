@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from tokenway.wire import SEED_TOKENS
 from workers.derender.logprobs import TokenTexts
 from workers.derender.state import DetokState
 
-# vLLM seeds from the prompt's last tokens so the first output token decodes in context.
-SEED_TOKENS = 7
+# Of the prompt's last tokens (`SEED_TOKENS`), how many the window starts with.
 SEED_PREFIX = 5
 REPLACEMENT = "\ufffd"
 

@@ -28,6 +28,7 @@ from tokenway.protocol import (
 from tokenway.responses import RESPONSE_ID_PREFIX
 from tokenway.wire import (
     MAX_PROMPTS,
+    SEED_TOKENS,
     Api,
     GenerateRequest,
     OutputContext,
@@ -38,7 +39,6 @@ from tokenway.wire import (
     StreamOptions,
     StructuredOutputs,
 )
-from workers.derender.detok import SEED_TOKENS
 from workers.render import structured
 from workers.render.chat import apply_template
 from workers.render.parse import ParserFlags, check_tool_choice, parse_context

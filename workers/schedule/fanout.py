@@ -41,9 +41,8 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.tenant_book import TenantBook
-from tokenway.wire import TERMINAL_KINDS, ErrorInfo, GenerateRequest
+from tokenway.wire import SEED_TOKENS, TERMINAL_KINDS, ErrorInfo, GenerateRequest
 from tokenway.worker import overloaded
-from workers.derender.detok import SEED_TOKENS
 from workers.schedule.merge import Merge, Output, retryable
 
 log = logging.getLogger(__name__)

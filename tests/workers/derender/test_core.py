@@ -22,6 +22,7 @@ from tests.workers.derender.texts import (
 )
 from tokenway.errors import InvalidRequest
 from tokenway.wire import (
+    SEED_TOKENS,
     Api,
     DerenderEntry,
     FinishReason,
@@ -31,7 +32,7 @@ from tokenway.wire import (
 )
 from workers.derender import state as states
 from workers.derender.core import derender, derender_call
-from workers.derender.detok import SEED_TOKENS, Detokenizer
+from workers.derender.detok import Detokenizer
 from workers.derender.state import MAX_WINDOW_TOKENS, DetokState, StreamState
 
 EOS_TEXT = "<｜end▁of▁sentence｜>"

@@ -19,7 +19,8 @@ from tests.workers.derender.texts import (
     segments,
     split,
 )
-from workers.derender.detok import SEED_PREFIX, SEED_TOKENS, Detokenizer, seed
+from tokenway.wire import SEED_TOKENS
+from workers.derender.detok import SEED_PREFIX, Detokenizer, seed
 from workers.derender.state import DetokState
 
 WINDOW_BOUND = 16

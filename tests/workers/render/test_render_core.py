@@ -19,8 +19,7 @@ from tokenway.protocol import (
     OpenAIRequest,
     decode_body,
 )
-from tokenway.wire import Api, GenerateRequest, RenderRequest
-from workers.derender.detok import SEED_TOKENS
+from tokenway.wire import SEED_TOKENS, Api, GenerateRequest, RenderRequest
 from workers.render.backend import LocalBackend
 from workers.render.core import Renderer
 
