@@ -26,6 +26,7 @@ from tokenway.protocol import (
     decode_body,
 )
 from tokenway.responses import RESPONSE_ID_PREFIX
+from tokenway.sampling import budget, output_options
 from tokenway.wire import (
     MAX_PROMPTS,
     SEED_TOKENS,
@@ -43,9 +44,7 @@ from workers.render import structured
 from workers.render.chat import apply_template
 from workers.render.parse import ParserFlags, check_tool_choice, parse_context
 from workers.render.sampling import (
-    budget,
     keep_output_fields,
-    output_options,
     reject_unsupported,
     requested_max_tokens,
     sampling_params,

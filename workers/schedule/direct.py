@@ -20,8 +20,8 @@ import msgspec
 from tokenway.errors import InvalidRequest, check_model
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_constraint
 from tokenway.model import ModelInfo
+from tokenway.sampling import budget, output_options
 from tokenway.wire import SEED_TOKENS, GenerateRequest, OutputContext, Prompt
-from workers.render.sampling import budget, output_options
 
 
 def is_direct(request: GenerateRequest) -> bool:

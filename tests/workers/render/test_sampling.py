@@ -9,9 +9,9 @@ import pytest
 
 from tokenway.errors import InvalidRequest
 from tokenway.protocol import ChatCompletionRequest, CompletionRequest
+from tokenway.sampling import budget
 from tokenway.wire import SamplingParams
 from workers.render.sampling import (
-    budget,
     reject_unsupported,
     requested_max_tokens,
     sampling_params,
