@@ -44,7 +44,7 @@ from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.openapi import with_completions
 from ingress.responses import add_routes as response_routes
-from ingress.router import OutputRouter, SseWriter
+from ingress.sse_writer import SseWriter
 from tokenway import bus
 from tokenway.batch_store import BatchStore
 from tokenway.errors import (
@@ -57,6 +57,7 @@ from tokenway.errors import (
 )
 from tokenway.ledger_room import LedgerRoom
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits
+from tokenway.output_router import OutputRouter
 from tokenway.response_store import ResponseStore
 from tokenway.wire import ErrorInfo
 

@@ -30,9 +30,10 @@ from ingress.body_rate import BodyRate
 from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.responses import Conversation, conversation, final_response
-from ingress.router import Event, OutputRouter, Slot, SseWriter
+from ingress.sse_writer import SseWriter
 from tokenway import anthropic, bus, heap, ledger, spans, tenancy
 from tokenway import headers as h
+from tokenway.aio import cancel_and_wait
 from tokenway.errors import (
     BodyTimeout,
     DeadlineExceeded,
@@ -50,6 +51,7 @@ from tokenway.errors import (
 from tokenway.ledger_room import LedgerRoom
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_text
 from tokenway.metrics import SSE_WRITE
+from tokenway.output_router import Event, OutputRouter, Slot
 from tokenway.protocol import decode_body, decoded, named_model
 from tokenway.quota import UNLIMITED, Quota
 from tokenway.response_store import ResponseStore
@@ -291,7 +293,7 @@ class Completions:
                 await self._reply(api, outcome, send, echo)
         finally:
             span.end()
-            watcher.cancel()
+            await cancel_and_wait(watcher)
             if not streaming:
                 self.router.close(rid)
                 if first is None or not first.terminal:  # the owner still works for nobody

@@ -16,9 +16,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 
-from ingress.router import Event, event_of
 from tokenway import bus
 from tokenway import headers as h
+from tokenway.output_router import Event, event_of
 
 
 class LedgerRead:

@@ -18,7 +18,6 @@ from ingress.connections import Guard, GuardedProtocol
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
 from ingress.models import Catalog
-from ingress.router import OutputRouter
 from tokenway import bus
 from tokenway.aio import Lazy, grace
 from tokenway.batch_store import BatchStore
@@ -26,6 +25,7 @@ from tokenway.config import Settings
 from tokenway.errors import CannotStart, Unavailable
 from tokenway.ledger_room import LedgerRoom
 from tokenway.limits import RequestLimits
+from tokenway.output_router import OutputRouter
 from tokenway.quota import Quota
 from tokenway.registry import EngineRegistry, bucket_ttl
 from tokenway.response_store import ResponseStore

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ingress.router import Event, SseWriter
+from ingress.sse_writer import SseWriter
 from tokenway import headers as h
+from tokenway.output_router import Event
 from tokenway.sse import frame
 
 

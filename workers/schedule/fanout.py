@@ -27,7 +27,6 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NotFoundError
 
-from ingress.router import Event, OutputRouter, Slot
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import grace, wait_any
@@ -40,6 +39,7 @@ from tokenway.errors import (
     TokenwayError,
     internal,
 )
+from tokenway.output_router import Event, OutputRouter, Slot
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import SEED_TOKENS, TERMINAL_KINDS, ErrorInfo, GenerateRequest
 from tokenway.worker import overloaded

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ingress.router import Event
 from tokenway import headers as h
 from tokenway.errors import DeadlineExceeded
+from tokenway.output_router import Event
 from tokenway.sse import frame
 from tokenway.wire import ErrorInfo, OutputContext
 from workers.derender.chunks import combine_responses, usage_chunk

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ingress.router import Event
 from tokenway import headers as h
 from tokenway.errors import EngineFailed, error_body
+from tokenway.output_router import Event
 from tokenway.wire import OutputContext
 from workers.schedule.merge import Merge, retryable
 

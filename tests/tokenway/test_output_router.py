@@ -1,4 +1,4 @@
-"""The ingress's output router on a real bus: what its subscription misses is read back.
+"""The output router (an ingress's) on a real bus: what its subscription misses is read back.
 
 Deliveries are core NATS, so a reconnect can lose some of them. The loss is caused for real
 here: the router's subscription is removed while the owner's chunks are stored.
@@ -13,10 +13,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from ingress.router import OutputRouter
 from tests.conftest import make_settings
 from tokenway import bus, ledger
 from tokenway import headers as h
+from tokenway.output_router import OutputRouter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

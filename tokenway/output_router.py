@@ -1,12 +1,12 @@
-"""SSE reassembly: one subscription per ingress, committed chunks routed to requests by id.
+"""Output reassembly: one subscription per process, committed chunks routed to requests by id.
 
-Every writer of the `TW_OUT` ledger delivers what it just stored for this ingress as one
-`Delivery` message on `tw.sse.<ingress>` (a round of commits: many requests' chunks at
-once); this process subscribes to it once and drops each event into its request's slot. A
-slot is a small queue plus an event; a writer that fell behind takes everything queued at
-once. Deliveries are core NATS: what a reconnect (or a writer's death) loses shows as a gap
-in `Tw-Seq` (or, at a stream's tail, as nothing), and is read back from the ledger by stream
-sequence.
+Every writer of the `TW_OUT` ledger delivers what it just stored for this reader (an ingress,
+or a schedule worker's fan-out reading its children's output) as one `Delivery` message on
+`tw.sse.<ingress>` (a round of commits: many requests' chunks at once); this process
+subscribes to it once and drops each event into its request's slot. A slot is a small queue
+plus an event; a writer that fell behind takes everything queued at once. Deliveries are core
+NATS: what a reconnect (or a writer's death) loses shows as a gap in `Tw-Seq` (or, at a
+stream's tail, as nothing), and is read back from the ledger by stream sequence.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import RawStreamMsg
 
-from tokenway import anthropic, bus, ledger, sse
+from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.errors import error_body
 from tokenway.wire import Delivered, Delivery, ErrorInfo
@@ -227,50 +227,3 @@ def event_of(rid: str, msg: Msg | RawStreamMsg) -> Event | None:
     except (KeyError, ValueError):
         log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
         return None
-
-
-def _error_event(api: str | None, status: int, body: bytes) -> bytes:
-    """An error event as the stream's API frames one (`body`: an OpenAI error body)."""
-    if api == "messages":
-        return sse.named("error", anthropic.error_body(status, body))
-    if api == "responses":
-        return sse.named("error", body)
-    return sse.frame([body])
-
-
-class SseWriter:
-    """One stream's events as SSE bytes: the committed chunk bytes, untouched, then [DONE].
-
-    Its `data:` events are numbered from 1 in the order the client gets them, so a client
-    that counted what it received resumes with that count (`Last-Event-ID`), `id:` lines or
-    not. Numbering costs a pass over the bytes: it is done only for a client that asked for
-    `id:` lines, and while a resume skips what its client already has.
-    """
-
-    def __init__(self, ids: bool = False, after: int = 0, api: str | None = None) -> None:
-        self.ids = ids
-        self.after = after  # events the client has: left out
-        self.numbered = 0  # events numbered so far (only while numbering)
-        # whose events: a Messages or Responses stream's say their kind and end without
-        # [DONE]; None: told by the first chunk (a resume does not know)
-        self.api = api
-
-    def write(self, events: list[Event]) -> tuple[bytes, bool]:
-        """The events' bytes, and whether they end the stream."""
-        out, done = [], False
-        for event in events:
-            if event.kind != h.KIND_ERROR:
-                self.api = self.api or sse.api_of(event.payload)
-                framed = event.payload
-            else:
-                framed = _error_event(self.api, event.status, event.payload)
-            if self.ids or self.numbered < self.after:
-                first = self.numbered + 1
-                self.numbered += sse.count(framed)
-                framed = sse.renumber(framed, first, self.after, self.ids)
-            out.append(framed)
-            if event.terminal:
-                if self.api not in sse.NAMING:
-                    out.append(sse.DONE)
-                done = True
-        return b"".join(out), done
