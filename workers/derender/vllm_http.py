@@ -32,8 +32,8 @@ from msgspec import Raw, Struct
 
 from tokenway import headers as h
 from tokenway.errors import InvalidRequest, StageTimeout, StageUnavailable
+from tokenway.vllm_sidecar import refusal, sidecar_http, snippet
 from tokenway.wire import DerenderEntry, LogprobEntry, OutputContext
-from workers.render.vllm_http import refusal, sidecar_http, snippet
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 from msgspec import Struct
 
-from tokenway.errors import InvalidRequest, TokenwayError, Unprocessable
+from tokenway.vllm_sidecar import refusal, sidecar_http, snippet
 from tokenway.wire import Api, SamplingParams
 
 CHAT_PATH = "/v1/chat/completions/render"
@@ -44,32 +44,8 @@ class RenderedPrompt(Struct):
     sampling_params: SamplingParams
 
 
-class _ErrorInfo(Struct):
-    message: str
-    param: str | None = None
-
-
-class _ErrorBody(Struct):
-    error: _ErrorInfo
-
-
 _chat_reply = msgspec.json.Decoder(RenderedPrompt)
 _completion_reply = msgspec.json.Decoder(list[RenderedPrompt])
-_error_reply = msgspec.json.Decoder(_ErrorBody)
-
-
-def snippet(content: bytes) -> str:
-    return content[:300].decode("utf-8", "replace").strip() or "(empty body)"
-
-
-def refusal(status: int, content: bytes) -> TokenwayError:
-    """A 400/422 from the server: the request's own error, with the server's message."""
-    try:
-        error = _error_reply.decode(content).error
-        message, param = error.message, error.param
-    except msgspec.DecodeError:
-        message, param = f"the server refused the request: {snippet(content)}", None
-    return (Unprocessable if status == 422 else InvalidRequest)(message, param=param)
 
 
 def prompt_from_reply(api: Api, status: int, content: bytes, vocab_size: int) -> RenderedPrompt:
@@ -97,15 +73,6 @@ def prompt_from_reply(api: Api, status: int, content: bytes, vocab_size: int) ->
     if bad is not None:
         raise RenderUnavailable("vocab", f"token id {bad} is outside the vocabulary ({vocab_size})")
     return prompt
-
-
-def sidecar_http(url: str, connect_timeout: float, timeout: float) -> httpx.AsyncClient:
-    """One pooled, keep-alive client to a vLLM server beside us (render or derender)."""
-    return httpx.AsyncClient(
-        base_url=url.rstrip("/"),
-        timeout=httpx.Timeout(timeout, connect=connect_timeout),
-        trust_env=False,  # a sidecar on the cluster network, never behind a proxy
-    )
 
 
 class VllmRenderClient:
