@@ -61,7 +61,7 @@ from engines.vllm_wire import (
     vllm_request,
 )
 from tokenway import headers as h
-from tokenway.aio import uninterrupted
+from tokenway.aio import cancel_and_wait, uninterrupted
 from tokenway.config import Settings
 from tokenway.wire import EngineInfo, EngineWork, FinishReason, LogprobEntry, Role
 
@@ -306,7 +306,7 @@ class VllmEngine:
         try:
             resp = await self._within_deadlines(a, call)
         finally:
-            call.cancel()  # a deadline passed, or this attempt was cancelled: drop it
+            await cancel_and_wait(call)  # a deadline passed, or this attempt was cancelled: drop it
         if resp.status != 200:
             self._raise_status(resp.status, resp.body, path)
         if a.open:

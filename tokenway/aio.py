@@ -7,7 +7,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 _T = TypeVar("_T")
 
@@ -107,8 +107,18 @@ async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for w in waits:
-            w.cancel()
+        await cancel_and_wait(*waits)
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel `tasks` and wait until each has ended, so none outlives its owner (their
+    outcomes are the caller's to read). A task that ignores its cancellation keeps this
+    waiting: ours only await events, sockets and sleeps, which end on it."""
+    for task in tasks:
+        task.cancel()
+    pending = [t for t in tasks if not t.done()]  # a future ends at its cancel, a task later
+    if pending:
+        await asyncio.wait(pending)
 
 
 async def uninterrupted(work: Awaitable[None]) -> None:

@@ -35,6 +35,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from tokenway.aio import cancel_and_wait
 from tokenway.config import Settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
@@ -408,7 +409,7 @@ async def connect(
             name=name,
             connect_timeout=2,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # stubs say int; seconds work
             ping_interval=5,
             max_outstanding_pings=3,
             disconnected_cb=lost,
@@ -421,7 +422,7 @@ async def connect(
         return nc
 
     attempt = asyncio.ensure_future(connected())
-    waits: set[asyncio.Future[object]] = {attempt, refused}
+    waits: set[asyncio.Future[Any]] = {attempt, refused}
     stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
     if stopping is not None:
         waits.add(stopping)
@@ -429,7 +430,7 @@ async def connect(
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if stopping is not None:
-            stopping.cancel()
+            await cancel_and_wait(stopping)
     if attempt.done() and not refused.done() and attempt.exception() is None:
         up.set()
         return attempt.result()
@@ -437,11 +438,13 @@ async def connect(
     attempt.cancel()
     where = _server(nc, url)
     await nc.close()
+    await asyncio.wait({attempt})  # its connect ends at the cancel, or at the close
     if stop is not None and stop.is_set():
         raise CannotStart(f"stopped while connecting to {where}")
     if refused.done() or ended:  # refused, or its inboxes not tried (a reset)
-        cause = refused.result() if refused.done() else attempt.exception()
-        raise CannotStart(f"cannot connect to {where}: {reason(cause)}")
+        failure = refused.result() if refused.done() else attempt.exception()
+        assert failure is not None  # an attempt that ended well, not refused, returned above
+        raise CannotStart(f"cannot connect to {where}: {reason(failure)}")
     cause = f": {reason(last[0])}" if last else ""
     raise CannotStart(f"cannot connect to {where}{cause} (for {timeout:g}s)")
 
@@ -503,8 +506,9 @@ async def unless_denied(
     (`denied`, set from `connect`'s `noted`): `CannotStart` naming the server and the
     subject, where each denied request would time out and be tried again instead."""
     task = asyncio.ensure_future(work)
+    waits: set[asyncio.Future[Any]] = {task, denied}
     try:
-        await asyncio.wait({task, denied}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:  # denied, or this start cancelled: the work ends here too
         task.cancel()
         await asyncio.wait({task})
@@ -732,8 +736,8 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> list[Provision
             names = [*(c.name or "" for c in configs), *BUCKET_STREAMS]
             before = {name: await _info(js, name) for name in names}
             wanted = {
-                name: replicas_for(name, info and (info.config.num_replicas or 1), asked,
-                                   explicit=s.replicas > 0)
+                name: replicas_for(name, (info.config.num_replicas or 1) if info else None,
+                                   asked, explicit=s.replicas > 0)
                 for name, info in before.items()
             }  # fmt: skip
             done = []
@@ -774,7 +778,7 @@ async def wait_for_streams(js: JetStreamContext, s: Settings, stop: asyncio.Even
     `tokenway provision` makes them (a stage started first waits, where exiting would
     crash-loop its container). One line says what it waits for; it looks again at growing
     intervals up to PROVISION_POLL; a set `stop` ends the wait (`CannotStart`)."""
-    names = [spec.config.name for spec in streams(s)]
+    names = [spec.config.name or "" for spec in streams(s)]
     delay, told = 0.1, False
     for name in [*names, ENGINES_STREAM, TENANTS_STREAM, STORED_STREAM]:
         while True:

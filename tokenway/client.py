@@ -33,7 +33,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -47,7 +47,7 @@ from nats.js.errors import APIError
 
 from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.aio import Signal
+from tokenway.aio import Signal, cancel_and_wait
 from tokenway.config import ENV_PREFIX, TENANT_ENV, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
@@ -170,11 +170,12 @@ class Client:
         task = asyncio.ensure_future(work)
         try:
             await asyncio.wait({task, self._refused}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
+        except asyncio.CancelledError:
+            await cancel_and_wait(task)  # this call was cancelled: its work ends with it
+            raise
         if task.done() and not task.cancelled():
             return task.result()
+        task.cancel()
         with contextlib.suppress(BaseException):
             await task
         raise Refused(
@@ -232,7 +233,7 @@ class Client:
             await asyncio.sleep(wait)  # the queue drains as workers take from it
             wait = min(wait * 2, _MAX_BACKOFF)
 
-    async def outputs(self, rid: str, timeout: float | None = None) -> AsyncIterator[Output]:
+    async def outputs(self, rid: str, timeout: float | None = None) -> AsyncGenerator[Output, None]:
         """The request's output from its first message to its end, live or stored
         (`timeout`: seconds to wait for each next message; None waits as long as it takes)."""
         reader = Reader(self.js, bus.out_subject(self.reply, rid), DeliverPolicy.ALL)
@@ -279,7 +280,7 @@ class Client:
         requests: Iterable[Request | tuple[str, Request]],
         concurrency: int = 64,
         finished: Finished | None = None,
-    ) -> AsyncIterator[tuple[str, dict[str, Any] | RequestFailed]]:
+    ) -> AsyncGenerator[tuple[str, dict[str, Any] | RequestFailed], None]:
         """Run every request, at most `concurrency` at a time; each one's id and response
         (or its `RequestFailed`) as it finishes. Give `(rid, request)` pairs to name them:
         running the same ids again runs nothing twice (one that ended before is answered
@@ -287,7 +288,9 @@ class Client:
         ledgers (`finished`, else one of its own), not a consumer per request."""
         done: asyncio.Queue[tuple[str, dict[str, Any] | RequestFailed]] = asyncio.Queue()
         async with contextlib.AsyncExitStack() as stack:
-            reader = finished or await stack.enter_async_context(self.finished())
+            reader = finished
+            if reader is None:
+                reader = await stack.enter_async_context(self.finished())
             await reader.caught_up()
 
             async def one(rid: str | None, request: Request) -> None:

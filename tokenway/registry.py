@@ -19,7 +19,7 @@ import nats.errors
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from tokenway import bus
-from tokenway.aio import Signal, wait_any
+from tokenway.aio import Signal, cancel_and_wait, wait_any
 from tokenway.wire import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,10 @@ class EngineRegistry:
                     {update, stopping}, timeout=self.ttl, return_when=asyncio.FIRST_COMPLETED
                 )
                 if stopping in done:
-                    update.cancel()
+                    await cancel_and_wait(update)
                     break
                 if not done:
-                    update.cancel()
+                    await cancel_and_wait(update)
                     self._prune()
                     watcher = await self._rewatch(watcher)
                     continue
@@ -119,7 +119,7 @@ class EngineRegistry:
                         self.engines[entry.key] = info
                 self.changed.fire()
         finally:
-            stopping.cancel()
+            await cancel_and_wait(stopping)
             if watcher is not None:
                 await self._stop(watcher)
 

@@ -31,7 +31,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import ObjectNotFoundError
 
 from tokenway import batches, bus
-from tokenway.aio import wait_any
+from tokenway.aio import cancel_and_wait, wait_any
 from tokenway.batch_store import BatchStore, NotFound
 from tokenway.batches import ENDED, Errors, Line, Record
 from tokenway.client import Client, Finished, RequestFailed, outcome
@@ -145,7 +145,7 @@ class BatchRunner:
                           record.failures + 1, RUNS)  # fmt: skip
             release = self._failed
         finally:
-            work.cancel()
+            await cancel_and_wait(work)
             await store.change(bid, release)
 
     def _renewal(self, r: Record) -> Record | None:
@@ -287,7 +287,7 @@ class Lines:
             with contextlib.suppress(asyncio.CancelledError):
                 await taking
         finally:
-            taking.cancel()
+            await cancel_and_wait(taking)
             await results.aclose()
         if self.stopping:
             for rid, i in index.items():

@@ -1,0 +1,31 @@
+"""tokenway.aio: what a helper starts has ended when it returns."""
+
+import asyncio
+
+from tokenway.aio import cancel_and_wait, wait_any
+
+
+async def test_wait_any_leaves_no_task_behind() -> None:
+    before = asyncio.all_tasks()
+    await wait_any(asyncio.Event(), asyncio.Event(), timeout=0)
+    assert asyncio.all_tasks() - before == set()
+
+
+async def test_cancel_and_wait_returns_once_each_task_has_ended() -> None:
+    started = asyncio.Event()
+
+    async def cleans_up() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0)  # one more step after the cancel: awaited, it is done
+
+    tasks = [asyncio.ensure_future(cleans_up()) for _ in range(2)]
+    await started.wait()
+    await cancel_and_wait(*tasks)
+    assert all(t.cancelled() for t in tasks)
+
+
+async def test_cancel_and_wait_of_nothing_returns() -> None:
+    await cancel_and_wait()
