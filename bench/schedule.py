@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenway.block_hashes import BLOCK_SIZE, block_hashes
 from tokenway.wire import EngineInfo
 from workers.schedule import routing
-from workers.schedule.affinity import BLOCK_SIZE, PrefixIndex, block_hashes, choose
+from workers.schedule.affinity import PrefixIndex, choose
 
 ENGINES = 16
 VOCAB = 150_000

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from engines.bridge import Emit, Refused
 from engines.guided import Guide, matcher
+from tokenway.block_hashes import block_hashes
 from tokenway.obfuscation import Permutation
 from tokenway.wire import (
     EngineInfo,
@@ -31,7 +32,6 @@ from tokenway.wire import (
 from workers.derender.reasoning import END as THINK_END
 from workers.derender.reasoning import START as THINK_START
 from workers.derender.reasoning import last_marker
-from workers.schedule.affinity import block_hashes
 
 
 @dataclass(frozen=True)

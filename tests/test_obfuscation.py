@@ -26,11 +26,11 @@ from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH
 from tests.conftest import Stack, make_settings, recording, start_stack
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
+from tokenway.block_hashes import block_hashes
 from tokenway.cli import build_stages
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineInfo, EngineReply, EngineWork, SamplingParams
-from workers.schedule import affinity
 from workers.schedule.service import ScheduleService
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -153,8 +153,8 @@ async def test_the_engine_sees_only_physical_ids_and_the_client_the_same_text(
             await completion(front, seed=11, stop_token_ids=[outside])  # never sent on
         # KV affinity hashed what the engine caches: the physical prompt (while it is there).
         size = front.settings.kv_block_size
-        physical = affinity.block_hashes(perm.to_physical(prompt), size)
-        semantic = affinity.block_hashes(prompt, size)
+        physical = block_hashes(perm.to_physical(prompt), size)
+        semantic = block_hashes(prompt, size)
         assert owner.dispatcher is not None and len(physical) >= 2
         index, now = owner.dispatcher.index, time.monotonic()
         assert index.overlap("keyed", physical, now) == len(physical)

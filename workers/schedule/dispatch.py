@@ -31,6 +31,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from tokenway import bus
 from tokenway.aio import Signal, wait_any
+from tokenway.block_hashes import block_hashes
 from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
@@ -186,7 +187,7 @@ class Dispatcher:
                 self.obfuscation.params_to_physical(r.params)
             except ObfuscationError as exc:
                 raise InvalidRequest(str(exc)) from exc
-        return affinity.block_hashes(prompt, self.settings.kv_block_size, salt=r.request.cache_salt)
+        return block_hashes(prompt, self.settings.kv_block_size, salt=r.request.cache_salt)
 
     def _hold(self, engine: str, seqs: int, tokens: int) -> None:
         self.seqs[engine] += seqs

@@ -8,16 +8,9 @@ import struct
 import pytest
 import xxhash
 
+from tokenway.block_hashes import block_hashes, chain, local_hashes, salt_seed
 from tokenway.wire import EngineInfo, Role
-from workers.schedule.affinity import (
-    PrefixIndex,
-    block_hashes,
-    chain,
-    choose,
-    cost,
-    local_hashes,
-    salt_seed,
-)
+from workers.schedule.affinity import PrefixIndex, choose, cost
 
 
 def engine(

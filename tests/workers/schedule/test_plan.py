@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import make_settings
+from tokenway.block_hashes import block_hashes
 from tokenway.wire import EngineInfo, GenerateRequest, Role, SamplingParams
-from workers.schedule import affinity
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.owned import Owned
 
@@ -33,7 +33,7 @@ def test_a_request_goes_where_its_prefix_is_cached_not_to_the_first_idle_engine(
     tmp_path: Path,
 ) -> None:
     d = dispatcher(tmp_path)
-    hashes = affinity.block_hashes(PROMPT, 16)
+    hashes = block_hashes(PROMPT, 16)
     d.index.record("e-b", hashes, now=1.0)
     plan = d._plan(owned(), [engine("e-a"), engine("e-b")], hashes, now=2.0)
     assert plan is not None and plan.engine.id == "e-b"
@@ -42,14 +42,14 @@ def test_a_request_goes_where_its_prefix_is_cached_not_to_the_first_idle_engine(
 
 def test_without_a_cached_prefix_the_least_loaded_engine_takes_it(tmp_path: Path) -> None:
     d = dispatcher(tmp_path)
-    hashes = affinity.block_hashes(PROMPT, 16)
+    hashes = block_hashes(PROMPT, 16)
     plan = d._plan(owned(), [engine("e-a", running=3), engine("e-b")], hashes, now=2.0)
     assert plan is not None and plan.engine.id == "e-b" and "overlap 0/4" in plan.why
 
 
 def test_p_d_prefills_where_the_prefix_is_cached_and_says_both(tmp_path: Path) -> None:
     d = dispatcher(tmp_path)
-    hashes = affinity.block_hashes(PROMPT, 16)
+    hashes = block_hashes(PROMPT, 16)
     d.index.record("p-2", hashes, now=1.0)
     engines = [engine("p-1", "prefill"), engine("p-2", "prefill"), engine("d-1", "decode")]
     plan = d._plan(owned(), engines, hashes, now=2.0)
@@ -60,7 +60,7 @@ def test_p_d_prefills_where_the_prefix_is_cached_and_says_both(tmp_path: Path) -
 
 def test_a_decode_engine_prefills_for_itself_without_a_pair_and_says_so(tmp_path: Path) -> None:
     d = dispatcher(tmp_path)
-    hashes = affinity.block_hashes(PROMPT, 16)
+    hashes = block_hashes(PROMPT, 16)
     plan = d._plan(owned(), [engine("d-1", "decode")], hashes, now=2.0)
     assert plan is not None and plan.prefill is None and plan.engine.id == "d-1"
     assert "prefilling for itself" in plan.why
