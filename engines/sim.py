@@ -20,6 +20,7 @@ from engines.bridge import Emit, Refused
 from engines.guided import Guide, matcher
 from tokenway.block_hashes import block_hashes
 from tokenway.obfuscation import Permutation
+from tokenway.parsers import THINK_END, THINK_START, last_marker
 from tokenway.wire import (
     EngineInfo,
     EngineWork,
@@ -29,9 +30,6 @@ from tokenway.wire import (
     SamplingParams,
     TokenLogprob,
 )
-from workers.derender.reasoning import END as THINK_END
-from workers.derender.reasoning import START as THINK_START
-from workers.derender.reasoning import last_marker
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from tokenway import bus
 from tokenway.config import Settings
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.obfuscation import ObfuscationError, Permutation, load_key
-from workers.render.parse import ParserFlags
+from tokenway.parsers import ParserFlags
 
 # The bundled DeepSeek-V4 tokenizer's template speaks DeepSeek-V3.1's formats.
 DEFAULT_PARSERS = ParserFlags(

@@ -26,10 +26,10 @@ from tests.conftest import make_settings
 from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, TOOL_PARSER, VllmServer
 from tokenway.errors import InvalidRequest
 from tokenway.model import load_model_info
+from tokenway.parsers import ParserFlags
 from tokenway.wire import Api, RenderRequest
 from workers.render.backend import VllmBackend, render_backend
 from workers.render.core import Renderer
-from workers.render.parse import ParserFlags
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 

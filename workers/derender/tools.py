@@ -28,9 +28,8 @@ import msgspec
 from msgspec import Meta
 
 from tokenway.errors import InvalidRequest
+from tokenway.parsers import TOOL_PARSERS
 from tokenway.wire import ParseContext, ToolChoice
-
-PARSERS: tuple[str, ...] = ("deepseek_v31", "hermes")
 
 CALL_ID_PREFIX = "chatcmpl-tool-"
 
@@ -135,9 +134,9 @@ def start(ctx: ParseContext) -> ToolState | None:
         return ToolState(phase=Phase.LIST)
     if ctx.tool_parser is None:
         return None
-    if ctx.tool_parser not in PARSERS:
+    if ctx.tool_parser not in TOOL_PARSERS:
         raise InvalidRequest(
-            f"unknown tool parser {ctx.tool_parser!r}; known: {', '.join(PARSERS)}",
+            f"unknown tool parser {ctx.tool_parser!r}; known: {', '.join(TOOL_PARSERS)}",
             param="tool_parser",
         )
     return ToolState()

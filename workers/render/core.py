@@ -19,6 +19,7 @@ from tokenway.anthropic import MESSAGE_ID_PREFIX
 from tokenway.errors import InvalidRequest, check_model
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits
 from tokenway.model import ModelInfo
+from tokenway.parsers import ParserFlags
 from tokenway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +43,7 @@ from tokenway.wire import (
 )
 from workers.render import structured
 from workers.render.chat import apply_template
-from workers.render.parse import ParserFlags, check_tool_choice, parse_context
+from workers.render.parse import call_tags, check_tool_choice, parse_context
 from workers.render.sampling import (
     keep_output_fields,
     reject_unsupported,
@@ -134,7 +135,7 @@ class RequestBuilder:
         else:  # before its constraint reads the tools
             check_tool_choice(req)
         try:
-            return Parsed(req, structured.constraint(req, self.flags.tool_tags()))
+            return Parsed(req, structured.constraint(req, call_tags(self.flags)))
         except InvalidRequest as exc:
             exc.param = exc.param and _param(request.api, exc.param)
             raise

@@ -9,50 +9,23 @@ this request wants. The plan travels to derender in `OutputContext.parse`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from tokenway import parsers
 from tokenway.errors import InvalidRequest
+from tokenway.parsers import ParserFlags
 from tokenway.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenway.wire import ParseContext, StructuredOutputs
-from workers.derender import reasoning, tools
 from workers.render import tool_tags
 from workers.render.structured import ToolTags
-from workers.render.tool_tags import StrictLevel
 
 
-@dataclass(frozen=True)
-class ParserFlags:
-    """The server's parsing abilities, named as `vllm serve` names them."""
-
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
-    # vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING (on by default) and --tool-strict-level
-    strict_tool_calling: bool = True
-    tool_strict_level: StrictLevel = "auto"
-
-    def tool_tags(self) -> ToolTags | None:
-        """How tool calls are constrained: in the tool parser's syntax (a structural tag),
-        or None for the tools' JSON schema."""
-        parser = self.tool_call_parser
-        if parser not in tool_tags.PARSERS or not self.strict_tool_calling:
-            return None
-        return ToolTags(parser, self.tool_strict_level)
-
-    def check(self) -> None:
-        """Refuse unknown parser names at start-up, not on the first request."""
-        if self.reasoning_parser and self.reasoning_parser not in reasoning.PARSERS:
-            raise ValueError(
-                f"unknown --reasoning-parser {self.reasoning_parser!r}; "
-                f"known: {', '.join(reasoning.PARSERS)}"
-            )
-        if self.tool_call_parser and self.tool_call_parser not in tools.PARSERS:
-            raise ValueError(
-                f"unknown --tool-call-parser {self.tool_call_parser!r}; "
-                f"known: {', '.join(tools.PARSERS)}"
-            )
-        if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+def call_tags(flags: ParserFlags) -> ToolTags | None:
+    """How tool calls are constrained: in the tool parser's syntax (a structural tag), or
+    None for the tools' JSON schema."""
+    parser = flags.tool_call_parser
+    if parser not in tool_tags.PARSERS or not flags.strict_tool_calling:
+        return None
+    return ToolTags(parser, flags.tool_strict_level)
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
@@ -120,7 +93,7 @@ def parse_context(
     plan.include_reasoning = req.include_reasoning
     if flags.reasoning_parser:
         plan.reasoning_parser = flags.reasoning_parser
-        plan.reasoning_start = reasoning.start_mode(
+        plan.reasoning_start = parsers.start_mode(
             flags.reasoning_parser, prompt_ids, req.chat_template_kwargs or {}, vocab
         )
     if plan.reasoning_start == "off" and plan.tool_choice == "none":

@@ -28,12 +28,12 @@ from tokenway.errors import (
     too_big_for_the_bus,
 )
 from tokenway.model import ModelInfo
+from tokenway.parsers import ParserFlags
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
 from tokenway.worker import Behind, consume, enqueue
 from workers.render import tokenize
 from workers.render.backend import render_backend
-from workers.render.parse import ParserFlags
 from workers.render.sampling import least_response_bytes, tokens_charged
 
 log = logging.getLogger(__name__)

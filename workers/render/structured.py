@@ -29,6 +29,7 @@ import msgspec
 
 from tokenway.constraints import problem
 from tokenway.errors import InvalidRequest
+from tokenway.parsers import StrictLevel
 from tokenway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,6 @@ from tokenway.protocol import (
 )
 from tokenway.wire import StructuredOutputs
 from workers.render import tool_tags
-from workers.render.tool_tags import StrictLevel
 
 _KINDS = "json, regex, choice, grammar, json_object or structural_tag"
 _GUIDED = ("json", "regex", "choice", "grammar")  # the kinds of vLLM's older guided_* fields

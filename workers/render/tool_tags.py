@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from tokenway.parsers import StrictLevel
 from tokenway.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from tokenway.wire import StructuredOutputs
 
-StrictLevel = Literal["auto", "function", "parameter"]
 STRICT_LEVELS: tuple[StrictLevel, ...] = ("auto", "function", "parameter")
 PARSERS = ("deepseek_v31", "hermes")  # the tool parsers with a structural tag
 

@@ -13,16 +13,18 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tests.workers.derender.texts import END_THINK, THINK, encode
+from tokenway import parsers
+from tokenway.parsers import REASONING_PARSERS, THINK_END, THINK_START
 from tokenway.protocol import ChatCompletionRequest, decode_body
 from tokenway.wire import ReasoningStart
 from workers.derender import reasoning
 from workers.derender.detok import Detokenizer, seed
-from workers.derender.reasoning import END, PARSERS, START, ReasoningState
+from workers.derender.reasoning import ReasoningState
 from workers.render.chat import apply_template
 from workers.render.core import Renderer
 
 PROPERTY = settings(max_examples=150, deadline=None)
-VOCAB = {START: THINK, END: END_THINK}
+VOCAB = {THINK_START: THINK, THINK_END: END_THINK}
 
 
 def run(
@@ -55,8 +57,8 @@ def oracle(mode: ReasoningStart, text: str) -> tuple[str, str]:
     """The rules, stated on the whole text at once (independent of the incremental code)."""
     if mode != "open":
         return "", text
-    head, found, tail = text.partition(END)
-    return head.replace(START, ""), tail if found else ""
+    head, found, tail = text.partition(THINK_END)
+    return head.replace(THINK_START, ""), tail if found else ""
 
 
 # -- golden outputs ------------------------------------------------------------------------
@@ -152,14 +154,14 @@ def test_a_held_tail_that_never_becomes_a_marker_is_released_as_reasoning() -> N
 
 # Text made of marker fragments, so that near-markers, split markers and real ones all occur.
 _pieces = st.sampled_from(
-    [START, END, "<", "</", "<th", "think", "</thi", "nk>", ">", "/", "a", " ", "思"]
+    [THINK_START, THINK_END, "<", "</", "<th", "think", "</thi", "nk>", ">", "/", "a", " ", "思"]
 )
 outputs = st.lists(_pieces, max_size=30).map("".join)
 
 
 @PROPERTY
 @given(
-    parser=st.sampled_from(PARSERS),
+    parser=st.sampled_from(REASONING_PARSERS),
     mode=st.sampled_from(["open", "closed"]),
     output=outputs,
     points=st.lists(st.integers(min_value=0, max_value=250), max_size=12),
@@ -181,7 +183,7 @@ def test_any_chunking_gives_what_one_step_gives(
 def test_reasoning_and_content_never_mix(thought: str, answer: str, points: list[int]) -> None:
     """Every delta is one or the other, so dropping reasoning (include_reasoning=false)
     leaves exactly the answer."""
-    output = f"{thought}{END}{answer}"
+    output = f"{thought}{THINK_END}{answer}"
     thoughts, answers, _ = run("deepseek_r1", "open", cut(output, points))
     assert "".join(answers) == answer
     assert "".join(thoughts) == thought
@@ -291,19 +293,19 @@ def test_start_mode_follows_the_last_marker_of_the_rendered_prompt(
     assert ids[-1] == (
         THINK if kwargs.get("thinking") or kwargs.get("enable_thinking") else END_THINK
     )
-    assert reasoning.start_mode(parser, ids, kwargs, renderer.vocab) == mode
+    assert parsers.start_mode(parser, ids, kwargs, renderer.vocab) == mode
 
 
 def test_a_prompt_without_markers_starts_in_reasoning(renderer: Renderer) -> None:
     ids = renderer.tokenizer.encode("Plain prompt, no template.", add_special_tokens=True)
     assert THINK not in ids and END_THINK not in ids
     for parser in ("deepseek_r1", "qwen3"):
-        assert reasoning.start_mode(parser, ids, {"thinking": True}, renderer.vocab) == "open"
+        assert parsers.start_mode(parser, ids, {"thinking": True}, renderer.vocab) == "open"
 
 
 def test_unknown_parser_names_are_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, qwen3"):
-        reasoning.start_mode("granite", [1, 2], {}, VOCAB)
+        parsers.start_mode("granite", [1, 2], {}, VOCAB)
     with pytest.raises(ValueError, match="'granite'"):
         reasoning.step("granite", ReasoningState(in_reasoning=True), "x")
     with pytest.raises(ValueError, match="'granite'"):
@@ -312,6 +314,6 @@ def test_unknown_parser_names_are_refused_with_the_known_ones() -> None:
 
 def test_deepseek_parsers_need_the_markers_as_tokens_qwen3_does_not() -> None:
     with pytest.raises(ValueError, match="<think> and </think>"):
-        reasoning.start_mode("deepseek_r1", [1, 2], {}, {})
-    assert reasoning.start_mode("deepseek_v3", [1, 2], {}, {}) == "off"
-    assert reasoning.start_mode("qwen3", [1, 2], {}, {}) == "open"
+        parsers.start_mode("deepseek_r1", [1, 2], {}, {})
+    assert parsers.start_mode("deepseek_v3", [1, 2], {}, {}) == "off"
+    assert parsers.start_mode("qwen3", [1, 2], {}, {}) == "open"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tokenway.errors import InvalidRequest
+from tokenway.parsers import TOOL_PARSERS
 from tokenway.protocol import ChatDecoder
 from tokenway.wire import ParseContext
 from workers.derender import tools
@@ -350,7 +351,7 @@ def test_start_says_when_no_tool_parsing_applies() -> None:
         tools.start(ParseContext(tool_choice="auto", tool_parser="nope"))
     with pytest.raises(InvalidRequest, match="tool_name"):
         tools.start(ParseContext(tool_choice="named"))
-    assert set(tools.PARSERS) == {"deepseek_v31", "hermes"}
+    assert set(TOOL_PARSERS) == {"deepseek_v31", "hermes"}
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,10 @@ import pytest
 
 from tokenway.errors import InvalidRequest
 from tokenway.model import ModelInfo, load_model_info
+from tokenway.parsers import ParserFlags
 from tokenway.wire import RenderRequest
 from workers.render.core import RequestBuilder
-from workers.render.parse import ParserFlags, parse_context
+from workers.render.parse import parse_context
 
 F = {"type": "function", "function": {"name": "f", "parameters": {}}}
 G = {"type": "function", "function": {"name": "g", "strict": True,

@@ -20,11 +20,11 @@ from tests.test_cli import free_port
 from tokenway.cli import build_stages
 from tokenway.errors import InvalidRequest, ModelNotFound, Unprocessable
 from tokenway.model import load_model_info
+from tokenway.parsers import ParserFlags
 from tokenway.served import DEFAULT_PARSERS
 from tokenway.wire import Api, RenderRequest
 from workers.render.backend import VllmBackend, render_backend
 from workers.render.core import Renderer
-from workers.render.parse import ParserFlags
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
