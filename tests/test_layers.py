@@ -1,0 +1,96 @@
+"""The house in floors, read from the imports: a stage (the ingress, render, schedule,
+derender, batch, the engines) imports the ground floor (`tokenway/`) and never a sibling, and
+the ground floor imports no stage. What two stages both need lives on the ground floor.
+
+The program's own modules that still sit in `tokenway/` and build the stages (issue 33 moves
+them up) are the listed exceptions."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("ingress", "engines", "workers.render", "workers.schedule", "workers.derender",
+          "workers.batch")  # fmt: skip
+GROUND = "tokenway"
+# The composition root, still on the ground floor: it starts every stage.
+PROGRAM = {"tokenway.cli"}
+# Arrows between stages still to be taken down, each waiting on the derender refactor of issue
+# 33, item 5 (its files are being rewritten): (importing file, imported module).
+PENDING = {
+    ("workers/schedule/merge.py", "workers.derender.chunks"),  # a whole response, a usage chunk
+    ("workers/schedule/service.py", "workers.derender.backend"),  # derender beside the owner
+}
+
+
+def floor(module: str) -> str | None:
+    """The stage or floor a dotted module name belongs to; None outside the product."""
+    for name in (*STAGES, GROUND):
+        if module == name or module.startswith(name + "."):
+            return name
+    return None
+
+
+def product_modules() -> Iterator[tuple[str, Path]]:
+    for top in ("tokenway", "ingress", "workers", "engines"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
+def imports(path: Path) -> Iterator[tuple[int, str, str]]:
+    """(line, module, name) for every import of the file, those inside functions included;
+    `name` is what `from module import name` takes (it may be a module itself)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: relative import"
+            for alias in node.names:
+                yield node.lineno, f"{node.module}", f"{node.module}.{alias.name}"
+
+
+def crossings(modules: Iterable[tuple[str, Path]]) -> list[tuple[str, str, str]]:
+    """Every import arrow between floors that the house forbids: (file:line, importing
+    file, imported module)."""
+    found = []
+    for module, path in modules:
+        here = floor(module)
+        for line, target, name in imports(path):
+            there = floor(name)
+            if there is None or there == here or there == GROUND:
+                continue
+            if here == GROUND and module in PROGRAM:
+                continue
+            file = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name)
+            found.append((f"{file}:{line}: {here} imports {name} ({there})", file, target))
+    return found
+
+
+def test_no_stage_imports_another_stage_and_the_ground_floor_imports_none() -> None:
+    found = [where for where, file, target in crossings(product_modules())
+             if (file, target) not in PENDING]  # fmt: skip
+    assert not found, "\n".join(found)
+
+
+def test_every_pending_arrow_is_still_there() -> None:
+    left = {(file, target) for _, file, target in crossings(product_modules())}
+    assert PENDING <= left, f"taken down, so no longer pending: {PENDING - left}"
+
+
+def test_the_check_sees_an_arrow_between_stages_and_one_running_up(tmp_path: Path) -> None:
+    assert floor("workers.renderer") is None
+    assert floor("tokenway.wire") == GROUND
+    assert {m for m, _ in product_modules()} >= {"ingress.app", "engines.sim", "tokenway.cli"}
+    module = tmp_path / "probe.py"
+    module.write_text("def late():\n    from workers.derender import tools\n")
+    sideways = crossings([("workers.schedule.probe", module)])
+    assert [where for where, _, _ in sideways] == [
+        "probe.py:2: workers.schedule imports workers.derender.tools (workers.derender)"
+    ]
+    assert len(crossings([("tokenway.probe", module)])) == 1  # the ground floor, running up
+    assert not crossings([("tokenway.cli", module)])  # the program builds the stages
+    assert not crossings([("workers.derender.probe", module)])  # its own stage
