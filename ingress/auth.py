@@ -89,6 +89,7 @@ class ApiKeys:
         default_quota: Quota = _NO_QUOTA,
     ) -> ApiKeys:
         """From the settings; ValueError (naming the flag, never a key) when they are unusable."""
+        pairs: list[tuple[str, str, str, Limits | None, dict[str, int]]]
         pairs = [(DEFAULT_TENANT, k.strip(), "--api-key", None, {})
                  for k in (keys or "").split(",")]  # fmt: skip
         if keys is not None and not any(p[1] for p in pairs):
@@ -113,12 +114,12 @@ class ApiKeys:
                 log.warning("%s: a key of tenant %s has %d characters; use %d or more "
                             "(e.g. `openssl rand -hex 24`)", where, tenant, len(key),
                             WEAK_KEY_CHARS)  # fmt: skip
-        limits = {t: own.get(t, default_limits) for t in set(tenants.values())}
+        tenant_limits = {t: own.get(t, default_limits) for t in set(tenants.values())}
         quotas = {t: msgspec.structs.replace(default_quota, **shares.get(t, {}))
                   for t in set(tenants.values())}  # fmt: skip
         return cls(
-            tenants, ALWAYS_OPEN | _open_paths(open_routes), {t: x for t, x in limits.items() if x},
-            quotas, default_quota,
+            tenants, ALWAYS_OPEN | _open_paths(open_routes),
+            {t: x for t, x in tenant_limits.items() if x}, quotas, default_quota,
         )  # fmt: skip
 
 

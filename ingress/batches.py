@@ -153,10 +153,12 @@ def add_routes(
             return _error(InvalidRequest("the body is not JSON"))
         if not isinstance(body, dict):
             return _error(InvalidRequest("the body must be a JSON object"))
-        fields = {k: body.get(k) for k in ("input_file_id", "endpoint", "completion_window")}
-        for name, value in fields.items():
+        fields: dict[str, str] = {}
+        for name in ("input_file_id", "endpoint", "completion_window"):
+            value = body.get(name)
             if not isinstance(value, str):
                 return _error(InvalidRequest(f"{name} must be a string", param=name))
+            fields[name] = value
         meta = body.get("metadata")
         try:
             batch = batches.new_batch(fields["input_file_id"], fields["endpoint"],

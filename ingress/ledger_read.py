@@ -84,6 +84,7 @@ class LedgerReader:
         # consumer_seq counts what this consumer delivered (stream_seq may have moved past
         # other requests' messages it skipped): nothing pending, nothing delivered = unknown.
         first = None
+        assert info.delivered is not None  # the server reports it on every consumer
         if info.num_pending or info.delivered.consumer_seq or sub.pending_msgs:
             with contextlib.suppress(NatsTimeout, TimeoutError):
                 first = await sub.next_msg(timeout=self.idle_timeout)

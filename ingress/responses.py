@@ -57,6 +57,7 @@ class Conversation:
 def _items(given: Any) -> list[dict[str, Any]]:
     """A request's input as items as OpenAI lists them: each with an id, a message's text
     as a part (an input that is neither text nor a list: none, for validation to refuse)."""
+    items: list[dict[str, Any]]
     if isinstance(given, str):
         items = [{"type": "message", "role": "user", "content": given}]
     else:

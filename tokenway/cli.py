@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -188,6 +188,7 @@ async def serve(
                 denied.set_result(exc)
 
         nc = await bus.connect(url, f"tokenway-{who}", provisioner, stop=stop, noted=noted)
+        ready: Awaitable[object]
         if provisioner.provision:
             ready = bus.provision_streams(nc.jetstream(), s)
         else:
@@ -987,8 +988,8 @@ async def _dlq(args: argparse.Namespace, settings: Settings) -> int:
             results = await dlq.replay(js, ids)
             for r in results:
                 status = "replayed" if r.ok else "refused"
-                line = {"id": r.id, "ok": r.ok, "detail": r.detail}
-                print(json.dumps(line) if args.json else f"{status} {r.id}: {r.detail}")
+                entry = {"id": r.id, "ok": r.ok, "detail": r.detail}
+                print(json.dumps(entry) if args.json else f"{status} {r.id}: {r.detail}")
             return 0 if all(r.ok for r in results) else 1
         elif args.verb == "purge":
             count = await dlq.count_letters(js, args.stage)
@@ -1022,9 +1023,10 @@ def parser() -> argparse.ArgumentParser:
         "--nats-port", type=int,
         help="port of the embedded nats-server, on 127.0.0.1 (default 0: a free one)",
     )  # fmt: skip
-    _common(up), _http(up), _parsers(up), _render(up), _limits(up), _derender(up)
-    _scheduling(up)
-    _sim(up), _vllm(up), _obfuscation(up)
+    for add in (_common, _http, _parsers, _render, _limits, _derender, _scheduling):
+        add(up)
+    for add in (_sim, _vllm, _obfuscation):
+        add(up)
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -1044,15 +1046,18 @@ def parser() -> argparse.ArgumentParser:
         if name in ("render", "schedule", "derender"):
             _derender(p)
         if name == "schedule":
-            _scheduling(p), _obfuscation(p)
+            _scheduling(p)
+            _obfuscation(p)
     engine = sub.add_parser("engine", help="run an engine bridge")
     kinds = engine.add_subparsers(dest="kind", required=True)
     sim = kinds.add_parser("sim", help="simulated engines (real token IDs, no GPU)")
-    _common(sim), _sim(sim), _obfuscation(sim)
+    for add in (_common, _sim, _obfuscation):
+        add(sim)
     vllm = kinds.add_parser(
         "vllm", help="bridge to vLLM token-only servers (vllm serve ... --enable-scale-out)"
     )
-    _common(vllm), _vllm(vllm), _obfuscation(vllm)
+    for add in (_common, _vllm, _obfuscation):
+        add(vllm)
     # Listed for --help only: main() hands `dlq ...` to dlq_parser(), `batch ...` to
     # batch_parser().
     sub.add_parser("dlq", add_help=False, help="dead letters: ls, show, replay, purge, move")
@@ -1062,7 +1067,8 @@ def parser() -> argparse.ArgumentParser:
     prov = sub.add_parser(
         "provision", help="create or update the streams and the engine registry, then exit"
     )
-    _common(prov), _scheduling(prov)
+    _common(prov)
+    _scheduling(prov)
     status = sub.add_parser(
         "status", help="engines, queues, owned requests, dead letters and streams, from NATS"
     )

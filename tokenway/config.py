@@ -296,9 +296,9 @@ def load_settings(
             # msgspec reads "true" as a bool only where the type is plain bool.
             is_bool = bool in typing.get_args(hints[name]) and value.lower() in _BOOLS
             merged[name] = _BOOLS[value.lower()] if is_bool else value
-    for name, value in (flags or {}).items():
-        if value is not None and name in Settings.__struct_fields__:
-            merged[name] = value
+    for name, given in (flags or {}).items():
+        if given is not None and name in Settings.__struct_fields__:
+            merged[name] = given
     try:
         return msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:

@@ -89,8 +89,9 @@ def _tls(s: Settings) -> ssl.SSLContext:
         )
     try:
         context = ssl.create_default_context(cafile=_file(s, "nats_tls_ca"))
-        if s.nats_tls_cert is not None:
-            context.load_cert_chain(_file(s, "nats_tls_cert"), _file(s, "nats_tls_key"))
+        cert = _file(s, "nats_tls_cert")
+        if cert is not None:
+            context.load_cert_chain(cert, _file(s, "nats_tls_key"))
     except ssl.SSLError as exc:
         raise CannotStart(f"NATS TLS: unusable certificate or key: {exc}") from None
     return context

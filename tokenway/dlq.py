@@ -306,7 +306,7 @@ async def _read(js: JetStreamContext, subject: str) -> list[Msg]:
     sub = await js.pull_subscribe(subject, stream=bus.DLQ_STREAM, config=config)
     msgs: list[Msg] = []
     try:
-        left = (await sub.consumer_info()).num_pending
+        left = (await sub.consumer_info()).num_pending or 0  # (nats-py's field is optional)
         while left > 0:
             try:
                 batch = await sub.fetch(min(left, 256), timeout=5)

@@ -188,6 +188,7 @@ async def stored(
             msg = await js.get_msg(bus.OUT_STREAM, seq=seq, subject=subject, next=True)
         except NotFoundError:
             return
+        assert msg.seq is not None  # a stored message has its sequence
         if before is not None and msg.seq >= before:
             return
         yield msg
@@ -204,6 +205,7 @@ async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | N
         except (KeyError, ValueError):
             log.error("ledger message %d of %s has no valid %s header", msg.seq, rid, h.SEQ)
             continue
+        assert msg.seq is not None  # a stored message has its sequence
         found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"), last=last)
         found.stream_seq, found.seq, found.last = msg.seq, last.seq, last
         found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))

@@ -145,7 +145,7 @@ class LedgerWriter:
         for index, entry in enumerate(entries):
             self._waiting.pop(first + index, None)
             outcome = round_.outcomes[index]
-            if outcome is None or bus.transient(outcome):
+            if outcome is None or (isinstance(outcome, BaseException) and bus.transient(outcome)):
                 outcome = await self._again(entry, outcome)
             outcomes.append(outcome)
         return outcomes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -53,7 +53,7 @@ class Reader:
         info = await self.js.add_consumer(bus.OUT_STREAM, config)
         self.name = info.name
         self._sub = await self.js.pull_subscribe_bind(self.name, bus.OUT_STREAM)
-        return info.num_pending
+        return info.num_pending or 0  # (nats-py's field is optional)
 
     async def close(self) -> None:
         if self._sub is None:
@@ -76,7 +76,7 @@ class Reader:
             except (nats.errors.Error, APIError):
                 await asyncio.sleep(_AGAIN)
 
-    async def messages(self) -> AsyncIterator[Msg]:
+    async def messages(self) -> AsyncGenerator[Msg, None]:
         """Every message from the start, then each one as it is stored, for as long as the
         caller reads (open first)."""
         while True:

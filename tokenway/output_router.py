@@ -21,6 +21,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import RawStreamMsg
 
 from tokenway import bus, ledger
@@ -119,7 +120,7 @@ class OutputRouter:
         self.slots: dict[str, Slot] = {}
         self.idle = asyncio.Event()  # set while no request is open
         self.idle.set()
-        self._sub = None
+        self._sub: Subscription | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:

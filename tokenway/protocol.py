@@ -8,6 +8,7 @@ fields are ignored, as vLLM and OpenAI do.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -220,8 +221,10 @@ def decode_body(api: str, body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -
         else:
             req = responses.to_chat(decoded(responses.ResponsesDecoder, body))
         _check_depth(req)  # its tool schemas and inputs, as chat carries them
+    elif api == "chat":
+        req = decoded(ChatDecoder, body)
     else:
-        req = decoded(ChatDecoder if api == "chat" else CompletionDecoder, body)
+        req = decoded(CompletionDecoder, body)
     check_decoded(api, req, bounds)
     if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
         raise InvalidRequest(
@@ -417,6 +420,7 @@ def _depth(value: object, limit: int) -> int:
     """How deep `value` nests (a scalar: 0), counted no further than past `limit`."""
     if limit < 0:
         return 1
+    items: Iterable[object]
     if isinstance(value, dict):
         items = value.values()
     elif isinstance(value, list | tuple):

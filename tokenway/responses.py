@@ -211,15 +211,16 @@ class CallName(NamedTuple):
 def call_names(tools: list[dict[str, Any]]) -> dict[str, CallName]:
     """The shown names (of the echoed `tools`) whose calls are not plain function calls:
     a namespace's tools, custom tools."""
-    names = {}
+    names: dict[str, CallName] = {}
     for tool in tools:
         inner = tool.get("tools") if tool.get("type") == "namespace" else [tool]
         ns = tool.get("name") if tool.get("type") == "namespace" else None
         for t in inner or []:
             if ns is None and t.get("type") != "custom":
                 continue
-            flat = f"{ns}{SEPARATOR}{t.get('name')}" if ns else t.get("name")
-            names[flat] = CallName(t.get("name"), ns, t.get("type") == "custom")
+            name: str = t["name"]  # a function or custom tool has one (`_function`)
+            flat = f"{ns}{SEPARATOR}{name}" if ns else name
+            names[flat] = CallName(name, ns, t.get("type") == "custom")
     return names
 
 

@@ -255,7 +255,7 @@ def _stages() -> list[Role]:
 def server_users(keys: dict[str, str], tenants: Sequence[str] = ()) -> list[dict[str, object]]:
     """The `authorization.users` of a nats-server configuration: each role's nkey (its
     public key in `keys`) with exactly its permissions."""
-    users = []
+    users: list[dict[str, object]] = []
     for role in roles(tenants):
         permissions: dict[str, object] = {
             # An empty allow list would allow everything: nothing is a deny of everything.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
+from types import UnionType
 from typing import Any, TypeGuard
 
 from llguidance import LLMatcher
@@ -270,7 +271,9 @@ class _Rules:
                              "its end must be a non-empty string")  # fmt: skip
         return " ".join(p for p in (opening, content, closing) if p)
 
-    def _tags(self, fmt: dict[str, Any], where: str, depth: int, begin: type) -> list[str]:
+    def _tags(
+        self, fmt: dict[str, Any], where: str, depth: int, begin: type | UnionType
+    ) -> list[str]:
         """The rules of a list of tags (`tags`), each opened by a `begin` of that kind."""
         tags = _field(fmt, where, "tags", list)
         if not tags:
