@@ -227,7 +227,9 @@ class RequestBuilder:
         self, ids: list[int], req: ChatCompletionRequest | CompletionRequest, api: Api
     ) -> int:
         chat = isinstance(req, ChatCompletionRequest)
-        asked = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+        asked = "max_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens:
+            asked = "max_completion_tokens"
         left = budget(
             len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget,
             prompt_param=_param(api, "messages" if chat else "prompt"),

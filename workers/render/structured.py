@@ -49,8 +49,7 @@ def constraint(
     """The request's constraint, checked, or None; `InvalidRequest` naming the parameter
     that asks for it wrongly. With `tags`, a tool-calling request gets the structural tag
     of the tool parser's syntax (`tool_tags`) instead of the tools' JSON schema."""
-    chat = isinstance(req, ChatCompletionRequest)
-    if chat:
+    if isinstance(req, ChatCompletionRequest):
         so = req.structured_outputs
         named = isinstance(req.tool_choice, NamedToolChoice)
         if named and so is not None and {"json", "regex", "choice"} & set(so.kinds()):
@@ -64,7 +63,7 @@ def constraint(
     own = _own(req)
     if own is not None:  # checked before a tool tag reads it
         _check(own, _own_param(req))
-    if chat and tags is not None:
+    if isinstance(req, ChatCompletionRequest) and tags is not None:
         tagged = tool_tags.structural_tag(req, tags.parser, tags.level, own)
         if tagged is not None:
             _check(tagged, _asked_by(req))
@@ -219,8 +218,8 @@ def _forced_tools(req: ChatCompletionRequest) -> StructuredOutputs | None:
                 f"got {type(found).__name__}.",
                 param="tools",
             )
-        for name, schema in found.items():
-            if defs.setdefault(name, schema) != schema:
+        for name, definition in found.items():
+            if defs.setdefault(name, definition) != definition:
                 raise InvalidRequest(
                     f"Tool definition '{name}' has multiple schemas, which is not supported.",
                     param="tools",

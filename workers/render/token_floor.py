@@ -114,7 +114,9 @@ def _keeps_every_byte(pre: dict[str, Any] | None) -> bool:
     steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
     byte_level = False
     for step in steps:
-        kind = step and step.get("type")
+        if not step:
+            return False  # no pre-tokenizer
+        kind = step.get("type")
         if kind == "ByteLevel":
             if step.get("add_prefix_space"):
                 return False

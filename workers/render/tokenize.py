@@ -36,7 +36,8 @@ def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | Detok
         bad = next((t for t in req.tokens if t >= renderer.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
-        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+        # transformers types decode as `str | list[str]`; one list of ids decodes to one str
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))  # type: ignore[arg-type]
     body = decode_tokenize(call.body, renderer.builder.limits)
     check_model(body.model, renderer.builder.model)
     if isinstance(body, TokenizeChatRequest):
@@ -48,7 +49,8 @@ def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | Detok
         count=len(ids),
         max_model_len=renderer.builder.info.context_length,
         tokens=ids,
-        token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+        # typed `str | list[str]`: a list of ids converts to a list of tokens
+        token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,  # type: ignore[arg-type]
     )
 
 

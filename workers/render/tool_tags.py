@@ -18,6 +18,7 @@ vLLM's own frontend.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from tokenway.parsers import StrictLevel
@@ -99,7 +100,7 @@ def _triggered(trigger: str, tags: list[dict[str, Any]], excludes: list[str]) ->
             "at_least_one": False, "stop_after_first": False, "excludes": excludes}  # fmt: skip
 
 
-def _deepseek(calls: list[tuple[str, object]], mode: Mode) -> dict[str, Any]:
+def _deepseek(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
     if mode == "forced":
         name, args = calls[0]
         begin = f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}{name}{DS_SEP}"
@@ -109,7 +110,7 @@ def _deepseek(calls: list[tuple[str, object]], mode: Mode) -> dict[str, Any]:
     return block if mode == "required" else _triggered(DS_CALLS_BEGIN, [block], THINK_TAGS)
 
 
-def _hermes(calls: list[tuple[str, object]], mode: Mode) -> dict[str, Any]:
+def _hermes(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
     # a call on lines of its own, or on one line: both are what Hermes models write
     shapes = ((HERMES_BEGIN + '\n{"name": "', "}\n" + HERMES_END),
               (HERMES_BEGIN + '{"name": "', "}" + HERMES_END))  # fmt: skip
