@@ -249,11 +249,13 @@ class Dispatcher:
                 if r.ended.is_set() or r.prefill_kv is None:
                     continue  # failed or declined: choose again
             r.dispatched = r.dispatched or time.time()  # before: output may beat the accept
+            # Before too: a short answer can end the request, and its span, before the call
+            # returns, and an ended span drops its events (one refused is a try on the span).
+            r.span.event(f"dispatched → {plan.why}")
             if await self._start(r, plan.engine, tried):
                 for holder in filter(None, (plan.engine, plan.prefill)):  # the prompt's KV
                     self.index.record(holder.id, hashes, time.monotonic())
                 log.info("request %s (%s at the engines) → %s", r.rid, r.key, plan.why)
-                r.span.event(f"dispatched → {plan.why}")
                 return
 
     async def _wait_turn(self, r: Owned, tried: set[str], hashes: list[int]) -> Plan | None:
