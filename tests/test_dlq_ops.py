@@ -21,7 +21,7 @@ from tokenway.cli import dlq_parser
 from tokenway.status import read_status
 from tokenway.wire import DeadLetter
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+ON_THE_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
 __all__ = ["js", "server"]  # fixtures of tests.tokenway.test_dlq, used here by name
 
@@ -36,6 +36,7 @@ async def dead_letters_in_status(server: Bus, tmp_path: Path) -> dict[str, int]:
         await nc.close()
 
 
+@ON_THE_SESSION_LOOP
 async def test_status_counts_letters_by_stage_not_replay_markers_and_purge_clears_them(
     server: Bus, js: JetStreamContext, tmp_path: Path
 ) -> None:
@@ -59,6 +60,7 @@ def readme_reason_filters() -> list[str]:
     return re.findall(r"--reason (\w+)", OBSERVABILITY.read_text())
 
 
+@ON_THE_SESSION_LOOP
 async def test_every_reason_starts_with_a_category_the_readme_filters_on(
     server: Bus, js: JetStreamContext, tmp_path: Path
 ) -> None:
@@ -101,6 +103,7 @@ async def test_every_reason_starts_with_a_category_the_readme_filters_on(
     await dlq.purge(js)
 
 
+@ON_THE_SESSION_LOOP
 async def test_ls_says_ids_are_stream_sequences_where_a_replay_marker_takes_one(
     js: JetStreamContext,
 ) -> None:
