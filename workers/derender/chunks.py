@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -15,13 +14,13 @@ CHAT = "chat.completion"
 COMPLETION = "text_completion"
 
 
-@dataclass(slots=True)
-class Out:
-    """One choice's output for one chunk (or, non-streaming, for the whole response)."""
+class Out(Struct, kw_only=True):
+    """One choice's output for one chunk (or, non-streaming, for the whole response). Never
+    encoded: a Struct for its C constructor, since one is made per chunk."""
 
     text: str = ""  # chat content, or completion text
     reasoning: str = ""
-    tool_calls: list[Any] = field(default_factory=list)  # deltas, or assembled calls
+    tool_calls: list[Any] = []  # deltas, or assembled calls (each Out its own list)
     logprobs: Any = None  # already in the API's shape
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -92,24 +91,6 @@ class CompletionChoice(Struct, kw_only=True):
     prompt_token_ids: list[int] | None = None
 
 
-class ChatChunk(Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChunk(Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
 class ChatMessage(Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | None
@@ -126,23 +107,21 @@ class ChatChoice(Struct, kw_only=True):
     token_ids: list[int] | None = None
 
 
-class ChatResponse(Struct, kw_only=True, omit_defaults=True):
+Choice = ChatChunkChoice | CompletionChoice | ChatChoice
+
+
+class Envelope(Struct, omit_defaults=True):
+    """What a chat or completion document wraps its choices in (but a chat choice's role
+    chunk, `RoleChunk`): a stream chunk (usage with `continuous_usage_stats` or on the
+    closing chunk), or a whole response (usage always; a chat's prompt ids when asked)."""
+
     id: str
     object: str
     created: int
     model: str
-    choices: list[ChatChoice]
-    usage: Usage
+    choices: list[Choice]
+    usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(Struct, kw_only=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
 
 
 _json = msgspec.json.Encoder()
@@ -160,7 +139,56 @@ def usage(ctx: OutputContext, completion_tokens: int, final: bool = True) -> Usa
     )
 
 
+def _envelope(
+    ctx: OutputContext,
+    kind: str,
+    choices: list[Choice],
+    usage_: Usage | None,
+    prompt_token_ids: list[int] | None = None,
+) -> bytes:
+    """A chat or completion document; `kind` is its `object`."""
+    return _json.encode(
+        Envelope(ctx.response_id, kind, ctx.created, ctx.model, choices, usage_, prompt_token_ids)
+    )
+
+
+def _chat_delta(index: int, out: Out) -> ChatChunkChoice:
+    """A chat stream's choice, after its role chunk."""
+    delta = Delta(
+        content=out.text or None,
+        reasoning=out.reasoning or None,
+        tool_calls=out.tool_calls,
+    )
+    return ChatChunkChoice(
+        index=index,
+        delta=delta,
+        logprobs=out.logprobs,
+        finish_reason=out.finish_reason,
+        stop_reason=UNSET if out.finish_reason is None else out.stop_reason,
+        token_ids=out.token_ids,
+    )
+
+
+def _chat_choice(index: int, out: Out) -> ChatChoice:
+    """A whole chat response's choice; `out.tool_calls` assembled."""
+    message = ChatMessage(
+        role="assistant",
+        content=out.text if out.text or not out.tool_calls else None,
+        reasoning=out.reasoning or None,
+        tool_calls=out.tool_calls,
+    )
+    return ChatChoice(
+        index=index,
+        message=message,
+        logprobs=out.logprobs,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        token_ids=out.token_ids,
+    )
+
+
 def _completion_choice(index: int, out: Out) -> CompletionChoice:
+    """A completion's choice, streamed or whole: the same shape."""
     return CompletionChoice(
         index=index,
         text=out.text,
@@ -190,96 +218,23 @@ def role_chunk(
 
 
 def stream_chunk(ctx: OutputContext, index: int, out: Out, *, usage_: Usage | None) -> bytes:
-    if ctx.api == "chat":  # after the choice's role chunk
-        delta = Delta(
-            content=out.text or None,
-            reasoning=out.reasoning or None,
-            tool_calls=out.tool_calls,
-        )
-        choice = ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=out.logprobs,
-            finish_reason=out.finish_reason,
-            stop_reason=UNSET if out.finish_reason is None else out.stop_reason,
-            token_ids=out.token_ids,
-        )
-        return _json.encode(
-            ChatChunk(
-                id=ctx.response_id,
-                object=CHAT_CHUNK,
-                created=ctx.created,
-                model=ctx.model,
-                choices=[choice],
-                usage=usage_,
-            )
-        )
-    return _json.encode(
-        CompletionChunk(
-            id=ctx.response_id,
-            object=COMPLETION,
-            created=ctx.created,
-            model=ctx.model,
-            choices=[_completion_choice(index, out)],
-            usage=usage_,
-        )
-    )
+    if ctx.api == "chat":
+        return _envelope(ctx, CHAT_CHUNK, [_chat_delta(index, out)], usage_)
+    return _envelope(ctx, COMPLETION, [_completion_choice(index, out)], usage_)
 
 
 def usage_chunk(ctx: OutputContext, completion_tokens: int) -> bytes:
     """The final `stream_options.include_usage` chunk: empty choices, usage set."""
-    cls, obj = (ChatChunk, CHAT_CHUNK) if ctx.api == "chat" else (CompletionChunk, COMPLETION)
-    return _json.encode(
-        cls(
-            id=ctx.response_id,
-            object=obj,
-            created=ctx.created,
-            model=ctx.model,
-            choices=[],
-            usage=usage(ctx, completion_tokens),
-        )
-    )
+    kind = CHAT_CHUNK if ctx.api == "chat" else COMPLETION
+    return _envelope(ctx, kind, [], usage(ctx, completion_tokens))
 
 
 def response(ctx: OutputContext, index: int, out: Out, completion_tokens: int) -> bytes:
     """A complete non-streaming response."""
-    u = usage(ctx, completion_tokens)
+    usage_ = usage(ctx, completion_tokens)
     if ctx.api == "chat":
-        message = ChatMessage(
-            role="assistant",
-            content=out.text if out.text or not out.tool_calls else None,
-            reasoning=out.reasoning or None,
-            tool_calls=out.tool_calls,
-        )
-        choice = ChatChoice(
-            index=index,
-            message=message,
-            logprobs=out.logprobs,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            token_ids=out.token_ids,
-        )
-        return _json.encode(
-            ChatResponse(
-                id=ctx.response_id,
-                object=CHAT,
-                created=ctx.created,
-                model=ctx.model,
-                choices=[choice],
-                usage=u,
-                prompt_token_ids=out.prompt_token_ids,
-            )
-        )
-    return _json.encode(
-        CompletionResponse(
-            id=ctx.response_id,
-            object=COMPLETION,
-            created=ctx.created,
-            model=ctx.model,
-            choices=[_completion_choice(index, out)],
-            usage=u,
-        )
-    )
+        return _envelope(ctx, CHAT, [_chat_choice(index, out)], usage_, out.prompt_token_ids)
+    return _envelope(ctx, COMPLETION, [_completion_choice(index, out)], usage_)
 
 
 _decode_any = msgspec.json.Decoder()

@@ -1,22 +1,24 @@
 """Derender's pure core: `(state, token delta, context) -> (OpenAI documents, next state)`.
 
 One chunk of one choice flows: token ids → text (incremental detokenizer) → stop strings →
-reasoning parser → tool-call parser → logprobs → an OpenAI chunk. Every stage keeps its
-memory in `StreamState`, so each chunk costs O(its own size). Streaming and non-streaming
-go through the same function: a non-streaming request is one delta holding every output
-token and the finish reason.
+reasoning parser → tool-call parser → logprobs → the documents of the request's API, which
+its builder in `BUILDERS` shapes (a chat or completion chunk, Messages or Responses events).
+Every stage keeps its memory in `StreamState`, so each chunk costs O(its own size).
+Streaming and non-streaming go through the same function: a non-streaming request is one
+delta holding every output token and the finish reason, and its builder makes the whole
+response.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from tokenway.errors import InvalidRequest, TokenwayError, internal
 from tokenway.wire import (
+    Api,
     DerenderEntry,
     DerenderResult,
     FinishReason,
@@ -55,8 +57,7 @@ def initial_state(ctx: OutputContext) -> StreamState:
     )
 
 
-@dataclass(slots=True)
-class _Ending:
+class _Ending(msgspec.Struct):  # a Struct for its C constructor: one is made per chunk
     finish: FinishReason | None
     stop_reason: int | str | None
     kept: int  # how many of the delta's tokens belong to the output
@@ -110,21 +111,59 @@ def _parse(ctx: OutputContext, state: StreamState, text: str, done: bool, out: O
     out.text = content
 
 
-def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
-    ctx = entry.context
-    if entry.usage_total is not None:
-        if not ctx.closing_usage:  # a sub-stream: the fan-out owner sums usage itself
-            return DerenderResult()
-        return DerenderResult(chunks=[chunks.usage_chunk(ctx, entry.usage_total)])
+def _check(entry: DerenderEntry) -> None:
+    """Refuse an entry no owner sends: a choice out of range, too many tokens at once, or
+    logprobs that are not one per token."""
+    ctx, ids = entry.context, entry.token_ids
     if not 0 <= entry.index < ctx.n:
         raise InvalidRequest(f"choice {entry.index} of a request with n={ctx.n}", param="index")
-    ids = entry.token_ids
     if len(ids) > MAX_DELTA_TOKENS:
         raise InvalidRequest(f"{len(ids)} tokens in one chunk, over the {MAX_DELTA_TOKENS} limit")
     if entry.logprobs is not None and len(entry.logprobs) != len(ids):
         raise InvalidRequest(
             f"{len(entry.logprobs)} logprob entries for {len(ids)} tokens", param="logprobs"
         )
+
+
+def _output(
+    detok: Detokenizer,
+    entry: DerenderEntry,
+    state: StreamState,
+    text: str,
+    ending: _Ending,
+    prompt_ids: list[int] | None,
+) -> Out:
+    """What the chunk shows: a chat's text as reasoning, content and tool calls, or the text;
+    the echoed prompt, logprobs and token ids where asked."""
+    ctx, ids = entry.context, entry.token_ids
+    out = Out(finish_reason=ending.finish, stop_reason=ending.stop_reason)
+    if ctx.api in CHATS and ctx.parse is not None:
+        _parse(ctx, state, text, ending.finish is not None, out)
+        if out.finish_reason == "stop" and tools.rewrites_finish(ctx.parse, state.tools_called):
+            out.finish_reason = "tool_calls"
+    else:
+        out.text = text
+    if ctx.echo and prompt_ids is not None:
+        echoed = detok.decode(prompt_ids, False)
+        out.text = echoed + out.text
+        if state.logprobs is not None:  # completion text offsets count the echoed prompt
+            state.logprobs.text_offset += len(echoed)
+    if state.logprobs is not None and entry.logprobs is not None:
+        out.logprobs = _logprobs(detok, ctx, state, entry.logprobs[: ending.kept])
+    if ctx.return_token_ids:
+        out.token_ids = ids[: ending.kept]
+        out.prompt_token_ids = prompt_ids
+    return out
+
+
+def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
+    ctx = entry.context
+    if entry.usage_total is not None:
+        if not ctx.closing_usage:  # a sub-stream: the fan-out owner sums usage itself
+            return DerenderResult()
+        return DerenderResult(chunks=[chunks.usage_chunk(ctx, entry.usage_total)])
+    _check(entry)
+    ids = entry.token_ids
     first = entry.state is None
     if entry.state is None:
         state = initial_state(ctx)
@@ -146,73 +185,18 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="token_ids") from exc
     text = _text_and_stops(ctx, state, pieces, ending)
-    kept = ids[: ending.kept]
     done = ending.finish is not None
 
-    out = Out(finish_reason=ending.finish, stop_reason=ending.stop_reason)
-    if ctx.api in CHATS and ctx.parse is not None:
-        _parse(ctx, state, text, done, out)
-        if out.finish_reason == "stop" and tools.rewrites_finish(ctx.parse, state.tools_called):
-            out.finish_reason = "tool_calls"
-    else:
-        out.text = text
-    if ctx.echo and prompt_ids is not None:
-        echoed = detok.decode(prompt_ids, False)
-        out.text = echoed + out.text
-        if state.logprobs is not None:  # completion text offsets count the echoed prompt
-            state.logprobs.text_offset += len(echoed)
-    if state.logprobs is not None and entry.logprobs is not None:
-        out.logprobs = _logprobs(detok, ctx, state, entry.logprobs[: ending.kept])
-    if ctx.return_token_ids:
-        out.token_ids = list(kept)
-        out.prompt_token_ids = prompt_ids
-
-    state.completion_tokens += len(kept)
+    out = _output(detok, entry, state, text, ending, prompt_ids)
+    state.completion_tokens += ending.kept
     state.finished = done
-    first_chat = ctx.api == "chat" and not state.role_sent
-    state.role_sent = state.role_sent or ctx.api == "chat"
-    docs: list[bytes] = []
-    index = ctx.index_base + entry.index  # global across the prompts of a request
     if not ctx.stream:
         if not done:
             raise InvalidRequest("a non-streaming derender needs the finish reason")
         out.tool_calls = tools.merge(out.tool_calls) if out.tool_calls else []
-        if ctx.api == "messages":
-            docs.append(messages.message(ctx, out, state.completion_tokens))
-        elif ctx.api == "responses":
-            thought = _reasoning_tokens(ctx, pieces[: ending.kept])
-            docs.append(responses.response(ctx, out, state.completion_tokens, thought))
-        else:
-            docs.append(chunks.response(ctx, index, out, state.completion_tokens))
-    elif ctx.api == "messages":
-        events, state.opened = messages.events(
-            ctx, out, state.opened or Opened(), not state.role_sent,
-            state.completion_tokens, state.tools_called,
-        )  # fmt: skip
-        state.role_sent = True
-        docs += events
-    elif ctx.api == "responses":
-        final = _whole(detok, entry, ids) if done else None
-        events, state.opened = responses.events(
-            ctx, out, state.opened or Opened(), not state.role_sent, final
-        )
-        state.role_sent = True
-        docs += events
-    else:
-        continuous = ctx.include_usage and ctx.continuous_usage_stats
-        if first_chat:  # vLLM opens each choice with a chunk of its own: the role, no output
-            shown_prompt = prompt_ids if ctx.return_token_ids else None
-            none_yet = chunks.usage(ctx, 0, final=False) if continuous else None
-            docs.append(chunks.role_chunk(ctx, index, shown_prompt, none_yet))
-            out.prompt_token_ids = None  # on the role chunk alone
-        shown = out.text or out.reasoning or out.tool_calls or (entry.logprobs and kept)
-        if shown or done or (ctx.return_token_ids and kept):
-            usage = chunks.usage(ctx, state.completion_tokens, final=False) if continuous else None
-            docs.append(chunks.stream_chunk(ctx, index, out, usage_=usage))
-        if done and ctx.include_usage and ctx.closing_usage and ctx.n == 1:
-            docs.append(chunks.usage_chunk(ctx, state.completion_tokens))
+    docs = BUILDERS[ctx.api](detok, entry, state, out, pieces[: ending.kept])
     # Derender decided the end itself (a stop string): the owner must learn it.
-    ended_here = (ending.finish, ending.stop_reason) != (entry.finish_reason, entry.stop_reason)
+    ended_here = ending.finish != entry.finish_reason or ending.stop_reason != entry.stop_reason
     return DerenderResult(
         chunks=docs,
         state=states.encode(state),
@@ -220,6 +204,87 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
         stop_reason=ending.stop_reason if ended_here else None,
         kept=ending.kept if ending.kept != len(ids) else None,
     )
+
+
+# One choice's documents for one chunk in its API's shape (for a request that does not
+# stream, the whole response): from the entry, the state after it, its output and the texts
+# of the tokens the output kept. Each updates its part of the state.
+Builder = Callable[[Detokenizer, DerenderEntry, StreamState, Out, Sequence[str]], list[bytes]]
+
+
+def _completion(
+    detok: Detokenizer, entry: DerenderEntry, state: StreamState, out: Out, pieces: Sequence[str]
+) -> list[bytes]:
+    """A completion's response; streaming, its chunk when it shows anything (logprobs come
+    one per token) or ends the choice, then a single choice's closing usage chunk (with
+    n > 1 the owner asks for the sum). A chat's are the same in chat's shape."""
+    ctx = entry.context
+    index = ctx.index_base + entry.index  # global across the prompts of a request
+    if not ctx.stream:
+        return [chunks.response(ctx, index, out, state.completion_tokens)]
+    docs: list[bytes] = []
+    done = out.finish_reason is not None
+    if out.text or out.reasoning or out.tool_calls or entry.logprobs or out.token_ids or done:
+        continuous = ctx.include_usage and ctx.continuous_usage_stats
+        usage = chunks.usage(ctx, state.completion_tokens, final=False) if continuous else None
+        docs.append(chunks.stream_chunk(ctx, index, out, usage_=usage))
+    if done and ctx.include_usage and ctx.closing_usage and ctx.n == 1:
+        docs.append(chunks.usage_chunk(ctx, state.completion_tokens))
+    return docs
+
+
+def _chat(
+    detok: Detokenizer, entry: DerenderEntry, state: StreamState, out: Out, pieces: Sequence[str]
+) -> list[bytes]:
+    """A completion's documents in chat's shape, each choice's stream opened by vLLM with a
+    chunk of its own: the role, no output."""
+    ctx = entry.context
+    opening, state.role_sent = not state.role_sent, True
+    if not (opening and ctx.stream):
+        return _completion(detok, entry, state, out, pieces)
+    continuous = ctx.include_usage and ctx.continuous_usage_stats
+    none_yet = chunks.usage(ctx, 0, final=False) if continuous else None
+    index = ctx.index_base + entry.index
+    role = chunks.role_chunk(ctx, index, out.prompt_token_ids, none_yet)
+    out.prompt_token_ids = None  # on the role chunk alone
+    return [role, *_completion(detok, entry, state, out, pieces)]
+
+
+def _messages(
+    detok: Detokenizer, entry: DerenderEntry, state: StreamState, out: Out, pieces: Sequence[str]
+) -> list[bytes]:
+    ctx = entry.context
+    if not ctx.stream:
+        return [messages.message(ctx, out, state.completion_tokens)]
+    events, state.opened = messages.events(
+        ctx, out, state.opened or Opened(), not state.role_sent,
+        state.completion_tokens, state.tools_called,
+    )  # fmt: skip
+    state.role_sent = True
+    return events
+
+
+def _responses(
+    detok: Detokenizer, entry: DerenderEntry, state: StreamState, out: Out, pieces: Sequence[str]
+) -> list[bytes]:
+    ctx = entry.context
+    if not ctx.stream:
+        thought = _reasoning_tokens(ctx, pieces)
+        return [responses.response(ctx, out, state.completion_tokens, thought)]
+    final = _whole(detok, entry) if out.finish_reason is not None else None
+    events, state.opened = responses.events(
+        ctx, out, state.opened or Opened(), not state.role_sent, final
+    )
+    state.role_sent = True
+    return events
+
+
+BUILDERS: dict[Api, Builder] = {
+    "chat": _chat,
+    "completion": _completion,
+    "messages": _messages,
+    "responses": _responses,
+}
 
 
 def _reasoning_tokens(ctx: OutputContext, pieces: Sequence[str]) -> int:
@@ -230,12 +295,12 @@ def _reasoning_tokens(ctx: OutputContext, pieces: Sequence[str]) -> int:
     return reasoning.count(parse.reasoning_parser, parse.reasoning_start, pieces)
 
 
-def _whole(detok: Detokenizer, entry: DerenderEntry, ids: Sequence[int]) -> bytes:
+def _whole(detok: Detokenizer, entry: DerenderEntry) -> bytes:
     """The response a request that did not stream gets, from every output token: what a
     Responses stream's closing events hold."""
     whole = DerenderEntry(
         context=msgspec.structs.replace(entry.context, stream=False),
-        token_ids=[*(entry.output_ids or ()), *ids], index=entry.index,
+        token_ids=[*(entry.output_ids or ()), *entry.token_ids], index=entry.index,
         finish_reason=entry.finish_reason, stop_reason=entry.stop_reason,
     )  # fmt: skip
     return derender(detok, whole).chunks[0]
