@@ -14,9 +14,9 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 from tokenway.config import Settings
+from tokenway.derendering import Derenderer
 from tokenway.errors import StageUnavailable, TokenwayError, internal
 from tokenway.model import tokenizer_of
 from tokenway.wire import DerenderEntry, DerenderResult
@@ -25,14 +25,6 @@ from workers.derender.core import derender_call, merge_choices
 from workers.derender.detok import Detokenizer
 
 log = logging.getLogger(__name__)
-
-
-class DerenderBackend(Protocol):
-    awaits_io: bool  # calls wait on another server: the shell runs them concurrently
-
-    async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]: ...
-
-    async def aclose(self) -> None: ...
 
 
 # A call with more output tokens than this runs in a thread: its CPU would hold the event
@@ -115,7 +107,7 @@ class VllmBackend:
         await self.client.aclose()
 
 
-def derender_backend(settings: Settings, model_dir: Path) -> DerenderBackend:
+def derender_backend(settings: Settings, model_dir: Path) -> Derenderer:
     """The backend `--derender-backend` names; ValueError when its settings do not fit."""
     if settings.derender_backend == "local":
         return LocalBackend(model_dir)

@@ -11,9 +11,10 @@ from nats.aio.msg import Msg
 
 from tokenway import bus
 from tokenway.config import Settings
+from tokenway.derendering import Derenderer
 from tokenway.errors import too_big_for_the_bus
 from tokenway.wire import DerenderCall, DerenderReply, DerenderResult, ErrorInfo
-from workers.derender.backend import DerenderBackend, derender_backend, is_large
+from workers.derender.backend import derender_backend, is_large
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def decode(payload: bytes) -> DerenderCall | bytes:
         return _encoder.encode(DerenderReply(error=ErrorInfo(message=f"bad derender call: {exc}")))
 
 
-async def handle(backend: DerenderBackend, call: DerenderCall, limit: int) -> bytes:
+async def handle(backend: Derenderer, call: DerenderCall, limit: int) -> bytes:
     """One call: every entry derendered on its own, so one bad entry fails only itself; a
     reply over the bus's `limit` drops its largest results for errors until it fits."""
     results = await backend.derender(call.entries)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -40,18 +39,12 @@ _reply_decoder = msgspec.msgpack.Decoder(DerenderReply)
 _BACKOFF = 0.05  # seconds before a call to the pool is tried again, times the try
 
 
-class Derenderer(Protocol):
-    """In the owner, a derender backend itself (`LocalBackend` runs a large call in a
-    thread); or the pool."""
-
-    async def derender(self, entries: Sequence[DerenderEntry]) -> list[DerenderResult]:
-        """One result per entry; StageUnavailable/StageTimeout when nothing could answer."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
 class Pool:
+    """The derender workers on the model's subject, as an owner's `Derenderer` (placed in
+    the owner, its derender backend is one itself)."""
+
+    awaits_io = True  # a request-reply on the bus
+
     def __init__(self, nc: NATS, settings: Settings, model: str) -> None:
         self.nc = nc
         self.settings = settings

@@ -32,6 +32,7 @@ from tokenway import headers as h
 from tokenway import metrics as stage_metrics
 from tokenway.aio import grace, wait_any
 from tokenway.config import Settings
+from tokenway.derendering import Derenderer
 from tokenway.errors import (
     DeadlineExceeded,
     EngineFailed,
@@ -63,7 +64,7 @@ from tokenway.wire import (
 from tokenway.worker import Behind, consume
 from workers.derender.backend import derender_backend, is_large
 from workers.schedule import direct, isolation, metrics
-from workers.schedule.derendering import Derenderer, Pool
+from workers.schedule.derendering import Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut
 from workers.schedule.owned import Choice, Owned, refusal
