@@ -20,7 +20,6 @@ PROGRAM = {"tokenway.cli"}
 # Arrows between stages still to be taken down, each waiting on the derender refactor of issue
 # 33, item 5 (its files are being rewritten): (importing file, imported module).
 PENDING = {
-    ("workers/schedule/merge.py", "workers.derender.chunks"),  # a whole response, a usage chunk
     ("workers/schedule/service.py", "workers.derender.backend"),  # derender beside the owner
 }
 

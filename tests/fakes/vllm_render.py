@@ -33,6 +33,7 @@ from tests.fakes.http import (
     send_json,
     serve,
 )
+from tokenway import openai_output
 from tokenway.errors import TokenwayError
 from tokenway.wire import (
     Api,
@@ -43,7 +44,6 @@ from tokenway.wire import (
     RenderRequest,
     TokenLogprob,
 )
-from workers.derender import chunks
 from workers.derender.core import derender
 from workers.derender.detok import Detokenizer
 from workers.derender.vllm_http import CHAT_PATH as DERENDER_CHAT_PATH
@@ -276,7 +276,7 @@ class FakeVllmRender:
         )
         state = (body.get("stream_state") or {}).get("tw")
         if not gen["choices"]:  # the generate route's closing usage chunk
-            doc = chunks.usage_chunk(ctx, gen["usage"]["completion_tokens"])
+            doc = openai_output.usage_chunk(ctx, gen["usage"]["completion_tokens"])
             await send_json(send, 200, {"chunk": msgspec.json.decode(doc), "stream_state": {}})
             return
         choice = gen["choices"][0]

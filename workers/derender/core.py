@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from tokenway import openai_output
 from tokenway.errors import InvalidRequest, TokenwayError, internal
+from tokenway.openai_output import Out
 from tokenway.wire import (
     Api,
     DerenderEntry,
@@ -26,9 +28,8 @@ from tokenway.wire import (
     OutputContext,
     responses_of,
 )
-from workers.derender import chunks, logprobs, messages, reasoning, responses, stops, tools
+from workers.derender import logprobs, messages, reasoning, responses, stops, tools
 from workers.derender import state as states
-from workers.derender.chunks import Out
 from workers.derender.detok import Detokenizer, seed
 from workers.derender.state import Opened, StreamState
 
@@ -161,7 +162,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     if entry.usage_total is not None:
         if not ctx.closing_usage:  # a sub-stream: the fan-out owner sums usage itself
             return DerenderResult()
-        return DerenderResult(chunks=[chunks.usage_chunk(ctx, entry.usage_total)])
+        return DerenderResult(chunks=[openai_output.usage_chunk(ctx, entry.usage_total)])
     _check(entry)
     ids = entry.token_ids
     first = entry.state is None
@@ -221,15 +222,17 @@ def _completion(
     ctx = entry.context
     index = ctx.index_base + entry.index  # global across the prompts of a request
     if not ctx.stream:
-        return [chunks.response(ctx, index, out, state.completion_tokens)]
+        return [openai_output.response(ctx, index, out, state.completion_tokens)]
     docs: list[bytes] = []
     done = out.finish_reason is not None
     if out.text or out.reasoning or out.tool_calls or entry.logprobs or out.token_ids or done:
         continuous = ctx.include_usage and ctx.continuous_usage_stats
-        usage = chunks.usage(ctx, state.completion_tokens, final=False) if continuous else None
-        docs.append(chunks.stream_chunk(ctx, index, out, usage_=usage))
+        usage = (
+            openai_output.usage(ctx, state.completion_tokens, final=False) if continuous else None
+        )
+        docs.append(openai_output.stream_chunk(ctx, index, out, usage_=usage))
     if done and ctx.include_usage and ctx.closing_usage and ctx.n == 1:
-        docs.append(chunks.usage_chunk(ctx, state.completion_tokens))
+        docs.append(openai_output.usage_chunk(ctx, state.completion_tokens))
     return docs
 
 
@@ -243,9 +246,9 @@ def _chat(
     if not (opening and ctx.stream):
         return _completion(detok, entry, state, out, pieces)
     continuous = ctx.include_usage and ctx.continuous_usage_stats
-    none_yet = chunks.usage(ctx, 0, final=False) if continuous else None
+    none_yet = openai_output.usage(ctx, 0, final=False) if continuous else None
     index = ctx.index_base + entry.index
-    role = chunks.role_chunk(ctx, index, out.prompt_token_ids, none_yet)
+    role = openai_output.role_chunk(ctx, index, out.prompt_token_ids, none_yet)
     out.prompt_token_ids = None  # on the role chunk alone
     return [role, *_completion(detok, entry, state, out, pieces)]
 
@@ -345,6 +348,6 @@ def merge_choices(
     for run in responses_of(entries):
         kept = [r for r in results[run.start : run.stop] if r.error is None]
         for other in kept[1:]:
-            kept[0].chunks = [chunks.merge_responses(kept[0].chunks[0], other.chunks[0])]
+            kept[0].chunks = [openai_output.merge_responses(kept[0].chunks[0], other.chunks[0])]
             other.chunks = []
     return results

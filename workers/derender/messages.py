@@ -1,5 +1,5 @@
 """Anthropic Messages output, made from the same choice output as a chat completion
-(`chunks.Out`: reasoning, content, tool-call deltas): the whole message, or the stream's
+(`openai_output.Out`: reasoning, content, tool-call deltas): the whole message, or the stream's
 events, each framed as Anthropic frames them (`event: <type>` and its `data:`).
 
 A stream opens one content block at a time, in the order the output shows them (thinking,
@@ -16,8 +16,8 @@ import msgspec
 
 from tokenway import sse
 from tokenway.anthropic import fold_thinking, signature, stop_reason
+from tokenway.openai_output import Out
 from tokenway.wire import OutputContext
-from workers.derender.chunks import Out
 from workers.derender.state import Opened
 from workers.derender.tools import ToolCallDelta
 

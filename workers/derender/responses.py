@@ -1,5 +1,5 @@
 """OpenAI Responses output, made from the same choice output as a chat completion
-(`chunks.Out`): the response object, its output items in the order the model made them
+(`openai_output.Out`): the response object, its output items in the order the model made them
 (reasoning, the message, each function call), or the stream's events.
 
 A stream's deltas open one item at a time and add to it; which is open, and how many events
@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
+from tokenway.openai_output import Out
 from tokenway.responses import (
     COMPLETED,
     CUSTOM_INPUT,
@@ -26,7 +27,6 @@ from tokenway.responses import (
 )
 from tokenway.wire import OutputContext
 from workers.derender import tools
-from workers.derender.chunks import Out
 from workers.derender.state import Opened
 from workers.derender.tools import ToolCallDelta
 

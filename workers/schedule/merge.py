@@ -20,10 +20,10 @@ import msgspec
 
 from tokenway import headers as h
 from tokenway.errors import DeadlineExceeded
+from tokenway.openai_output import combine_responses, usage_chunk
 from tokenway.output_router import Event
 from tokenway.sse import frame
 from tokenway.wire import ErrorInfo, OutputContext
-from workers.derender.chunks import combine_responses, usage_chunk
 
 _json = msgspec.json.Decoder()
 

@@ -1,4 +1,8 @@
-"""OpenAI output documents (stream chunks and full responses), shaped as vLLM 0.33 sends them."""
+"""OpenAI output documents (stream chunks and full responses), shaped as vLLM 0.33 sends them.
+
+Derender builds them; a schedule worker's fan-out combines its prompts' whole responses and
+closes their stream with one usage chunk.
+"""
 
 from __future__ import annotations
 
