@@ -54,7 +54,7 @@ class Pool:
         """One call, retried with the same chunks and states when a worker died or hung:
         derender is pure, so a retry cannot duplicate output, and it never re-runs inference."""
         assert self.nc is not None
-        payload = _encoder.encode(DerenderCall(entries=entries))
+        payload = _encoder.encode(DerenderCall(entries=list(entries)))  # (a list on the wire)
         if len(payload) > self.nc.max_payload:  # entries can carry the client's body
             return await self._split(entries, len(payload))
         tries = self.settings.derender_retries + 1
