@@ -17,11 +17,6 @@ STAGES = ("ingress", "engines", "workers.render", "workers.schedule", "workers.d
 GROUND = "tokenway"
 # The composition root, still on the ground floor: it starts every stage.
 PROGRAM = {"tokenway.cli"}
-# Arrows between stages still to be taken down, each waiting on the derender refactor of issue
-# 33, item 5 (its files are being rewritten): (importing file, imported module).
-PENDING = {
-    ("workers/schedule/service.py", "workers.derender.backend"),  # derender beside the owner
-}
 
 
 def floor(module: str) -> str | None:
@@ -39,45 +34,38 @@ def product_modules() -> Iterator[tuple[str, Path]]:
             yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
 
 
-def imports(path: Path) -> Iterator[tuple[int, str, str]]:
-    """(line, module, name) for every import of the file, those inside functions included;
-    `name` is what `from module import name` takes (it may be a module itself)."""
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, name) for every name the file imports, inside functions too: `from a.b import
+    c` imports `a.b.c` (which may be a module itself)."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name, alias.name
+                yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}:{node.lineno}: relative import"
             for alias in node.names:
-                yield node.lineno, f"{node.module}", f"{node.module}.{alias.name}"
+                yield node.lineno, f"{node.module}.{alias.name}"
 
 
-def crossings(modules: Iterable[tuple[str, Path]]) -> list[tuple[str, str, str]]:
-    """Every import arrow between floors that the house forbids: (file:line, importing
-    file, imported module)."""
+def crossings(modules: Iterable[tuple[str, Path]]) -> list[str]:
+    """Every import arrow between floors that the house forbids, with its file:line."""
     found = []
     for module, path in modules:
         here = floor(module)
-        for line, target, name in imports(path):
+        for line, name in imports(path):
             there = floor(name)
             if there is None or there == here or there == GROUND:
                 continue
             if here == GROUND and module in PROGRAM:
                 continue
             file = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name)
-            found.append((f"{file}:{line}: {here} imports {name} ({there})", file, target))
+            found.append(f"{file}:{line}: {here} imports {name} ({there})")
     return found
 
 
 def test_no_stage_imports_another_stage_and_the_ground_floor_imports_none() -> None:
-    found = [where for where, file, target in crossings(product_modules())
-             if (file, target) not in PENDING]  # fmt: skip
+    found = crossings(product_modules())
     assert not found, "\n".join(found)
-
-
-def test_every_pending_arrow_is_still_there() -> None:
-    left = {(file, target) for _, file, target in crossings(product_modules())}
-    assert PENDING <= left, f"taken down, so no longer pending: {PENDING - left}"
 
 
 def test_the_check_sees_an_arrow_between_stages_and_one_running_up(tmp_path: Path) -> None:
@@ -87,7 +75,7 @@ def test_the_check_sees_an_arrow_between_stages_and_one_running_up(tmp_path: Pat
     module = tmp_path / "probe.py"
     module.write_text("def late():\n    from workers.derender import tools\n")
     sideways = crossings([("workers.schedule.probe", module)])
-    assert [where for where, _, _ in sideways] == [
+    assert sideways == [
         "probe.py:2: workers.schedule imports workers.derender.tools (workers.derender)"
     ]
     assert len(crossings([("tokenway.probe", module)])) == 1  # the ground floor, running up

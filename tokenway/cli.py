@@ -81,9 +81,18 @@ def _stages(
 
         return [RenderService(s, m.info, m.name, parser_flags(s, m)) for m in models]
     if name == "schedule":
+        from workers.derender.backend import derender_backend
         from workers.schedule.service import ScheduleService
 
-        return [ScheduleService(s, m.name, m.info, obf[m.name]) for m in models]
+        # Derendering in each owner's process (the default placement): the backend is built
+        # here, so one refused (a ValueError) refuses the stage before it starts.
+        beside = s.derender_placement == "owner"
+        return [
+            ScheduleService(
+                s, m.name, m.info, obf[m.name], derender_backend(s, m.info.path) if beside else None
+            )
+            for m in models
+        ]
     if name == "derender":
         from workers.derender.service import DerenderService
 

@@ -13,6 +13,15 @@ from typing import Protocol
 
 from tokenway.wire import DerenderEntry, DerenderResult
 
+# A call with more output tokens than this runs in a thread: its CPU would hold the event
+# loop (heartbeats, in-progress acks, every other stream). The local backend, the derender
+# workers and an owner's round all judge a call by it.
+THREAD_ABOVE = 4096
+
+
+def is_large(entries: Sequence[DerenderEntry]) -> bool:
+    return sum(len(e.token_ids) for e in entries) > THREAD_ABOVE
+
 
 class Derenderer(Protocol):
     awaits_io: bool  # calls wait on another server or the bus: a shell runs them concurrently

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenway.config import Settings
-from tokenway.derendering import Derenderer
+from tokenway.derendering import Derenderer, is_large
 from tokenway.errors import StageUnavailable, TokenwayError, internal
 from tokenway.model import tokenizer_of
 from tokenway.wire import DerenderEntry, DerenderResult
@@ -25,15 +25,6 @@ from workers.derender.core import derender_call, merge_choices
 from workers.derender.detok import Detokenizer
 
 log = logging.getLogger(__name__)
-
-
-# A call with more output tokens than this runs in a thread: its CPU would hold the event
-# loop (heartbeats, in-progress acks, every other stream).
-THREAD_ABOVE = 4096
-
-
-def is_large(entries: Sequence[DerenderEntry]) -> bool:
-    return sum(len(e.token_ids) for e in entries) > THREAD_ABOVE
 
 
 class LocalBackend:

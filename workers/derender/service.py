@@ -11,10 +11,10 @@ from nats.aio.msg import Msg
 
 from tokenway import bus
 from tokenway.config import Settings
-from tokenway.derendering import Derenderer
+from tokenway.derendering import Derenderer, is_large
 from tokenway.errors import too_big_for_the_bus
 from tokenway.wire import DerenderCall, DerenderReply, DerenderResult, ErrorInfo
-from workers.derender.backend import derender_backend, is_large
+from workers.derender.backend import derender_backend
 
 log = logging.getLogger(__name__)
 

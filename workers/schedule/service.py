@@ -32,7 +32,7 @@ from tokenway import headers as h
 from tokenway import metrics as stage_metrics
 from tokenway.aio import grace, wait_any
 from tokenway.config import Settings
-from tokenway.derendering import Derenderer
+from tokenway.derendering import Derenderer, is_large
 from tokenway.errors import (
     DeadlineExceeded,
     EngineFailed,
@@ -62,7 +62,6 @@ from tokenway.wire import (
     TokenStep,
 )
 from tokenway.worker import Behind, consume
-from workers.derender.backend import derender_backend, is_large
 from workers.schedule import direct, isolation, metrics
 from workers.schedule.derendering import Pool
 from workers.schedule.dispatch import Dispatcher
@@ -100,7 +99,10 @@ class ScheduleService:
         model: str,
         info: ModelInfo,
         obfuscation: Permutation | None = None,
+        derenderer: Derenderer | None = None,
     ) -> None:
+        """`derenderer`: a derender backend of this process, which the program builds where
+        derendering is placed in the owner (the default); None: the derender workers' pool."""
         self.settings = settings
         self.model = model
         self.model_info = info
@@ -127,13 +129,7 @@ class ScheduleService:
         self.registry: EngineRegistry | None = None
         self.dispatcher: Dispatcher | None = None
         self.fanout: FanOut | None = None  # owner of multi-prompt requests
-        # Derendering in this process (the default placement): a backend refused here (a
-        # ValueError) refuses the stage before it starts.
-        self._backend = (
-            derender_backend(settings, info.path)
-            if settings.derender_placement == "owner"
-            else None
-        )
+        self._backend = derenderer
         self.derenderer: Derenderer | None = None
         self._draining = False
 

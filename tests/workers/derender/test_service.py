@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import make_settings
 from tokenway import bus
+from tokenway.derendering import THREAD_ABOVE
 from tokenway.wire import DerenderCall, DerenderEntry, DerenderReply, OutputContext
-from workers.derender.backend import THREAD_ABOVE
 from workers.derender.service import DerenderService
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

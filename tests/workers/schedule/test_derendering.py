@@ -11,8 +11,9 @@ import nats
 import pytest
 
 from tests.conftest import Stack
+from tokenway.derendering import THREAD_ABOVE
 from tokenway.wire import DerenderEntry, OutputContext
-from workers.derender.backend import THREAD_ABOVE, LocalBackend
+from workers.derender.backend import LocalBackend
 from workers.derender.core import derender_call
 from workers.schedule.derendering import Pool
 
