@@ -62,6 +62,12 @@ class Cluster:
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
+    async def close(self) -> None:
+        """Every node still running stopped (SIGTERM, waited for), and the monitor client."""
+        for node in self.nodes:
+            stopped(node)
+        await self.http.aclose()
+
     def kill(self, node: Node) -> float:
         """SIGKILL: what a lost machine looks like to the others. When it happened."""
         assert node.proc is not None
@@ -153,8 +159,10 @@ async def running_cluster(tmp: Path, size: int = 3) -> AsyncIterator[Cluster]:
         await cluster.all_healthy()
         yield cluster
     finally:
-        for node in nodes:
-            if node.proc is not None:
-                node.proc.terminate()
-                node.proc.wait()
-        await cluster.http.aclose()
+        await cluster.close()
+
+
+def stopped(node: Node) -> None:
+    if node.proc is not None:
+        node.proc.terminate()
+        node.proc.wait()

@@ -9,6 +9,7 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -74,6 +75,32 @@ async def chat(http: httpx.AsyncClient, url: str, body: dict, out: Streamed,
     return out
 
 
+async def streamed_across(
+    front: Stack,
+    swap: Callable[[], Awaitable[None]],
+    tokens: int,
+    streams: int = 1,
+    within: float | None = None,
+) -> list[Streamed]:
+    """`streams` chat streams of `tokens` through `front`, `swap` run once each has its first
+    chunks, then each read to its end (within `within` seconds where given)."""
+    outs, progress = [Streamed() for _ in range(streams)], Signal()
+    async with httpx.AsyncClient(timeout=60) as http:
+        streaming = [
+            asyncio.create_task(chat(http, front.url, story(front.model, tokens), o, progress))
+            for o in outs
+        ]
+        try:
+            await until(progress, lambda: all(len(o.times) >= 3 for o in outs))
+            await swap()
+            async with asyncio.timeout(within):
+                await asyncio.gather(*streaming)
+        finally:
+            for task in streaming:
+                task.cancel()
+    return outs
+
+
 async def test_an_engine_that_stops_on_purpose_is_logged_as_left_not_as_silent(
     nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -87,17 +114,15 @@ async def test_an_engine_that_stops_on_purpose_is_logged_as_left_not_as_silent(
     first = await start_stack(nats_url, settings, ["sim"])
     await wait_engines(front.ingress.registry, 1)
     second = None
-    out, progress = Streamed(), Signal()
+
+    async def swap() -> None:
+        nonlocal second
+        second = await start_stack(nats_url, settings, ["sim"])
+        await wait_engines(front.ingress.registry, 2)
+        await first.close()
+
     try:
-        async with httpx.AsyncClient(timeout=60) as http:
-            streaming = asyncio.create_task(
-                chat(http, front.url, story(front.model, 400), out, progress)
-            )
-            await until(progress, lambda: len(out.times) >= 3)
-            second = await start_stack(nats_url, settings, ["sim"])
-            await wait_engines(front.ingress.registry, 2)
-            await first.close()
-            await streaming
+        (out,) = await streamed_across(front, swap, 400)
     finally:
         for stack in (second, front):
             if stack is not None:
@@ -123,17 +148,15 @@ async def test_a_draining_schedule_worker_hands_its_stream_to_a_peer_and_says_so
     front = await start_stack(nats_url, settings, ["ingress", "render", "sim"])
     first = await start_stack(nats_url, settings, ["schedule"])
     peer = None
-    out, progress = Streamed(), Signal()
+
+    async def swap() -> None:
+        nonlocal peer
+        peer = await start_stack(nats_url, settings, ["schedule"])
+        await peer.by_name["schedule"][0].started.wait()
+        await first.close()
+
     try:
-        async with httpx.AsyncClient(timeout=60) as http:
-            streaming = asyncio.create_task(
-                chat(http, front.url, story(front.model, 300), out, progress)
-            )
-            await until(progress, lambda: len(out.times) >= 3)
-            peer = await start_stack(nats_url, settings, ["schedule"])
-            await peer.by_name["schedule"][0].started.wait()
-            await first.close()
-            await streaming
+        (out,) = await streamed_across(front, swap, 300)
     finally:
         for stack in (peer, front):
             if stack is not None:
@@ -167,31 +190,27 @@ async def test_a_hand_over_onto_a_full_engine_relays_without_waiting_for_its_nex
         front = await start_stack(own.url, settings, ["ingress", "render", "sim"])
         first = await start_stack(own.url, settings, ["schedule"])
         peer = None
-        outs, progress = [Streamed(), Streamed()], Signal()
+
+        async def swap() -> None:
+            nonlocal peer
+            peer = await start_stack(own.url, settings, ["schedule"])
+            schedule = peer.by_name["schedule"][0]
+            await schedule.started.wait()
+            # The beat the engine gives at most every 200 s, given now: it is full.
+            bridge = front.by_name["engine"][0]
+            nc = await nats.connect(own.watch)
+            kv = await bus.engines_kv(nc.jetstream(), settings)
+            beat = bridge.info()
+            beat.updated = time.time()
+            assert beat.running == beat.max_seqs == 2
+            await kv.put(bus.token(bridge.id), msgspec.msgpack.encode(beat))
+            await nc.close()
+            await until(schedule.registry.changed,
+                        lambda: schedule.registry.engines[bridge.id].running == 2)  # fmt: skip
+            await first.close()  # hands both streams over at once
+
         try:
-            async with httpx.AsyncClient(timeout=60) as http:
-                streaming = [
-                    asyncio.create_task(chat(http, front.url, story(front.model, 300), o, progress))
-                    for o in outs
-                ]
-                await until(progress, lambda: all(len(o.times) >= 3 for o in outs))
-                peer = await start_stack(own.url, settings, ["schedule"])
-                schedule = peer.by_name["schedule"][0]
-                await schedule.started.wait()
-                # The beat the engine gives at most every 200 s, given now: it is full.
-                bridge = front.by_name["engine"][0]
-                nc = await nats.connect(own.watch)
-                kv = await bus.engines_kv(nc.jetstream(), settings)
-                beat = bridge.info()
-                beat.updated = time.time()
-                assert beat.running == beat.max_seqs == 2
-                await kv.put(bus.token(bridge.id), msgspec.msgpack.encode(beat))
-                await nc.close()
-                await until(schedule.registry.changed,
-                            lambda: schedule.registry.engines[bridge.id].running == 2)  # fmt: skip
-                await first.close()  # hands both streams over at once
-                async with asyncio.timeout(30):
-                    await asyncio.gather(*streaming)
+            outs = await streamed_across(front, swap, 300, streams=2, within=30)
         finally:
             for stack in (peer, front):
                 if stack is not None:

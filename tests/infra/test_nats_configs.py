@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, Node
+from tests.cluster import Cluster, Node, stopped
 from tests.test_cli import free_port
 from tokenway.nats_users import LOCAL_ROUTES, NatsUsers, write_routes
 from tokenway.natsd import server_binary
@@ -112,11 +112,7 @@ async def shipped_cluster(tmp: Path) -> AsyncIterator[Cluster]:
             start(node, tmp)
         yield cluster
     finally:
-        for node in nodes:
-            if node.proc is not None:
-                node.proc.terminate()
-                node.proc.wait()
-        await cluster.http.aclose()
+        await cluster.close()
 
 
 def start(node: Node, cwd: Path) -> None:
@@ -211,8 +207,6 @@ async def test_a_route_without_the_password_or_the_clusters_certificate_is_refus
             await until_logged(a, "TLS route handshake error: .*unknown authority.*stranger")
         finally:
             for node in intruders:
-                assert node.proc is not None
-                node.proc.terminate()
-                node.proc.wait()
+                stopped(node)
         routez = (await cluster.http.get(f"http://127.0.0.1:{a.monitor}/routez")).json()
         assert {r["remote_name"] for r in routez["routes"]} == {"tokenway-b", "tokenway-c"}
