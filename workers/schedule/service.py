@@ -458,6 +458,7 @@ class ScheduleService:
         # so an ended request leaves no work of its own behind.
         await r.settled.wait()
         if r.error is not None and not r.cancelled:
+            assert self._nc is not None  # requests are owned once connected
             try:
                 await ledger.publish_error(
                     self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq,
@@ -594,7 +595,7 @@ class ScheduleService:
             ready, self._ready = self._ready, {}
             light: list[Work] = []
             for r in ready.values():
-                items = [(r, choice, entry) for choice, entry in r.take_ready()]
+                items: list[Work] = [(r, choice, entry) for choice, entry in r.take_ready()]
                 if r.needs_usage_chunk():
                     items.append((r, None, r.usage_entry()))
                 if not items:
@@ -655,7 +656,7 @@ class ScheduleService:
         while round_ := [(r, pubs.popleft()) for r, pubs in queues.values()
                          if pubs and not r.ended.is_set()]:  # fmt: skip
             entries = [self._ledger_entry(r, pub) for r, pub in round_]
-            assert self._writer is not None
+            assert self._writer is not None and self._nc is not None
             outcomes = await self._writer.store(entries)
             stored: dict[str, list[Delivered]] = {}
             for (r, pub), outcome in zip(round_, outcomes, strict=True):
@@ -685,6 +686,7 @@ class ScheduleService:
             r.supersede()
             return None
         if isinstance(outcome, MaxPayloadError):
+            assert self._nc is not None  # what was published went over the connection
             r.fail(too_big_for_the_bus(len(payload), self._nc.max_payload).info())
             return None
         if isinstance(outcome, BaseException):
