@@ -110,15 +110,20 @@ async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None
         await cancel_and_wait(*waits)
 
 
+# How long a cancelled task may go on before it is cancelled again.
+_RECANCEL_AFTER = 0.1
+
+
 async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
     """Cancel `tasks` and wait until each has ended, so none outlives its owner (their
-    outcomes are the caller's to read). A task that ignores its cancellation keeps this
-    waiting: ours only await events, sockets and sleeps, which end on it."""
-    for task in tasks:
-        task.cancel()
-    pending = [t for t in tasks if not t.done()]  # a future ends at its cancel, a task later
-    if pending:
-        await asyncio.wait(pending)
+    outcomes are the caller's to read). A task can lose a cancel (nats-py's connect does in
+    asyncio.wait_for's race, and retries a dead server for ever): one still running a
+    moment later is cancelled again."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=_RECANCEL_AFTER)
 
 
 async def uninterrupted(work: Awaitable[None]) -> None:

@@ -428,6 +428,10 @@ async def connect(
         waits.add(stopping)
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # this start is called off: its attempt ends with it
+        await nc.close()
+        await cancel_and_wait(attempt)
+        raise
     finally:
         if stopping is not None:
             await cancel_and_wait(stopping)
@@ -438,7 +442,7 @@ async def connect(
     attempt.cancel()
     where = _server(nc, url)
     await nc.close()
-    await asyncio.wait({attempt})  # its connect ends at the cancel, or at the close
+    await cancel_and_wait(attempt)
     if stop is not None and stop.is_set():
         raise CannotStart(f"stopped while connecting to {where}")
     if refused.done() or ended:  # refused, or its inboxes not tried (a reset)

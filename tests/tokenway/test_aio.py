@@ -29,3 +29,23 @@ async def test_cancel_and_wait_returns_once_each_task_has_ended() -> None:
 
 async def test_cancel_and_wait_of_nothing_returns() -> None:
     await cancel_and_wait()
+
+
+async def test_cancel_and_wait_cancels_again_a_task_that_lost_its_cancel() -> None:
+    """nats-py's connect can lose a cancel (asyncio.wait_for's race, Python 3.11) and go on
+    retrying a dead server for ever: `tokenway up` hung at exit, 2 runs in 5, waiting for it."""
+    waiting, lost = asyncio.Event(), asyncio.Event()
+
+    async def loses_one() -> None:
+        waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            lost.set()  # swallowed, as the race does
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(loses_one())
+    await waiting.wait()
+    async with asyncio.timeout(30):
+        await cancel_and_wait(task)
+    assert lost.is_set() and task.cancelled()
