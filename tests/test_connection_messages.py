@@ -5,6 +5,8 @@ its connection is one line that names the server and the reason."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import signal
 import subprocess
 from collections.abc import AsyncIterator
@@ -158,3 +160,41 @@ async def test_a_role_told_to_provision_what_it_may_not_exits_with_one_line(
     last = said.strip().splitlines()[-1]
     assert last.startswith(f"tokenway: cannot connect to {guarded.url}: "), said
     assert "permissions violation for publish to" in last and "stream" in last, said
+
+
+async def test_an_outage_is_said_once_then_now_and_then_not_at_every_attempt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connection tries to get back every 0.5 s: each failed attempt was a line, 20 lines a
+    second from the ten stages of `up` while a server restarted. The first is said, then one
+    every OUTAGE_SAID_EVERY, and the reconnection says how many attempts failed."""
+    caplog.set_level(logging.WARNING, logger="tokenway.bus")
+    failed, enough, back = 0, asyncio.Event(), asyncio.Event()
+
+    async def noted(exc: Exception) -> None:
+        nonlocal failed
+        failed += 1
+        if failed == 6:
+            enough.set()
+
+    async def reconnected() -> None:
+        back.set()
+
+    async with nats_server(tmp_path / "js", port=free_port()) as server:
+        nc = await bus.connect(server.url, "tokenway-outage", noted=noted,
+                               reconnected=reconnected)  # fmt: skip
+        try:
+            await asyncio.to_thread(server.stop)
+            await enough.wait()
+            await server.start()
+            await back.wait()
+        finally:
+            await nc.close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenway-outage")]
+    tried = [line for line in said if "cannot reach NATS" in line]
+    assert len(tried) == 1 and "attempt 1;" in tried[0], said
+    # Six errors heard: the server's goodbye (one line of its own), then failed attempts.
+    (attempts,) = [
+        m[1] for line in said if (m := re.search(r"reconnected to .* \(after (\d+) f", line))
+    ]
+    assert int(attempts) >= 5, said

@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -348,6 +349,11 @@ def redacted(url: str) -> str:
 _USERINFO = re.compile(r"([a-z]+://)[^/@,]+@")
 
 
+# A connection trying to get back to NATS fails an attempt every 0.5 s: its first failure is
+# said, then one line this often (ten stages under `up` said 20 lines a second).
+OUTAGE_SAID_EVERY = 30.0
+
+
 async def connect(
     url: str,
     name: str,
@@ -381,13 +387,24 @@ async def connect(
     at = [redacted(url)]  # the server connected to: what a disconnection lost
     up = asyncio.Event()  # connected, and its inboxes ours: errors are a running stage's now
 
+    outage = [0, 0.0]  # reconnect attempts failed, and when the last of them was said
+
     async def failed(exc: Exception) -> None:  # nats-py would log a traceback each time
         last[:] = [exc]
         if up.is_set():  # reconnects, slow consumers, server errors
             errors.inc()
-            log.warning("%s: NATS error at %s: %s", name, _server(nc, url), reason(exc))
             if noted is not None:
                 await noted(exc)
+            if nc.is_reconnecting:  # an attempt every 0.5 s: said once, then now and then
+                outage[0] += 1
+                if outage[0] > 1 and time.monotonic() - outage[1] < OUTAGE_SAID_EVERY:
+                    return
+                outage[1] = time.monotonic()
+                log.warning("%s: cannot reach NATS at %s: %s (attempt %d; said again every "
+                            "%gs until it is back)", name, _server(nc, url), reason(exc),
+                            outage[0], OUTAGE_SAID_EVERY)  # fmt: skip
+                return
+            log.warning("%s: NATS error at %s: %s", name, _server(nc, url), reason(exc))
             return
         log.warning("%s cannot reach NATS at %s: %s", name, _server(nc, url), reason(exc))
         if (_refusal(exc) or violation(exc)) and not refused.done():
@@ -399,7 +416,8 @@ async def connect(
 
     async def back() -> None:
         at[0] = _server(nc, url)
-        log.warning("%s: reconnected to %s", name, at[0])
+        log.warning("%s: reconnected to %s (after %d failed attempts)", name, at[0], outage[0])
+        outage[0] = 0
         if reconnected is not None:
             await reconnected()
 
