@@ -21,7 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from tokenway.parsers import StrictLevel
+from tokenway.parsers import THINK_END, THINK_START, StrictLevel
 from tokenway.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from tokenway.wire import StructuredOutputs
 
@@ -35,7 +35,7 @@ DS_CALLS_END = "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
 DS_CALL_END = "<｜tool▁call▁end｜>"
 DS_SEP = "<｜tool▁sep｜>"
-THINK_TAGS = ["<think>", "</think>"]  # never free text inside DeepSeek's tag
+THINK_TAGS = [THINK_START, THINK_END]  # never free text inside DeepSeek's tag
 HERMES_BEGIN, HERMES_END = "<tool_call>", "</tool_call>"
 
 
