@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 from engines.sim import SimConfig, SimEngine
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import server_binary
-from tokenway.protocol import decode_body
+from tokenway.request_bodies import decode_body
 from tokenway.wire import EngineInfo, EngineWork, SamplingParams
 from workers.derender.detok import Detokenizer, seed
 from workers.render.core import Renderer

@@ -52,8 +52,9 @@ from tokenway.ledger_room import LedgerRoom
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_text
 from tokenway.metrics import SSE_WRITE
 from tokenway.output_router import Event, OutputRouter, Slot
-from tokenway.protocol import decode_body, decoded, named_model
+from tokenway.protocol import decoded, named_model
 from tokenway.quota import UNLIMITED, Quota
+from tokenway.request_bodies import decode_body
 from tokenway.response_store import ResponseStore
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid

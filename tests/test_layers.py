@@ -81,3 +81,53 @@ def test_the_check_sees_an_arrow_between_stages_and_one_running_up(tmp_path: Pat
     assert len(crossings([("tokenway.probe", module)])) == 1  # the ground floor, running up
     assert not crossings([("tokenway.cli", module)])  # the program builds the stages
     assert not crossings([("workers.derender.probe", module)])  # its own stage
+
+
+def module_arrows(modules: Iterable[tuple[str, Path]]) -> dict[str, set[str]]:
+    """Which of `modules` each of them imports (a name imported from a module: that module)."""
+    paths = dict(modules)
+    return {
+        module: {n if n in paths else n.rpartition(".")[0] for _, n in imports(path)} & set(paths)
+        for module, path in paths.items()
+    }
+
+
+def circles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach each other through their imports (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in arrows[m]:
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            group = []
+            while (n := stack.pop()) != m:
+                group.append(n)
+            if group:
+                found.append(sorted([m, *group]))
+
+    for m in sorted(arrows):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_no_modules_of_the_ground_floor_import_each_other_in_a_circle() -> None:
+    """The API schemas were one: protocol decoded Messages and Responses bodies by importing
+    the modules that build on its own structs (issue 33)."""
+    ground = [(m, p) for m, p in product_modules() if floor(m) == GROUND]
+    assert circles(module_arrows(ground)) == []
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

@@ -1,8 +1,8 @@
 """OpenAI request bodies (plus vLLM's common extras) as msgspec structs.
 
-Decoding validates (`decode_body`): the ingress answers 400 on a body that does not decode,
-and the render stage decodes the same bytes again to build the tokenized request. Unknown
-fields are ignored, as vLLM and OpenAI do.
+Decoding validates (`tokenway.request_bodies.decode_body`): the ingress answers 400 on a body
+that does not decode, and the render stage decodes the same bytes again to build the tokenized
+request. Unknown fields are ignored, as vLLM and OpenAI do.
 """
 
 from __future__ import annotations
@@ -209,30 +209,6 @@ OpenAIRequest = ChatCompletionRequest | CompletionRequest
 MAX_DEPTH = 64
 
 
-def decode_body(api: str, body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -> OpenAIRequest:
-    """Validate an OpenAI body (a Responses or an Anthropic Messages body: the chat request
-    it is) and hold it to `bounds`; a malformed one is the client's 400 (`InvalidRequest`)."""
-    check_text(api, body, bounds)
-    if api in ("messages", "responses"):  # they build on this module's structs
-        from tokenway import anthropic, responses
-
-        if api == "messages":
-            req: OpenAIRequest = anthropic.to_chat(decoded(anthropic.MessagesDecoder, body))
-        else:
-            req = responses.to_chat(decoded(responses.ResponsesDecoder, body))
-        _check_depth(req)  # its tool schemas and inputs, as chat carries them
-    elif api == "chat":
-        req = decoded(ChatDecoder, body)
-    else:
-        req = decoded(CompletionDecoder, body)
-    check_decoded(api, req, bounds)
-    if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
-        raise InvalidRequest(
-            "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
-        )
-    return req
-
-
 class TokenizeCompletionRequest(Struct, kw_only=True):
     """`POST /tokenize` with a prompt, as vLLM takes it."""
 
@@ -329,7 +305,7 @@ def decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         raise not_json(body, exc) from exc
     except RecursionError:
         raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels") from None
-    _check_depth(req)
+    check_depth(req)
     return req
 
 
@@ -389,7 +365,8 @@ def _field_of(body: bytes, lone: re.Match[bytes]) -> str | None:
     return None
 
 
-def _check_depth(req: object) -> None:
+def check_depth(req: object) -> None:
+    """Every free-form value of `req` within `MAX_DEPTH` (else the client's 400)."""
     for param, value in _free_form(req):
         check_nesting(param, value)
 
@@ -430,13 +407,3 @@ def _depth(value: object, limit: int) -> int:
     else:
         return 0
     return 1 + max((_depth(v, limit - 1) for v in items), default=0)
-
-
-def _has_wide_int(value: object) -> bool:
-    """Whether an integer msgpack cannot carry (outside -2**63 .. 2**64 - 1) is in `value`
-    (already bounded in depth)."""
-    if isinstance(value, dict):
-        return any(_has_wide_int(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_wide_int(v) for v in value)
-    return isinstance(value, int) and not -(2**63) <= value < 2**64

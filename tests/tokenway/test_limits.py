@@ -11,7 +11,8 @@ import pytest
 from tokenway.config import Settings
 from tokenway.errors import InvalidRequest
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits
-from tokenway.protocol import decode_body, decode_tokenize
+from tokenway.protocol import decode_tokenize
+from tokenway.request_bodies import decode_body
 
 HELLO = [{"role": "user", "content": "hi"}]
 

@@ -24,8 +24,8 @@ from tokenway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
-    decode_body,
 )
+from tokenway.request_bodies import decode_body
 from tokenway.responses import RESPONSE_ID_PREFIX
 from tokenway.sampling import budget, output_options
 from tokenway.wire import (

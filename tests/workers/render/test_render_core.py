@@ -17,8 +17,8 @@ from tokenway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
-    decode_body,
 )
+from tokenway.request_bodies import decode_body
 from tokenway.wire import SEED_TOKENS, Api, GenerateRequest, RenderRequest
 from workers.render.backend import LocalBackend
 from workers.render.core import Renderer
