@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from tokenway.aio import cancel_and_wait
+from tokenway.aio import cancel_and_wait, wait_any
 from tokenway.config import Settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
@@ -532,8 +532,7 @@ async def unless_denied(
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:  # denied, or this start cancelled: the work ends here too
-        task.cancel()
-        await asyncio.wait({task})
+        await cancel_and_wait(task)
     if denied.done():
         where = _server(nc, url)
         await nc.close()
@@ -745,11 +744,11 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> list[Provision
     a stream with more than `--replicas` asks is refused (CannotStart) before anything
     changes. Each stream's outcome is logged and returned. A cluster that cannot place a
     replica yet (a peer restarting) is waited for, up to the connect timeout."""
-    info = js._nc._server_info
-    asked = s.replicas or default_replicas(info)
-    if asked > 1 and not info.get("cluster"):  # the server's answer would be a bare 10074
+    server = js._nc._server_info
+    asked = s.replicas or default_replicas(server)
+    if asked > 1 and not server.get("cluster"):  # the server's answer would be a bare 10074
         raise CannotStart(
-            f"--replicas {asked} needs a JetStream cluster; server {info.get('server_name')} "
+            f"--replicas {asked} needs a JetStream cluster; server {server.get('server_name')} "
             "runs alone and keeps one copy of each stream (leave --replicas out)"
         )
     async for attempt in _retrying(s.connect_timeout, _placeable):
@@ -815,8 +814,7 @@ async def wait_for_streams(js: JetStreamContext, s: Settings, stop: asyncio.Even
                         "(--provision)", name,
                     )  # fmt: skip
                     told = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            await wait_any(stop, timeout=delay)
             if stop.is_set():
                 raise CannotStart(f"stopped while waiting for stream {name} to be provisioned")
             delay = min(delay * 2, PROVISION_POLL)
