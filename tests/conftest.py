@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 
 from engines.sim import SimEngine
+from program.stages import build_stages, serve
 from tokenway import bus
-from tokenway.cli import build_stages, serve
 from tokenway.client import Client
 from tokenway.config import Settings
 from tokenway.model import ModelInfo

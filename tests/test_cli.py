@@ -24,7 +24,7 @@ from tokenway.registry import EngineRegistry
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-TOKENWAY = [sys.executable, "-m", "tokenway.cli"]
+TOKENWAY = [sys.executable, "-m", "program.cli"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWAY_SIM_TTFT": "0", "TOKENWAY_SIM_ITL": "0.001"}
 
 
@@ -298,7 +298,7 @@ async def test_every_flag_is_a_setting_and_reaches_it() -> None:
     """A flag that names no setting would be silently ignored: none may."""
     import argparse
 
-    from tokenway.cli import parser
+    from program.cli import parser
     from tokenway.config import Settings, load_settings
 
     root = parser()

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import pytest_asyncio
 
+from program.stages import build_stages
 from tests.conftest import Stack, make_settings, resolve_model, start_stack
 from tests.fakes.vllm_render import FakeVllmRender, Knobs
-from tokenway.cli import build_stages
 from workers.render.core import Renderer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -13,13 +13,15 @@ import nats
 import pytest
 from nats.js import JetStreamContext
 
+from program import dlq
+from program.cli import dlq_parser
+from program.status import read_status
 from tests.conftest import Bus, make_settings, start_stack
 from tests.tokenway.test_dlq import js, letters_fixture, seed, server, wait_letters
-from tokenway import bus, dlq, ledger
+from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.cli import dlq_parser
-from tokenway.status import read_status
 from tokenway.wire import DeadLetter
+from workers.dlq import mover
 
 ON_THE_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
@@ -75,8 +77,8 @@ async def test_every_reason_starts_with_a_category_the_readme_filters_on(
         await wait_letters(js, 4)
     finally:
         await stack.close()
-    advisory = dlq.MaxDeliveries(bus.RENDER_STREAM, "render-x", 1, 5)
-    exhausted = dlq.exhausted_letter(advisory, bus.render_subject(model), {}, b"", time.time())
+    advisory = mover.MaxDeliveries(bus.RENDER_STREAM, "render-x", 1, 5)
+    exhausted = mover.exhausted_letter(advisory, bus.render_subject(model), {}, b"", time.time())
     await seed(js, exhausted)
 
     reasons = {(x.dead.stage, x.dead.payload): x.dead.reason for x in await dlq.list_letters(js)}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from program.cli import batch_parser, dlq_parser, parser
 from tests.conftest import Stack
-from tokenway.cli import batch_parser, dlq_parser, parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -68,7 +68,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
            "TOKENWAY_SIM_ITL": "0.0005", "TOKENWAY_SIM_OUTPUT_LEN": "24",
            "TOKENWAY_MAX_MODEL_LEN": "4096"}  # fmt: skip
     data = tmp_path_factory.mktemp("fuzz")
-    command = [sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0"]
+    command = [sys.executable, "-m", "program.cli", "up", "--data-dir", str(data), "--port", "0"]
     log = (data / "up.log").open("wb")
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:

@@ -1,9 +1,14 @@
-"""The house in floors, read from the imports: a stage (the ingress, render, schedule,
-derender, batch, the engines) imports the ground floor (`tokenway/`) and never a sibling, and
-the ground floor imports no stage. What two stages both need lives on the ground floor.
+"""The house in floors, read from the imports. From the bottom:
 
-The program's own modules that still sit in `tokenway/` and build the stages (issue 33 moves
-them up) are the listed exceptions."""
+- the ground floor, `tokenway/`: the contracts, bus table, ledger, errors, config and the ideas
+  two stages share;
+- the API schemas, `tokenway/api/` (OpenAI, Anthropic Messages, Responses), on the ground;
+- the stages, side by side: the ingress, render, schedule, derender, batch, the dead-letter
+  mover and the engines;
+- the program, `program/`: the `tokenway` command, which builds the stages.
+
+A module imports its own floor and the floors below, and a stage never a sibling: what two
+stages both need lives below them."""
 
 from __future__ import annotations
 
@@ -12,23 +17,23 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GROUND, API, PROGRAM = "tokenway", "tokenway.api", "program"
 STAGES = ("ingress", "engines", "workers.render", "workers.schedule", "workers.derender",
-          "workers.batch")  # fmt: skip
-GROUND = "tokenway"
-# The composition root, still on the ground floor: it starts every stage.
-PROGRAM = {"tokenway.cli"}
+          "workers.batch", "workers.dlq")  # fmt: skip
+# Each floor's height; the stages share one.
+HEIGHT = {GROUND: 0, API: 1, **dict.fromkeys(STAGES, 2), PROGRAM: 3}
 
 
 def floor(module: str) -> str | None:
     """The stage or floor a dotted module name belongs to; None outside the product."""
-    for name in (*STAGES, GROUND):
+    for name in (*STAGES, PROGRAM, API, GROUND):  # the API package before the ground it is in
         if module == name or module.startswith(name + "."):
             return name
     return None
 
 
 def product_modules() -> Iterator[tuple[str, Path]]:
-    for top in ("tokenway", "ingress", "workers", "engines"):
+    for top in ("tokenway", "ingress", "workers", "engines", "program"):
         for path in sorted((ROOT / top).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
@@ -54,16 +59,14 @@ def crossings(modules: Iterable[tuple[str, Path]]) -> list[str]:
         here = floor(module)
         for line, name in imports(path):
             there = floor(name)
-            if there is None or there == here or there == GROUND:
-                continue
-            if here == GROUND and module in PROGRAM:
+            if there is None or here is None or there == here or HEIGHT[there] < HEIGHT[here]:
                 continue
             file = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name)
             found.append(f"{file}:{line}: {here} imports {name} ({there})")
     return found
 
 
-def test_no_stage_imports_another_stage_and_the_ground_floor_imports_none() -> None:
+def test_no_floor_imports_one_above_it_and_no_stage_imports_another() -> None:
     found = crossings(product_modules())
     assert not found, "\n".join(found)
 
@@ -71,7 +74,8 @@ def test_no_stage_imports_another_stage_and_the_ground_floor_imports_none() -> N
 def test_the_check_sees_an_arrow_between_stages_and_one_running_up(tmp_path: Path) -> None:
     assert floor("workers.renderer") is None
     assert floor("tokenway.wire") == GROUND
-    assert {m for m, _ in product_modules()} >= {"ingress.app", "engines.sim", "tokenway.cli"}
+    assert floor("tokenway.api.openai") == API
+    assert {m for m, _ in product_modules()} >= {"ingress.app", "engines.sim", "program.cli"}
     module = tmp_path / "probe.py"
     module.write_text("def late():\n    from workers.derender import tools\n")
     sideways = crossings([("workers.schedule.probe", module)])
@@ -79,7 +83,13 @@ def test_the_check_sees_an_arrow_between_stages_and_one_running_up(tmp_path: Pat
         "probe.py:2: workers.schedule imports workers.derender.tools (workers.derender)"
     ]
     assert len(crossings([("tokenway.probe", module)])) == 1  # the ground floor, running up
-    assert not crossings([("tokenway.cli", module)])  # the program builds the stages
+    assert len(crossings([("tokenway.api.probe", module)])) == 1  # the API schemas, too
+    assert not crossings([("program.cli", module)])  # the program builds the stages
+    module.write_text("from tokenway.api import openai\nfrom tokenway import wire\n")
+    assert crossings([("tokenway.probe", module)]) == [
+        "probe.py:1: tokenway imports tokenway.api.openai (tokenway.api)"
+    ]
+    assert not crossings([("tokenway.api.probe", module)])
     assert not crossings([("workers.derender.probe", module)])  # its own stage
 
 
@@ -124,7 +134,7 @@ def circles(arrows: dict[str, set[str]]) -> list[list[str]]:
 def test_no_modules_of_the_ground_floor_import_each_other_in_a_circle() -> None:
     """The API schemas were one: protocol decoded Messages and Responses bodies by importing
     the modules that build on its own structs (issue 33)."""
-    ground = [(m, p) for m, p in product_modules() if floor(m) == GROUND]
+    ground = [(m, p) for m, p in product_modules() if floor(m) in (GROUND, API)]
     assert circles(module_arrows(ground)) == []
 
 

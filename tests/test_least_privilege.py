@@ -16,9 +16,9 @@ import openai
 import pytest
 import pytest_asyncio
 
+from program.stages import serve
 from tests.conftest import Logged, make_settings, nats_server, start_stack
 from tests.test_cli import spawn
-from tokenway.cli import serve
 from tokenway.nats_users import NatsUsers
 from tokenway.natsd import server_binary
 from tokenway.roles import roles

@@ -16,8 +16,8 @@ import pytest
 import pytest_asyncio
 from tokenizers import Tokenizer
 
+from program.stages import build_stages, serve
 from tests.conftest import Stack, make_settings, start_stack, wait_engines
-from tokenway.cli import build_stages, serve
 from tokenway.config import Settings
 from tokenway.model import default_model_dir
 

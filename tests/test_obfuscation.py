@@ -23,11 +23,11 @@ from engines.bridge import Bridge, Engine
 from engines.sim import SimConfig, SimEngine
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from engines.vllm_wire import COMPLETIONS_PATH, GENERATE_PATH
+from program.stages import build_stages
 from tests.conftest import Stack, make_settings, recording, start_stack
 from tests.fakes.vllm_engine import FakeVllm, Knobs
 from tokenway import bus
 from tokenway.block_hashes import block_hashes
-from tokenway.cli import build_stages
 from tokenway.obfuscation import Permutation
 from tokenway.registry import EngineRegistry
 from tokenway.wire import EngineInfo, EngineReply, EngineWork, SamplingParams

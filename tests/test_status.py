@@ -116,7 +116,7 @@ async def test_an_engine_beating_while_status_reads_the_registry_is_listed(
     """Heartbeats replace an engine's entry every third of a TTL. Listing the bucket's keys
     with a watch could come back without an entry replaced while the watch started (a
     status in CI once showed no engines); the listing is the server's own, at one instant."""
-    from tokenway.status import _engines
+    from program.status import _engines
 
     nc = await nats.connect(stack.observer)
     js = nc.jetstream()

@@ -33,7 +33,7 @@ from tests.fakes.http import (
     send_json,
     serve,
 )
-from tokenway import openai_output
+from tokenway.api import openai_output
 from tokenway.errors import TokenwayError
 from tokenway.wire import (
     Api,

@@ -24,10 +24,11 @@ import openai
 import pytest
 import yaml
 
+from program import cli
 from tests.conftest import Bus, guarded_bus
 from tests.stages import READY
 from tests.test_cli import free_port, logged, spawn, stop
-from tokenway import bus, cli
+from tokenway import bus
 from tokenway.config import Settings, load_settings
 from tokenway.roles import roles
 
@@ -62,7 +63,7 @@ class Container:
         return self.role != "provision"
 
     def settings(self) -> Settings:
-        """What `tokenway.cli.main` makes of this command line and environment."""
+        """What `program.cli.main` makes of this command line and environment."""
         own = {"dlq": cli.dlq_parser, "batch": cli.batch_parser}.get(self.argv[0])
         try:
             args = own().parse_args(self.argv[1:]) if own else cli.parser().parse_args(self.argv)
@@ -439,3 +440,15 @@ async def test_compose_commands_serve_a_chat_each_as_its_role_without_docker(
         finally:
             for proc in procs.values():
                 await stop(proc, signal.SIGKILL)
+
+
+def test_the_image_holds_every_package_the_install_names() -> None:
+    """The image installs from what it copies: a package left out (`program/`, issue 33's
+    top floor) would leave `tokenway` without its command."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {p.rstrip("*") for p in include["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (INFRA / "Dockerfile").read_text(), re.M))
+    assert packages == copied
+    assert packages == {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}

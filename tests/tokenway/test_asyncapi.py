@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from pydantic_asyncapi.v3 import AsyncAPI
 
-from tokenway import bus, cli
-from tokenway.asyncapi import document
+from program import cli
+from program.asyncapi import document
+from tokenway import bus
 
 
 def refs(node: Any) -> list[str]:

@@ -19,7 +19,7 @@ def test_defaults_apply_when_nothing_is_set() -> None:
 
 
 def test_up_runs_a_simulated_engine_unless_told_of_real_ones_or_none() -> None:
-    from tokenway.cli import up_stages
+    from program.stages import up_stages
 
     stages = ["ingress", "render", "schedule", "dlq", "batch"]
     assert up_stages(load_settings({}, {})) == [*stages, "sim"]

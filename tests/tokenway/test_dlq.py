@@ -21,12 +21,14 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
+from program import dlq
+from program.cli import _dlq, dlq_parser, main
 from tests.conftest import Bus, guarded_bus, make_settings, start_stack
-from tokenway import bus, dlq, ledger
+from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.cli import _dlq, dlq_parser, main
 from tokenway.config import Settings
 from tokenway.wire import DeadLetter
+from workers.dlq import mover
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -113,10 +115,10 @@ async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
         await sub.fetch(1, timeout=0.3)
 
     stop = asyncio.Event()
-    mover = asyncio.create_task(dlq.DlqMover(settings).run(server.url, stop))
+    moving = asyncio.create_task(mover.DlqMover(settings).run(server.url, stop))
     (moved,) = await wait_letters(js, 1)
     stop.set()
-    await mover  # finishes the advisory in hand: the delete and the ack
+    await moving  # finishes the advisory in hand: the delete and the ack
 
     dead = msgspec.json.decode(moved.data, type=DeadLetter)
     assert moved.subject == bus.dlq_subject("render")
@@ -126,12 +128,12 @@ async def test_exhausted_deliveries_are_moved_to_the_dlq_and_off_the_work_queue(
     assert dead.headers[h.RID] == "rid-1"
     with pytest.raises(NotFoundError):
         await js.get_msg(bus.RENDER_STREAM, sent.seq)
-    info = await js.consumer_info(bus.ADVISORY_STREAM, dlq.MOVER)
+    info = await js.consumer_info(bus.ADVISORY_STREAM, mover.MOVER)
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
 
     # A redelivered advisory moves nothing twice.
-    advisory = dlq.MaxDeliveries(bus.RENDER_STREAM, "render-poison", sent.seq, 2)
-    assert await dlq.move(js, advisory) is None
+    advisory = mover.MaxDeliveries(bus.RENDER_STREAM, "render-poison", sent.seq, 2)
+    assert await mover.move(js, advisory) is None
     assert len(await dlq.list_letters(js)) == 1
 
 
@@ -139,9 +141,9 @@ async def test_moving_twice_stores_one_letter_and_leaves_non_work_queues_alone(
     js: JetStreamContext,
 ) -> None:
     sent = await js.publish(bus.out_subject("i1", "r9"), b"ledger entry")
-    advisory = dlq.MaxDeliveries(bus.OUT_STREAM, "audit-x", sent.seq, 3)
-    first = await dlq.move(js, advisory)
-    assert await dlq.move(js, advisory) == first  # the DLQ dropped the duplicate
+    advisory = mover.MaxDeliveries(bus.OUT_STREAM, "audit-x", sent.seq, 3)
+    first = await mover.move(js, advisory)
+    assert await mover.move(js, advisory) == first  # the DLQ dropped the duplicate
     (letter,) = await dlq.list_letters(js)
     assert (letter.id, letter.dead.stage, letter.dead.delivered) == (first, "audit", 3)
     assert (await js.get_msg(bus.OUT_STREAM, sent.seq)).data == b"ledger entry"
@@ -268,7 +270,7 @@ async def test_cli_subprocess_lists_letters_as_json_lines(
 ) -> None:
     ids = [await seed(js, x) for x in letters_fixture(time.time())]
     proc = await asyncio.create_subprocess_exec(  # as the README says: with `ops.env` loaded
-        *[sys.executable, "-m", "tokenway.cli", "dlq", "ls", "--json"],
+        *[sys.executable, "-m", "program.cli", "dlq", "ls", "--json"],
         env={**os.environ, **server.env("ops")},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from tokenway.api.bodies import decode_body
+from tokenway.api.openai import decode_tokenize
 from tokenway.config import Settings
 from tokenway.errors import InvalidRequest
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits
-from tokenway.protocol import decode_tokenize
-from tokenway.request_bodies import decode_body
 
 HELLO = [{"role": "user", "content": "hi"}]
 

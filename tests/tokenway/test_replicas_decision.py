@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from program.cli import parser
 from tokenway import bus
-from tokenway.cli import parser
 from tokenway.errors import CannotStart
 
 

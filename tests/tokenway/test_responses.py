@@ -1,4 +1,4 @@
-"""A Responses request as the chat request it is (`tokenway.responses.to_chat`): the items
+"""A Responses request as the chat request it is (`tokenway.api.responses.to_chat`): the items
 agents send back as history (issue 31)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from tokenway import responses
-from tokenway.protocol import Message
+from tokenway.api import responses
+from tokenway.api.openai import Message
 
 
 def history(*items: dict[str, Any], **fields: Any) -> list[Message]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engines.vllm_http import vllm_urls
+from program.cli import main
 from tests.conftest import make_settings
-from tokenway.cli import main
 from tokenway.model import DEFAULT_MODEL_NAME, default_model_dir
 from tokenway.served import DEFAULT_PARSERS, parser_flags, served_models
 

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer
 
 from tests.workers.derender.texts import END_THINK, THINK, encode
 from tokenway import parsers
+from tokenway.api.bodies import decode_body
+from tokenway.api.openai import ChatCompletionRequest
 from tokenway.parsers import REASONING_PARSERS, THINK_END, THINK_START
-from tokenway.protocol import ChatCompletionRequest
-from tokenway.request_bodies import decode_body
 from tokenway.wire import ReasoningStart
 from workers.derender import reasoning
 from workers.derender.detok import Detokenizer, seed

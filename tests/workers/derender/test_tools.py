@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from tokenway.api.openai import ChatDecoder
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import TOOL_PARSERS
-from tokenway.protocol import ChatDecoder
 from tokenway.wire import ParseContext
 from workers.derender import tools
 from workers.derender.detok import Detokenizer, seed

@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from tokenway.errors import InvalidRequest, ModelNotFound
-from tokenway.model import DEFAULT_CONTEXT_LENGTH, load_model_info
-from tokenway.protocol import (
+from tokenway.api.bodies import decode_body
+from tokenway.api.openai import (
     MAX_DEPTH,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
 )
-from tokenway.request_bodies import decode_body
+from tokenway.errors import InvalidRequest, ModelNotFound
+from tokenway.model import DEFAULT_CONTEXT_LENGTH, load_model_info
 from tokenway.wire import SEED_TOKENS, Api, GenerateRequest, RenderRequest
 from workers.render.backend import LocalBackend
 from workers.render.core import Renderer

@@ -7,8 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from tokenway.api.openai import ChatCompletionRequest, CompletionRequest
 from tokenway.errors import InvalidRequest
-from tokenway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenway.sampling import budget
 from tokenway.wire import SamplingParams
 from workers.render.sampling import (

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tokenway.protocol import ChatCompletionRequest
+from tokenway.api.openai import ChatCompletionRequest
 from tokenway.wire import StructuredOutputs
 from workers.render.tool_tags import structural_tag
 

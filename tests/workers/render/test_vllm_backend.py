@@ -14,10 +14,10 @@ import pytest
 import pytest_asyncio
 from prometheus_client import REGISTRY
 
+from program.stages import build_stages
 from tests.conftest import make_settings
 from tests.fakes.vllm_render import FakeVllmRender, Knobs
 from tests.test_cli import free_port
-from tokenway.cli import build_stages
 from tokenway.errors import InvalidRequest, ModelNotFound, Unprocessable
 from tokenway.model import load_model_info
 from tokenway.parsers import ParserFlags

@@ -1,20 +1,20 @@
 """What a client's body becomes: any API's body, decoded and held to its bounds, as the chat or
 completion request it is (a Responses or Messages body is the chat request it translates to).
-Apart from `tokenway.protocol` because it takes in the API translations, which build on that
+Apart from `tokenway.api.openai` because it takes in the API translations, which build on that
 module's structs."""
 
 from __future__ import annotations
 
-from tokenway import anthropic, responses
-from tokenway.errors import InvalidRequest
-from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_decoded, check_text
-from tokenway.protocol import (
+from tokenway.api import anthropic, responses
+from tokenway.api.openai import (
     ChatDecoder,
     CompletionDecoder,
     OpenAIRequest,
     check_depth,
     decoded,
 )
+from tokenway.errors import InvalidRequest
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_decoded, check_text
 
 
 def decode_body(api: str, body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -> OpenAIRequest:

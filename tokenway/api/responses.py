@@ -2,7 +2,7 @@
 completion request each one is.
 
 A Responses request runs as the chat completion it translates to, like a Messages request
-(`tokenway.anthropic`): `instructions` lead as a system message, message items keep their
+(`tokenway.api.anthropic`): `instructions` lead as a system message, message items keep their
 role, `function_call` items are an assistant's tool calls, `function_call_output` items
 tool messages, and a `reasoning` item is the reasoning of the assistant turn after it.
 
@@ -25,8 +25,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta, Struct
 
-from tokenway.errors import InvalidRequest
-from tokenway.protocol import (
+from tokenway.api.openai import (
     ChatCompletionRequest,
     FunctionCall,
     FunctionDef,
@@ -46,6 +45,7 @@ from tokenway.protocol import (
     template_kwargs,
     thinking_switch,
 )
+from tokenway.errors import InvalidRequest
 
 RESPONSE_ID_PREFIX = "resp_"
 # The chat request's parameters a Responses request gives by other names (`to_chat`): what

@@ -16,8 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from tokenway.errors import InvalidRequest
-from tokenway.protocol import (
+from tokenway.api.openai import (
     ChatCompletionRequest,
     FunctionCall,
     FunctionDef,
@@ -35,6 +34,7 @@ from tokenway.protocol import (
     template_kwargs,
     thinking_switch,
 )
+from tokenway.errors import InvalidRequest
 
 MESSAGE_ID_PREFIX = "msg_"
 

@@ -1,6 +1,6 @@
 """OpenAI request bodies (plus vLLM's common extras) as msgspec structs.
 
-Decoding validates (`tokenway.request_bodies.decode_body`): the ingress answers 400 on a body
+Decoding validates (`tokenway.api.bodies.decode_body`): the ingress answers 400 on a body
 that does not decode, and the render stage decodes the same bytes again to build the tokenized
 request. Unknown fields are ignored, as vLLM and OpenAI do.
 """
