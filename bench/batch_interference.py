@@ -97,7 +97,7 @@ async def run(
     with tempfile.TemporaryDirectory(prefix="tw-bench-batch-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
             pipeline = await stack.enter_async_context(running_pipeline(cfg, Path(tmp)))
-            tokenway = [sys.executable, "-m", "tokenway.cli"]
+            tokenway = [sys.executable, "-m", "program.cli"]
             pipeline._spawn("batch", [*tokenway, "batch", "run", "--nats", pipeline.nats_url,
                                       "--data-dir", str(pipeline.data_dir),
                                       "--batch-concurrency", str(concurrency)])  # fmt: skip

@@ -40,9 +40,9 @@ import msgspec
 from tokenizers import Tokenizer
 
 from engines.sim import SimConfig, SimEngine
+from tokenway.api.bodies import decode_body
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.natsd import server_binary
-from tokenway.request_bodies import decode_body
 from tokenway.wire import EngineInfo, EngineWork, SamplingParams
 from workers.derender.detok import Detokenizer, seed
 from workers.render.core import Renderer
@@ -406,7 +406,7 @@ class Pipeline:
 
         common = ["--nats", self.nats_url, "--data-dir", str(self.data_dir), "--log-level",
                   "warning", *self.model]  # fmt: skip
-        tokenway = [sys.executable, "-m", "tokenway.cli"]
+        tokenway = [sys.executable, "-m", "program.cli"]
         self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
         for stage in ("render", "schedule"):
             self._spawn(stage, [*tokenway, stage, *common])

@@ -288,7 +288,7 @@ async def up_process(
            "PYTHONPATH": code}  # fmt: skip
     with open(data / "up.log", "wb") as log:  # noqa: ASYNC230 - once, at start
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenway.cli", "up", "--data-dir", str(data), "--port", "0",
+            sys.executable, "-m", "program.cli", "up", "--data-dir", str(data), "--port", "0",
             *flags, cwd=code, env=env, stdout=asyncio.subprocess.PIPE, stderr=log,
         )  # fmt: skip
     try:

@@ -31,9 +31,12 @@ from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
 from ingress.responses import Conversation, conversation, final_response
 from ingress.sse_writer import SseWriter
-from tokenway import anthropic, bus, heap, ledger, spans, tenancy
+from tokenway import bus, heap, ledger, spans, tenancy
 from tokenway import headers as h
 from tokenway.aio import cancel_and_wait
+from tokenway.api import anthropic
+from tokenway.api.bodies import decode_body
+from tokenway.api.openai import decoded, named_model
 from tokenway.errors import (
     BodyTimeout,
     DeadlineExceeded,
@@ -52,9 +55,7 @@ from tokenway.ledger_room import LedgerRoom
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_text
 from tokenway.metrics import SSE_WRITE
 from tokenway.output_router import Event, OutputRouter, Slot
-from tokenway.protocol import decoded, named_model
 from tokenway.quota import UNLIMITED, Quota
-from tokenway.request_bodies import decode_body
 from tokenway.response_store import ResponseStore
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid

@@ -9,15 +9,15 @@ from typing import Any
 import msgspec
 
 from ingress.completions import NO, YES
-from tokenway import anthropic, responses
-from tokenway.errors import ErrorBody
-from tokenway.protocol import (
+from tokenway.api import anthropic, responses
+from tokenway.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tokenway.errors import ErrorBody
 
 _REF = "#/components/schemas/{name}"
 _ANTHROPIC = ("MessagesRequest", "CountTokensRequest")  # its routes answer its error shape

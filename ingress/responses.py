@@ -16,11 +16,11 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from tokenway import sse
+from tokenway.api.openai import not_json
+from tokenway.api.responses import COMPLETED, RESPONSE_ID_PREFIX
 from tokenway.errors import InvalidRequest, ModelNotFound, TokenwayError, error_body
-from tokenway.protocol import not_json
 from tokenway.quota import UNLIMITED, Quota
 from tokenway.response_store import NotStored, ResponseStore, Stored
-from tokenway.responses import COMPLETED, RESPONSE_ID_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tokenway import anthropic, sse
 from tokenway import headers as h
+from tokenway import sse
+from tokenway.api import anthropic
 from tokenway.output_router import Event
 
 

@@ -274,7 +274,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 
 def given(name: str, flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> bool:
     """Whether a flag or `TOKENWAY_<NAME>` sets `name` (as `load_settings` reads them): a
-    setting left unset may follow from what the process is (its role, `tokenway.cli`)."""
+    setting left unset may follow from what the process is (its role, `program.cli`)."""
     env = os.environ if env is None else env
     value = env.get(ENV_PREFIX + name.upper())
     in_env = value is not None and (value != "" or name in _EMPTY_IS_SET)

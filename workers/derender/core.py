@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from tokenway import openai_output
+from tokenway.api import openai_output
+from tokenway.api.openai_output import Out
 from tokenway.errors import InvalidRequest, TokenwayError, internal
-from tokenway.openai_output import Out
 from tokenway.wire import (
     Api,
     DerenderEntry,

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
-from tokenway.anthropic import fold_thinking, signature, stop_reason
-from tokenway.openai_output import Out
+from tokenway.api.anthropic import fold_thinking, signature, stop_reason
+from tokenway.api.openai_output import Out
 from tokenway.wire import OutputContext
 from workers.derender.state import Opened
 from workers.derender.tools import ToolCallDelta

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 
 from tokenway import sse
-from tokenway.openai_output import Out
-from tokenway.responses import (
+from tokenway.api.openai_output import Out
+from tokenway.api.responses import (
     COMPLETED,
     CUSTOM_INPUT,
     PRIVATE,
@@ -102,7 +102,7 @@ def _reasoning_item(ctx: OutputContext, text: str) -> dict[str, Any]:
 
 
 def _names(ctx: OutputContext) -> dict[str, CallName]:
-    """What each shown function's calls are (`tokenway.responses.call_names`)."""
+    """What each shown function's calls are (`tokenway.api.responses.call_names`)."""
     return call_names(_echoed(ctx).get("tools") or [])
 
 

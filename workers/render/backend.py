@@ -24,10 +24,10 @@ from tokenizers import Tokenizer
 
 from tokenway import heap
 from tokenway.aio import on_big_stack
+from tokenway.api.openai import CompletionRequest, OpenAIRequest
 from tokenway.config import Settings
 from tokenway.limits import RequestLimits
 from tokenway.model import ModelInfo
-from tokenway.protocol import CompletionRequest, OpenAIRequest
 from tokenway.wire import Api, GenerateRequest, RenderRequest
 from workers.render.core import Parsed, Renderer, RequestBuilder, completion_prompts
 from workers.render.parse import ParserFlags

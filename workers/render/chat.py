@@ -7,8 +7,8 @@ from typing import Any
 import jinja2
 import msgspec
 
+from tokenway.api.openai import ChatCompletionRequest, Message, TokenizeChatRequest
 from tokenway.errors import InvalidRequest
-from tokenway.protocol import ChatCompletionRequest, Message, TokenizeChatRequest
 
 # What a chat template is applied to: a chat request, or the messages `/tokenize` is given.
 Chat = ChatCompletionRequest | TokenizeChatRequest

@@ -14,19 +14,19 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tokenway import responses
-from tokenway.anthropic import MESSAGE_ID_PREFIX
-from tokenway.errors import InvalidRequest, check_model
-from tokenway.limits import DEFAULT_LIMITS, RequestLimits
-from tokenway.model import ModelInfo
-from tokenway.parsers import ParserFlags
-from tokenway.protocol import (
+from tokenway.api import responses
+from tokenway.api.anthropic import MESSAGE_ID_PREFIX
+from tokenway.api.bodies import decode_body
+from tokenway.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
 )
-from tokenway.request_bodies import decode_body
-from tokenway.responses import RESPONSE_ID_PREFIX
+from tokenway.api.responses import RESPONSE_ID_PREFIX
+from tokenway.errors import InvalidRequest, check_model
+from tokenway.limits import DEFAULT_LIMITS, RequestLimits
+from tokenway.model import ModelInfo
+from tokenway.parsers import ParserFlags
 from tokenway.sampling import budget, output_options
 from tokenway.wire import (
     MAX_PROMPTS,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from tokenway import parsers
+from tokenway.api.openai import ChatCompletionRequest, NamedToolChoice
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import ParserFlags
-from tokenway.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenway.wire import ParseContext, StructuredOutputs
 from workers.render import tool_tags
 from workers.render.structured import ToolTags

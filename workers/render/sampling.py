@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenway.api.openai import ChatCompletionRequest, CompletionRequest
 from tokenway.errors import InvalidRequest
-from tokenway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenway.wire import GenerateRequest, Prompt, SamplingParams, StructuredOutputs
 
 

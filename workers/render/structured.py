@@ -27,15 +27,15 @@ from typing import Any
 
 import msgspec
 
-from tokenway.constraints import problem
-from tokenway.errors import InvalidRequest
-from tokenway.parsers import StrictLevel
-from tokenway.protocol import (
+from tokenway.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
     ResponseFormat,
 )
+from tokenway.constraints import problem
+from tokenway.errors import InvalidRequest
+from tokenway.parsers import StrictLevel
 from tokenway.wire import StructuredOutputs
 from workers.render import tool_tags
 

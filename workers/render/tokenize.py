@@ -7,14 +7,14 @@ import logging
 
 import msgspec
 
-from tokenway.errors import InvalidRequest, TokenwayError, check_model, error_body, internal
-from tokenway.protocol import (
+from tokenway.api.openai import (
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeResponse,
     decode_detokenize,
     decode_tokenize,
 )
+from tokenway.errors import InvalidRequest, TokenwayError, check_model, error_body, internal
 from tokenway.wire import TokenizeAnswer, TokenizeCall
 from workers.render.backend import worked
 from workers.render.chat import apply_template

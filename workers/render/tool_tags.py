@@ -21,8 +21,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from tokenway.api.openai import ChatCompletionRequest, NamedToolChoice, Tool
 from tokenway.parsers import THINK_END, THINK_START, StrictLevel
-from tokenway.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from tokenway.wire import StructuredOutputs
 
 STRICT_LEVELS: tuple[StrictLevel, ...] = ("auto", "function", "parameter")

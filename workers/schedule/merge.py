@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenway import headers as h
+from tokenway.api.openai_output import combine_responses, usage_chunk
 from tokenway.errors import DeadlineExceeded
-from tokenway.openai_output import combine_responses, usage_chunk
 from tokenway.output_router import Event
 from tokenway.sse import frame
 from tokenway.wire import ErrorInfo, OutputContext
