@@ -59,7 +59,15 @@ from tokenway.quota import UNLIMITED, Quota
 from tokenway.response_store import ResponseStore
 from tokenway.tenancy import Limits
 from tokenway.trace import traceparent, valid
-from tokenway.wire import Api, ErrorInfo, RenderRequest, TokenizeAnswer, TokenizeCall, TokenizeRoute
+from tokenway.wire import (
+    Api,
+    ErrorInfo,
+    Failed,
+    RenderRequest,
+    TokenizeAnswer,
+    TokenizeCall,
+    TokenizeRoute,
+)
 from tokenway.worker import enqueue
 
 log = logging.getLogger(__name__)
@@ -346,7 +354,7 @@ class Completions:
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
-            if first.kind == "error":
+            if isinstance(first, Failed):
                 return Reply.failed(first.status, first.payload, first.retry_after), first
             if not stream:
                 if talk is not None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tokenway import headers as h
 from tokenway import sse
 from tokenway.api import anthropic
 from tokenway.output_router import Event
+from tokenway.wire import Failed
 
 
 def _error_event(api: str | None, status: int, body: bytes) -> bytes:
@@ -38,11 +38,11 @@ class SseWriter:
         """The events' bytes, and whether they end the stream."""
         out, done = [], False
         for event in events:
-            if event.kind != h.KIND_ERROR:
+            if isinstance(event, Failed):
+                framed = _error_event(self.api, event.status, event.payload)
+            else:
                 self.api = self.api or sse.api_of(event.payload)
                 framed = event.payload
-            else:
-                framed = _error_event(self.api, event.status, event.payload)
             if self.ids or self.numbered < self.after:
                 first = self.numbered + 1
                 self.numbered += sse.count(framed)

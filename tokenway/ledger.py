@@ -28,7 +28,7 @@ from tokenway import headers as h
 from tokenway.errors import error_body
 from tokenway.metrics import DEAD_LETTERS
 from tokenway.tenancy import Limits
-from tokenway.wire import DeadLetter, Delivered, Delivery, ErrorInfo
+from tokenway.wire import OUTPUTS, DeadLetter, Delivered, Delivery, ErrorInfo, Failed
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +114,28 @@ async def commit(
     """One ledger message stored (retried while NATS comes back), then delivered live."""
     ack = await publish(nc.jetstream(), bus.out_subject(reply, rid), payload, headers,
                         within=PUBLISH_WITHIN)  # fmt: skip
-    event = Delivered(rid=rid, seq=seq, stream_seq=ack.seq, payload=payload, kind=kind,
-                      status=status, retry_after=retry_after, tokens=tokens)  # fmt: skip
+    event = _event(kind, rid, seq, ack.seq, payload, status, retry_after, tokens)
     await deliver(nc, reply, [event])
     return ack
+
+
+def _event(
+    kind: str,
+    rid: str,
+    seq: int,
+    stream_seq: int,
+    payload: bytes,
+    status: int,
+    retry_after: int,
+    tokens: int,
+) -> Delivered:
+    """A message stored with `Tw-Kind` `kind` as its variant (an unknown kind, which no
+    writer stores, passes as a chunk)."""
+    if kind == h.KIND_ERROR:
+        return Failed(rid=rid, seq=seq, stream_seq=stream_seq, payload=payload, status=status,
+                      retry_after=retry_after)  # fmt: skip
+    variant = OUTPUTS.get(kind, OUTPUTS[h.KIND_CHUNK])
+    return variant(rid=rid, seq=seq, stream_seq=stream_seq, payload=payload, tokens=tokens)
 
 
 async def deliver(nc: NATS, reply: str, events: list[Delivered]) -> None:
@@ -224,12 +242,12 @@ def delivered(rid: str, msg: Msg | RawStreamMsg) -> Delivered:
         stream_seq = msg.seq or 0
     else:
         stream_seq = msg.metadata.sequence.stream
-    return Delivered(
-        rid=rid,
-        seq=int(hdrs[h.SEQ]),
-        stream_seq=stream_seq,
-        payload=msg.data or b"",
-        kind=hdrs.get(h.KIND, h.KIND_CHUNK),
+    return _event(
+        hdrs.get(h.KIND, h.KIND_CHUNK),
+        rid,
+        int(hdrs[h.SEQ]),
+        stream_seq,
+        msg.data or b"",
         status=int(hdrs.get(h.STATUS, 200)),
         retry_after=int(hdrs.get(h.RETRY_AFTER, 0)),
         tokens=h.count_tokens(hdrs.get(h.TOKENS, "")) or int(hdrs.get(h.TOKEN_COUNT, 0)),

@@ -27,7 +27,7 @@ from nats.js.api import RawStreamMsg
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.errors import error_body
-from tokenway.wire import Delivered, Delivery, ErrorInfo
+from tokenway.wire import Delivered, Delivery, ErrorInfo, Failed
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,20 @@ log = logging.getLogger(__name__)
 Event = Delivered
 _delivery = msgspec.msgpack.Decoder(Delivery)
 _REFILL_RETRY = 0.2  # seconds between reads of a spilled stream's ledger while NATS is away
+
+
+class _Rid(msgspec.Struct):
+    rid: str
+
+
+class _Rids(msgspec.Struct):
+    """Whose events a delivery this process cannot read holds (a writer of another version,
+    during an upgrade): those requests read their ledgers back instead."""
+
+    events: list[_Rid]
+
+
+_rids = msgspec.msgpack.Decoder(_Rids)
 
 
 class Slot:
@@ -73,8 +87,8 @@ class Slot:
 
     def cut(self, error: bytes) -> None:
         """Ends the stream here with `error` (an error body): its writer is going away."""
-        event = Event(rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq,
-                      payload=error, kind=h.KIND_ERROR, status=503)  # fmt: skip
+        event = Failed(rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq,
+                       payload=error, status=503)  # fmt: skip
         self.keep(event)
 
     def abandon(self) -> None:
@@ -167,7 +181,7 @@ class OutputRouter:
         try:
             delivery = _delivery.decode(msg.data)
         except msgspec.DecodeError as exc:
-            log.error("undecodable delivery on %s: %s", msg.subject, exc)
+            await self._unreadable(msg, exc)
             return
         for event in delivery.events:
             slot = self.slots.get(event.rid)
@@ -176,6 +190,21 @@ class OutputRouter:
             if event.seq > slot.last_seq + 1:  # delivered while we were away, or lost
                 await self._read_back(event.rid, slot, before=event.stream_seq)
             slot.put(event)
+
+    async def _unreadable(self, msg: Msg, exc: msgspec.DecodeError) -> None:
+        """A delivery not in this version's shape: what it held is stored, so each of its
+        requests reads its ledger back (to its end: at least up to what was delivered)."""
+        try:
+            rids = {e.rid for e in _rids.decode(msg.data).events}
+        except msgspec.DecodeError:
+            log.error("undecodable delivery on %s: %s", msg.subject, exc)
+            return
+        log.warning("delivery on %s in another shape (%s): reading back %d request(s)",
+                    msg.subject, exc, len(rids))  # fmt: skip
+        for rid in rids:
+            slot = self.slots.get(rid)
+            if slot is not None and not slot.spilled:
+                await self._read_back(rid, slot)
 
     async def reconnected(self) -> None:
         """After a reconnect, what every open request missed, including its end."""

@@ -8,7 +8,7 @@ New fields get defaults and go last, so old and new workers can talk during a ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -105,11 +105,12 @@ class ParseContext(Struct, kw_only=True, omit_defaults=True):
 SEED_TOKENS = 7
 
 
-class OutputContext(Struct, kw_only=True, omit_defaults=True):
+class OutputContext(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What derender needs from the original request to shape OpenAI output.
 
-    Fixed for the life of a request; it travels with every derender call so that
-    derender workers stay stateless.
+    Fixed for the life of a request (frozen: a change is a new context, made with
+    `msgspec.structs.replace`); it travels with every derender call so that derender
+    workers stay stateless.
     """
 
     api: Api = "completion"
@@ -419,12 +420,11 @@ class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
     retry_after: int = 0  # of a refusal that passes (429): seconds until it may
 
 
-class DerenderResult(Struct, kw_only=True, omit_defaults=True):
-    """Per entry: OpenAI JSON documents (stream chunks, or one response) and the next state."""
+class Derendered(Struct, kw_only=True, omit_defaults=True, tag_field="kind", tag="output"):
+    """An entry's OpenAI JSON documents (stream chunks, or one response) and its next state."""
 
     chunks: list[bytes] = []
     state: bytes | None = None
-    error: ErrorInfo | None = None
     # Set when derender itself ended the output (a stop string): the owner then stops the
     # engine, and only the first `kept` tokens of the delta belong to the output.
     finish_reason: FinishReason | None = None
@@ -432,28 +432,74 @@ class DerenderResult(Struct, kw_only=True, omit_defaults=True):
     kept: int | None = None
 
 
+class DerenderFailed(Struct, kw_only=True, omit_defaults=True, tag_field="kind", tag="error"):
+    """An entry derender could not turn into output: the request fails with `error`."""
+
+    error: ErrorInfo
+
+
+# Per entry of a call: its output, or why there is none. Told apart by their tag, which a
+# derender worker of the version before the variants does not send: an owner cannot read its
+# replies (`Pool` fails the call as the stage unavailable).
+DerenderResult = Derendered | DerenderFailed
+
+
 class DerenderReply(Struct, kw_only=True, omit_defaults=True):
     results: list[DerenderResult] = []
     error: ErrorInfo | None = None  # the call as a whole could not be decoded
 
 
-class Delivered(Struct, kw_only=True, omit_defaults=True):
+class _Stored(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="kind"):
     """One ledger message just stored, for whoever streams its request live: its `Tw-Seq`,
-    its sequence in TW_OUT (where reading back starts after), its `Tw-Kind` and payload."""
+    its sequence in TW_OUT (where reading back starts after) and payload; its variant (the
+    tag, `kind`) is its `Tw-Kind`."""
 
     rid: str
     seq: int
     stream_seq: int
     payload: bytes
-    kind: str = "chunk"
-    status: int = 200  # `Tw-Status` of an error
-    retry_after: int = 0  # `Tw-Retry-After` of an error that passes
-    tokens: int = 0  # how many output token IDs it commits
+    terminal: ClassVar[bool] = True  # it ends the request's output
 
     @property
-    def terminal(self) -> bool:
-        """It ends the request's output (an end, a whole response or an error)."""
-        return self.kind in TERMINAL_KINDS
+    def kind(self) -> str:
+        """Its `Tw-Kind` (`h.KIND_*`)."""
+        return str(self.__struct_config__.tag)
+
+
+class _Output(_Stored, frozen=True):
+    tokens: int = 0  # how many output token IDs it commits
+
+
+class Chunk(_Output, frozen=True, tag=h.KIND_CHUNK):
+    """Stream chunk(s); more follow."""
+
+    terminal: ClassVar[bool] = False
+
+
+class End(_Output, frozen=True, tag=h.KIND_END):
+    """A stream's last chunk(s)."""
+
+
+class Whole(_Output, frozen=True, tag=h.KIND_RESPONSE):
+    """A whole response, of a request that does not stream."""
+
+
+class Failed(_Stored, frozen=True, tag=h.KIND_ERROR):
+    """An error event (`payload`: an OpenAI error body), which ends the request's output."""
+
+    status: int  # `Tw-Status`: its HTTP status
+    retry_after: int = 0  # `Tw-Retry-After` of an error that passes
+
+
+# A ledger writer of the version before the variants leaves a chunk's tag out: a reader
+# cannot decode its delivery and reads the ledger back (`OutputRouter`).
+Delivered = Chunk | End | Whole | Failed
+# The output variants by `Tw-Kind`.
+OUTPUTS: dict[str, type[Chunk | End | Whole]] = {
+    h.KIND_CHUNK: Chunk,
+    h.KIND_END: End,
+    h.KIND_RESPONSE: Whole,
+}
 
 
 class Delivery(Struct, kw_only=True):

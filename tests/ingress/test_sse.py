@@ -6,12 +6,13 @@ from ingress.sse_writer import SseWriter
 from tokenway import headers as h
 from tokenway.output_router import Event
 from tokenway.sse import frame
+from tokenway.wire import OUTPUTS, Failed
 
 
 def chunk(seq: int, *docs: str, kind: str = h.KIND_CHUNK) -> Event:
     """A ledger message holding several documents, as an owner commits a merged step."""
-    return Event(
-        rid="r", seq=seq, stream_seq=seq, kind=kind, payload=frame([d.encode() for d in docs])
+    return OUTPUTS[kind](
+        rid="r", seq=seq, stream_seq=seq, payload=frame([d.encode() for d in docs])
     )
 
 
@@ -42,7 +43,6 @@ def test_a_resume_leaves_out_the_events_the_client_counted_even_inside_a_message
 
 
 def test_an_error_is_one_data_event_and_ends_the_stream() -> None:
-    error = Event(rid="r", seq=2, stream_seq=2, kind=h.KIND_ERROR, payload=b'{"error": {}}',
-                  status=502)  # fmt: skip
+    error = Failed(rid="r", seq=2, stream_seq=2, payload=b'{"error": {}}', status=502)
     out, done = SseWriter(ids=True).write([chunk(1, "{1}"), error])
     assert out == b'id: 1\ndata: {1}\n\nid: 2\ndata: {"error": {}}\n\ndata: [DONE]\n\n' and done

@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 
@@ -104,5 +105,45 @@ async def test_a_slow_readers_slot_holds_its_limit_and_reads_the_rest_back(
     finally:
         router.close(rid)
         router.close(marker)
+        await router.stop()
+        await nc.close()
+
+
+async def test_a_delivery_in_an_older_shape_is_read_back_from_the_ledger(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """During an upgrade, a schedule worker of the version before the variants delivers
+    chunks without their kind, which this router cannot decode: the requests it names read
+    their ledgers back, so the client still gets every event, in order, with its end."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await bus.provision_streams(js, make_settings(tmp_path))
+    ingress, rid = f"i{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    router = OutputRouter(nc, ingress)
+    await router.start()
+    slot = router.open(rid)
+    try:
+        old_events: list[dict[str, object]] = []
+        for seq, kind in ((1, h.KIND_CHUNK), (2, h.KIND_CHUNK), (3, h.KIND_END)):
+            payload = f"chunk {seq}".encode()
+            hdrs = ledger.out_headers(rid, seq, kind, reply=ingress)
+            ack = await ledger.publish(js, bus.out_subject(ingress, rid), payload, hdrs, 10)
+            # the old `Delivered`: a bag of fields whose kind, "chunk", was a default left out
+            old = {"rid": rid, "seq": seq, "stream_seq": ack.seq, "payload": payload, "tokens": 1}
+            if kind != h.KIND_CHUNK:
+                old["kind"] = kind
+            old_events.append(old)
+        await nc.publish(bus.sse_subject(ingress), msgspec.msgpack.encode({"events": old_events}))
+        got: list[tuple[int, str, bytes]] = []
+        async with asyncio.timeout(10):
+            while not got or got[-1][1] != h.KIND_END:
+                got += [(e.seq, e.kind, e.payload) for e in await slot.take()]
+        assert got == [
+            (1, h.KIND_CHUNK, b"chunk 1"),
+            (2, h.KIND_CHUNK, b"chunk 2"),
+            (3, h.KIND_END, b"chunk 3"),
+        ]
+    finally:
+        router.close(rid)
         await router.stop()
         await nc.close()

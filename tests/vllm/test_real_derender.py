@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from tests.conftest import make_settings
 from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer
 from tokenway.model import load_model_info
-from tokenway.wire import DerenderEntry, DerenderResult, OutputContext, RenderRequest
+from tokenway.wire import Derendered, DerenderEntry, DerenderResult, OutputContext, RenderRequest
 from workers.derender.backend import LocalBackend, VllmBackend, derender_backend
 from workers.render.core import Renderer
 
@@ -50,7 +50,7 @@ async def derender_all(
             finish_reason="length" if last else None,
         )  # fmt: skip
         [result] = await backend.derender([entry])
-        assert result.error is None, result.error
+        assert isinstance(result, Derendered), result
         results.append(result)
         state = result.state
     return results

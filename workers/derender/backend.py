@@ -19,7 +19,7 @@ from tokenway.config import Settings
 from tokenway.derendering import Derenderer, is_large
 from tokenway.errors import StageUnavailable, TokenwayError, internal
 from tokenway.model import tokenizer_of
-from tokenway.wire import DerenderEntry, DerenderResult
+from tokenway.wire import Derendered, DerenderEntry, DerenderFailed, DerenderResult
 from workers.derender import vllm_http as v
 from workers.derender.core import derender_call, merge_choices
 from workers.derender.detok import Detokenizer
@@ -57,20 +57,20 @@ class VllmBackend:
         try:
             return await self._derender(entry)
         except TokenwayError as exc:
-            return DerenderResult(error=exc.info())
+            return DerenderFailed(error=exc.info())
         except Exception:  # a bug must still answer the caller
             log.exception("derendering %s failed", entry.context.response_id)
-            return DerenderResult(error=internal(entry.context.response_id))
+            return DerenderFailed(error=internal(entry.context.response_id))
 
-    async def _derender(self, entry: DerenderEntry) -> DerenderResult:
+    async def _derender(self, entry: DerenderEntry) -> Derendered:
         ctx = entry.context
         if entry.usage_total is not None:  # the closing usage chunk of n > 1 choices
             if not ctx.closing_usage:
-                return DerenderResult()
-            return DerenderResult(chunks=[await self._usage(entry, entry.usage_total)])
+                return Derendered()
+            return Derendered(chunks=[await self._usage(entry, entry.usage_total)])
         if not ctx.stream:
             content = await self.client.post(ctx, v.once_call(entry))
-            return DerenderResult(chunks=[v.read_response(ctx, content)])
+            return Derendered(chunks=[v.read_response(ctx, content)])
         state = v.carried(entry.state) if entry.state is not None else None
         tokens = (state.tokens if state else 0) + len(entry.token_ids)
         continuous = ctx.include_usage and ctx.continuous_usage_stats
@@ -83,7 +83,7 @@ class VllmBackend:
         if entry.finish_reason is not None and ctx.include_usage and ctx.closing_usage:
             if ctx.n == 1:  # with n > 1 the owner asks for the summed usage at the end
                 docs.append(await self._usage(entry, tokens))
-        return DerenderResult(chunks=docs, state=v.carry(tokens, vllm_state))
+        return Derendered(chunks=docs, state=v.carry(tokens, vllm_state))
 
     async def _usage(self, entry: DerenderEntry, tokens: int) -> bytes:
         """The closing usage chunk, asked of the server as the generate route's last chunk."""

@@ -21,7 +21,9 @@ from tokenway.api.openai_output import Out
 from tokenway.errors import InvalidRequest, TokenwayError, internal
 from tokenway.wire import (
     Api,
+    Derendered,
     DerenderEntry,
+    DerenderFailed,
     DerenderResult,
     FinishReason,
     LogprobEntry,
@@ -157,12 +159,12 @@ def _output(
     return out
 
 
-def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
+def derender(detok: Detokenizer, entry: DerenderEntry) -> Derendered:
     ctx = entry.context
     if entry.usage_total is not None:
         if not ctx.closing_usage:  # a sub-stream: the fan-out owner sums usage itself
-            return DerenderResult()
-        return DerenderResult(chunks=[openai_output.usage_chunk(ctx, entry.usage_total)])
+            return Derendered()
+        return Derendered(chunks=[openai_output.usage_chunk(ctx, entry.usage_total)])
     _check(entry)
     ids = entry.token_ids
     first = entry.state is None
@@ -198,7 +200,7 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> DerenderResult:
     docs = BUILDERS[ctx.api](detok, entry, state, out, pieces[: ending.kept])
     # Derender decided the end itself (a stop string): the owner must learn it.
     ended_here = ending.finish != entry.finish_reason or ending.stop_reason != entry.stop_reason
-    return DerenderResult(
+    return Derendered(
         chunks=docs,
         state=states.encode(state),
         finish_reason=ending.finish if ended_here else None,
@@ -329,12 +331,12 @@ def derender_call(detok: Detokenizer, entries: Sequence[DerenderEntry]) -> list[
     results: list[DerenderResult] = []
     for entry in entries:
         try:
-            result = derender(detok, entry)
+            result: DerenderResult = derender(detok, entry)
         except TokenwayError as exc:
-            result = DerenderResult(error=exc.info())
+            result = DerenderFailed(error=exc.info())
         except Exception:  # a bug must still answer the caller
             log.exception("derendering %s failed", entry.context.response_id)
-            result = DerenderResult(error=internal(entry.context.response_id))
+            result = DerenderFailed(error=internal(entry.context.response_id))
         results.append(result)
     return merge_choices(entries, results)
 
@@ -346,7 +348,7 @@ def merge_choices(
     its id) merged into its first entry's document (the others carry none), whichever
     backend derendered them."""
     for run in responses_of(entries):
-        kept = [r for r in results[run.start : run.stop] if r.error is None]
+        kept = [r for r in results[run.start : run.stop] if isinstance(r, Derendered)]
         for other in kept[1:]:
             kept[0].chunks = [openai_output.merge_responses(kept[0].chunks[0], other.chunks[0])]
             other.chunks = []

@@ -13,7 +13,7 @@ from tokenway import bus
 from tokenway.config import Settings
 from tokenway.derendering import Derenderer, is_large
 from tokenway.errors import too_big_for_the_bus
-from tokenway.wire import DerenderCall, DerenderReply, DerenderResult, ErrorInfo
+from tokenway.wire import DerenderCall, DerenderFailed, DerenderReply, DerenderResult, ErrorInfo
 from workers.derender.backend import derender_backend
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ async def handle(backend: Derenderer, call: DerenderCall, limit: int) -> bytes:
     reply over the bus's `limit` drops its largest results for errors until it fits."""
     results = await backend.derender(call.entries)
     for result in results:
-        if result.error is not None and result.error.status >= 500:
+        if isinstance(result, DerenderFailed) and result.error.status >= 500:
             log.error("derender failed: %s", result.error.message)
     reply = _encoder.encode(DerenderReply(results=results))
     if len(reply) > limit:
@@ -55,7 +55,7 @@ def _shed(results: list[DerenderResult], limit: int) -> list[DerenderResult]:
     for i in sorted(range(len(results)), key=sizes.__getitem__, reverse=True):
         if total <= limit:
             break
-        shed[i] = DerenderResult(error=too_big_for_the_bus(sizes[i], limit).info())
+        shed[i] = DerenderFailed(error=too_big_for_the_bus(sizes[i], limit).info())
         total -= sizes[i]
     return shed
 

@@ -124,7 +124,9 @@ class RenderService:
                                      "run derender with --derender-backend local")  # fmt: skip
             generate = await self.backend.render(request)
             if self.settings.derender_backend == "vllm":
-                generate.context.request_body = request.body
+                generate.context = msgspec.structs.replace(
+                    generate.context, request_body=request.body
+                )
             if who.limits:
                 await self._admit(who, generate)
             try:

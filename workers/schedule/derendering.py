@@ -27,6 +27,7 @@ from tokenway.errors import StageTimeout, StageUnavailable, too_big_for_the_bus
 from tokenway.wire import (
     DerenderCall,
     DerenderEntry,
+    DerenderFailed,
     DerenderReply,
     DerenderResult,
     responses_of,
@@ -78,8 +79,11 @@ class Pool:
                 await asyncio.sleep(_BACKOFF * attempt)  # a worker may be restarting
         try:
             reply = _reply_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            raise StageUnavailable(f"derender answered garbage: {exc}") from exc
+        except msgspec.DecodeError as exc:  # garbage, or a worker of another version
+            raise StageUnavailable(
+                f"derender answered in a shape this owner cannot read (a derender worker of "
+                f"another version?): {exc}"
+            ) from exc
         if reply.error is not None:
             raise StageUnavailable(f"derender rejected the call: {reply.error.message}")
         if len(reply.results) != len(entries):
@@ -94,7 +98,7 @@ class Pool:
         if len(runs) == 1:  # one response's output: more than the client may ask for here
             assert self.nc is not None
             error = too_big_for_the_bus(size, self.nc.max_payload).info()
-            return [DerenderResult(error=error) for _ in entries]
+            return [DerenderFailed(error=error) for _ in entries]
         half = runs[len(runs) // 2].start
         parts = await asyncio.gather(self.derender(entries[:half]), self.derender(entries[half:]))
         return parts[0] + parts[1]

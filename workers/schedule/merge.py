@@ -23,7 +23,7 @@ from tokenway.api.openai_output import combine_responses, usage_chunk
 from tokenway.errors import DeadlineExceeded
 from tokenway.output_router import Event
 from tokenway.sse import frame
-from tokenway.wire import ErrorInfo, OutputContext
+from tokenway.wire import ErrorInfo, Failed, OutputContext
 
 _json = msgspec.json.Decoder()
 
@@ -60,7 +60,7 @@ class Merge:
         sub = self.subs[k]
         if self.error is not None or self.ended or sub.done:
             return
-        if event.kind == h.KIND_ERROR:
+        if isinstance(event, Failed):
             self.error = sub_error(k, event)
             return
         if len(sub.held) >= self.limit:
@@ -101,7 +101,7 @@ class Merge:
         return Output(h.KIND_END, payload)
 
 
-def sub_error(k: int, event: Event) -> ErrorInfo:
+def sub_error(k: int, event: Failed) -> ErrorInfo:
     """A prompt's error event as the request's error, saying which prompt failed."""
     try:
         body = _json.decode(event.payload)["error"]

@@ -24,6 +24,7 @@ from tokenway.errors import InvalidRequest
 from tokenway.wire import (
     SEED_TOKENS,
     Api,
+    Derendered,
     DerenderEntry,
     FinishReason,
     LogprobEntry,
@@ -75,7 +76,7 @@ def stream(
             prompt_token_ids=prompt_ids if state is None else None,
         )
         result = derender(detok, entry)
-        assert result.error is None and result.state is not None
+        assert isinstance(result, Derendered) and result.state is not None
         docs += [json.loads(doc) for doc in result.chunks]
         state = result.state
     assert state is not None

@@ -4,15 +4,19 @@ call off the event loop; and the pool over the bus, a call too big for one messa
 from __future__ import annotations
 
 import asyncio
+import uuid
 from pathlib import Path
 
 import msgspec
 import nats
 import pytest
+from nats.aio.msg import Msg
 
-from tests.conftest import Stack
+from tests.conftest import Stack, make_settings
+from tokenway import bus
 from tokenway.derendering import THREAD_ABOVE
-from tokenway.wire import DerenderEntry, OutputContext
+from tokenway.errors import StageUnavailable
+from tokenway.wire import Derendered, DerenderEntry, OutputContext
 from workers.derender.backend import LocalBackend
 from workers.derender.core import derender_call
 from workers.schedule.derendering import Pool
@@ -68,4 +72,29 @@ async def test_a_call_over_the_bus_limit_splits_between_requests_that_share_a_re
         results = await pool.derender(entries)
     finally:
         await nc.close()
-    assert [(r.error, len(r.chunks)) for r in results] == [(None, 1), (None, 1)]
+    assert [(type(r), len(r.chunks)) for r in results] == [(Derendered, 1), (Derendered, 1)]
+
+
+async def test_a_reply_from_a_derender_worker_of_the_version_before_fails_the_call_clearly(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """During an upgrade an owner may call a derender worker of the version before results
+    were variants (its results name no kind): the call fails as the stage being unavailable
+    (the owner answers its requests 502), saying why, never as a crash."""
+    nc = await nats.connect(nats_url)
+    model = f"m{uuid.uuid4().hex[:8]}"
+
+    async def old_worker(msg: Msg) -> None:
+        old = {"results": [{"chunks": [b'{"id": "cmpl-1"}'], "state": b"s"}]}
+        await msg.respond(msgspec.msgpack.encode(old))
+
+    sub = await nc.subscribe(bus.derender_subject(model), queue=bus.DERENDER_QUEUE, cb=old_worker)
+    try:
+        await nc.flush()
+        pool = Pool(nc, make_settings(tmp_path), model)
+        with pytest.raises(StageUnavailable, match="another version") as failed:
+            await pool.derender([entry(2)])
+        assert "kind" in failed.value.message
+    finally:
+        await sub.unsubscribe()
+        await nc.close()

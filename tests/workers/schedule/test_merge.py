@@ -7,14 +7,16 @@ import json
 from tokenway import headers as h
 from tokenway.errors import EngineFailed, error_body
 from tokenway.output_router import Event
-from tokenway.wire import OutputContext
+from tokenway.wire import OUTPUTS, Failed, OutputContext
 from workers.schedule.merge import Merge, retryable
 
 CTX = OutputContext(response_id="cmpl-x", model="m", stream=True, include_usage=True)
 
 
-def event(seq: int, kind: str, payload: bytes, **more: object) -> Event:
-    return Event(rid="sub", seq=seq, stream_seq=seq, kind=kind, payload=payload, **more)
+def event(seq: int, kind: str, payload: bytes, tokens: int = 0, status: int = 200) -> Event:
+    if kind == h.KIND_ERROR:
+        return Failed(rid="sub", seq=seq, stream_seq=seq, payload=payload, status=status)
+    return OUTPUTS[kind](rid="sub", seq=seq, stream_seq=seq, payload=payload, tokens=tokens)
 
 
 def chunk(seq: int, text: str, kind: str = h.KIND_CHUNK, tokens: int = 1) -> Event:
