@@ -22,6 +22,7 @@ from tests.test_scheduling import client, model, pipeline, sim
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.wire import GenerateRequest, OutputContext, Prompt, SamplingParams
+from workers.schedule.fanout import Parent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -70,11 +71,6 @@ async def leftovers_gone(stack: Stack) -> None:
     """Every sub-request released, its capacity and routes gone, the request acked."""
     schedule = stack.by_name["schedule"][0]
     async with asyncio.timeout(20):
-        await schedule.fanout.empty.wait()
-        # The fan-out owner waits for its siblings' release before it lets go itself (a
-        # request that was not fanned out may still wait for its own ack to be confirmed).
-        fanned = schedule.fanout.router.ingress_id
-        assert not [r for r in schedule.requests.values() if r.reply == fanned]
         await schedule.empty.wait()
         for engine in stack.by_name.get("engine", []):
             await engine.idle.wait()
@@ -247,15 +243,30 @@ async def test_a_prompt_whose_engine_fails_after_output_is_relayed_within_the_me
         await leftovers_gone(stack)
 
 
-async def test_a_client_leaving_cancels_and_releases_every_prompt(stack: Stack) -> None:
+async def test_a_client_leaving_cancels_and_releases_every_prompt(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    schedule = stack.by_name["schedule"][0]
+    fanned, finish = schedule.fanout.router.ingress_id, schedule._finish
+    at_exit: list[list[str]] = []  # its prompts still owned as the request lets go
+
+    async def watched(r: Any) -> None:
+        if isinstance(r, Parent):
+            at_exit.append([o.rid for o in schedule.requests.values() if o.reply == fanned])
+        await finish(r)
+
+    monkeypatch.setattr(schedule, "_finish", watched)
     body = {"prompt": PROMPTS, "stream": True, "max_tokens": 100_000, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=30) as http:
         async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
             async for part in resp.aiter_bytes():
                 assert b"data: " in part
                 break  # the client leaves after its first chunk
-        assert stack.by_name["schedule"][0].fanout.parents, "still owned while it streams"
+        owned = schedule.requests.values()
+        assert any(isinstance(r, Parent) for r in owned), "still owned while it streams"
     await leftovers_gone(stack)
+    # The fan-out waits for its prompts' release before it lets go itself.
+    assert at_exit == [[]]
 
 
 async def test_a_direct_publisher_sends_several_prompts_and_reads_one_response(

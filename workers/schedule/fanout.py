@@ -1,12 +1,13 @@
 """Multi-prompt requests: one sub-request per prompt, their output merged into one stream.
 
-The schedule worker that takes a request with `prompts` owns it like any other (it holds
-its TW_SCHED message, kept alive by the service's in-progress acks) but runs no engine for
-it. It publishes one ordinary single-prompt request per prompt to `tw.sched.<model>`, each
-with a request id of its own and this worker's fan-out reply address, so every prompt gets
-the normal owner, flow control, derender and ledger. It reads their committed output the
-way an ingress does (one wildcard subscription, routed by rid) and commits the merge
-(`merge.py`) to the request's own ledger, with its own `Tw-Seq`: SSE resume works on it.
+The schedule worker that takes a request with `prompts` owns it like any other (a `Parent`
+in its one table: it holds its TW_SCHED message, kept alive by in-progress acks, and ends it
+in its one exit) but runs no engine for it. It publishes one ordinary single-prompt
+request per prompt to `tw.sched.<model>`, each with a request id of its own and this
+worker's fan-out reply address, so every prompt gets the normal owner, flow control,
+derender and ledger. It reads their committed output the way an ingress does (one wildcard
+subscription, routed by rid) and commits the merge (`merge.py`) to the request's own
+ledger, with its own `Tw-Seq`: SSE resume works on it.
 
 Any prompt failing, the client leaving or the deadline cancels every sibling and waits
 until their owners released them (their TW_SCHED messages are gone). Before anything was
@@ -20,30 +21,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NotFoundError
 
 from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.aio import grace, wait_any
+from tokenway.aio import wait_any
 from tokenway.bus import is_stream_full
 from tokenway.config import Settings
 from tokenway.errors import (
     DeadlineExceeded,
-    Overloaded,
     StageUnavailable,
     TokenwayError,
-    internal,
 )
 from tokenway.output_router import Event, OutputRouter, Slot
-from tokenway.tenant_book import TenantBook
 from tokenway.wire import SEED_TOKENS, TERMINAL_KINDS, ErrorInfo, GenerateRequest
 from tokenway.worker import overloaded
 from workers.schedule.merge import Merge, Output, retryable
+from workers.schedule.owned import DONE, Held
 
 log = logging.getLogger(__name__)
 
@@ -74,29 +73,17 @@ class SubSlot(Slot):
         self.wake.set()
 
 
-class Parent:
-    """One multi-prompt request this worker owns."""
+@dataclass(eq=False)
+class Parent(Held):
+    """A multi-prompt request this worker owns: it runs no engine, its prompts run as
+    requests of their own."""
 
-    def __init__(
-        self, who: ledger.Identity, request: GenerateRequest, deadline: float, msg: Msg
-    ) -> None:
-        assert request.prompts
-        self.rid = who.rid
-        self.reply = who.reply
-        # what it is known by here, and what its prompts' ids start with: its reply's and
-        # id's, since another reply's request may share the id
-        self.key = who.key
-        self.tenant = who.tenant
-        self.trace = who.trace
-        self.batch = who.batch  # its prompts go behind interactive requests too
-        self.leased = bool(who.limits)  # holds one of its tenant's slots until it ends
-        self.request = request
-        self.deadline = deadline
-        self.msg = msg  # held un-acked while we own the request
-        self.out_seq = 0  # last sequence committed to its ledger
-        self.wake = asyncio.Event()  # output arrived, or the client left
-        self.cancelled = False
-        self.error: ErrorInfo | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # output arrived
+
+    def hand_over(self) -> None:
+        """Its prompts' owners hold what they made, not this worker's ledger position: it
+        ends here instead of going on under a peer."""
+        self.fail(StageUnavailable("the schedule worker shut down").info())
 
     def sub_request(self, k: int, rid: str) -> GenerateRequest:
         """Prompt `k` as an ordinary request: its budget, its context, global choice indexes."""
@@ -119,99 +106,36 @@ class Parent:
 
 
 class FanOut:
-    def __init__(
-        self, nc: NATS, settings: Settings, model: str, owner_id: str, book: TenantBook
-    ) -> None:
-        self.book = book
+    """Runs the multi-prompt requests its schedule worker owns; the worker holds them, as
+    every request, in its one table and ends them in its one exit."""
+
+    def __init__(self, nc: NATS, settings: Settings, model: str, owner_id: str) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.settings = settings
         self.model = model
         # Sub-requests' output comes back to this address as if it were an ingress.
         self.router = OutputRouter(nc, f"{owner_id}-fan")
-        self.parents: dict[str, Parent] = {}  # by key (`ledger.request_key`)
-        self.empty = asyncio.Event()  # set while no multi-prompt request is owned here
-        self.empty.set()
-        self.started = asyncio.Event()
-        self._group: asyncio.TaskGroup | None = None
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Own requests until `stop`; then let them finish within the drain timeout."""
-        await self.router.start()
-        try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                self.started.set()
-                await stop.wait()
-                try:
-                    await asyncio.wait_for(self.empty.wait(),
-                                           grace(stop, self.settings.drain_timeout))  # fmt: skip
-                except TimeoutError:
-                    for p in list(self.parents.values()):
-                        self._end(p, StageUnavailable("the schedule worker shut down").info())
-        finally:
-            await self.router.stop()
-
-    def held(self) -> list[Msg]:
-        """The TW_SCHED messages we hold (the service keeps them in progress)."""
-        return [p.msg for p in self.parents.values()]
-
-    def cancel(self, reply: str, rid: str) -> bool:
-        """The client left: True when the request is one of ours."""
-        p = self.parents.get(ledger.request_key(reply, rid))
-        if p is None:
-            return False
-        log.info("multi-prompt request %s cancelled", rid)
-        p.cancelled = True
-        p.wake.set()
-        return True
-
-    async def take(
-        self, msg: Msg, who: ledger.Identity, deadline: float, request: GenerateRequest
-    ) -> None:
-        await self.started.wait()
-        rid, key = who.rid, who.key
-        assert self._group is not None
-        if key in self.parents:  # redelivered while we still own it: keep the newest handle
-            self.parents[key].msg = msg
-            return
-        if len(self.parents) >= self.settings.max_fanout:
-            busy = Overloaded(
-                f"this worker owns {self.settings.max_fanout} multi-prompt requests "
-                "(--max-fanout); retry later",
-                code="queue_full",
-            )
-            await ledger.publish_error(self.nc, who.reply, rid, 1, busy.info(), tenant=who.tenant)
-            if who.limits:
-                await self.book.release(who.tenant, rid)
-            await msg.ack()
-            return
-        p = Parent(who, request, deadline, msg)
-        self.parents[key] = p
-        self.empty.clear()
-        self._group.create_task(self._own(p), name=f"fanout-{rid}")
 
     # -- one request ------------------------------------------------------------------------
 
-    async def _own(self, p: Parent) -> None:
-        try:
-            if p.msg.metadata.num_delivered > 1 and not await self._may_start_over(p):
+    async def own(self, p: Parent) -> None:
+        """Run it until it ends; how is `p.end`."""
+        if p.msg.metadata.num_delivered > 1 and not await self._may_start_over(p):
+            return
+        for attempt in range(1, self.settings.fanout_retries + 2):
+            if p.ended.is_set():
                 return
-            for attempt in range(1, self.settings.fanout_retries + 2):
-                error = await self._attempt(p, attempt)
-                if error is None or p.cancelled or p.error is not None:
-                    return
-                last = attempt > self.settings.fanout_retries
-                if p.out_seq or last or not retryable(error):
-                    p.error = error
-                    return
-                log.warning("multi-prompt request %s failed before output (%s); attempt %d",
-                            p.rid, error.message, attempt + 1)  # fmt: skip
-        except Exception:  # a bug fails this request, never the worker
-            log.exception("fanning out %s failed", p.rid)
-            self._end(p, internal(p.rid))
-        finally:
-            await self._finish(p)
+            error = await self._attempt(p, attempt)
+            if error is None:
+                p.end_as(DONE)
+                return
+            last = attempt > self.settings.fanout_retries
+            if p.out_seq or last or not retryable(error):
+                p.fail(error)
+                return
+            log.warning("multi-prompt request %s failed before output (%s); attempt %d",
+                        p.rid, error.message, attempt + 1)  # fmt: skip
 
     async def _attempt(self, p: Parent, attempt: int) -> ErrorInfo | None:
         """Run every prompt once and merge their output: None when the request ended (or
@@ -228,7 +152,7 @@ class FanOut:
         try:
             for k, rid in enumerate(rids):
                 published[rid] = await self._publish(p, p.sub_request(k, rid))
-            while not (merge.ended or merge.error or p.cancelled or p.error):
+            while not (merge.ended or merge.error or p.ended.is_set()):
                 p.wake.clear()
                 for k, slot in enumerate(slots):
                     if slot.broken is not None:
@@ -245,7 +169,7 @@ class FanOut:
                     return DeadlineExceeded(
                         f"multi-prompt request {p.rid} passed its deadline"
                     ).info()
-                await wait_any(p.wake, timeout=remaining)
+                await wait_any(p.wake, p.ended, timeout=remaining)
         except TokenwayError as exc:
             return exc.info()
         finally:
@@ -253,7 +177,7 @@ class FanOut:
                 self.router.close(rid)
             live = {r: s for k, (r, s) in enumerate(published.items()) if not merge.subs[k].done}
             await self._release(live)
-        return merge.error or p.error
+        return merge.error
 
     async def _publish(self, p: Parent, sub: GenerateRequest) -> int:
         sub_of = ledger.Identity(sub.request_id, self.router.ingress_id, p.deadline, p.tenant,
@@ -310,9 +234,11 @@ class FanOut:
             await self._cancel_lost_owner_subs(p)
             return True
         hdrs = last.headers or {}
-        if hdrs.get(h.KIND, h.KIND_CHUNK) not in TERMINAL_KINDS:
+        if hdrs.get(h.KIND, h.KIND_CHUNK) in TERMINAL_KINDS:
+            p.end_as(DONE)  # by its last owner
+        else:
             p.out_seq = int(hdrs[h.SEQ])
-            p.error = StageUnavailable(_NOT_RESUMABLE).info()
+            p.fail(StageUnavailable(_NOT_RESUMABLE).info())
         return False
 
     async def _cancel_lost_owner_subs(self, p: Parent) -> None:
@@ -323,24 +249,3 @@ class FanOut:
                 for k in range(prompts):
                     rid = f"{p.key}-{delivery}-{attempt}-{k}"
                     await self.nc.publish(bus.cancel_subject(self.router.ingress_id, rid), b"")
-
-    def _end(self, p: Parent, error: ErrorInfo) -> None:
-        if p.error is None:
-            p.error = error
-        p.wake.set()
-
-    async def _finish(self, p: Parent) -> None:
-        """The one exit: tell the client what went wrong (unless it left), free, ack."""
-        if p.error is not None and not p.cancelled:
-            try:
-                await ledger.publish_error(
-                    self.nc, p.reply, p.rid, p.out_seq + 1, p.error, tenant=p.tenant
-                )
-            except Exception:
-                log.exception("could not deliver the error of %s", p.rid)
-        if p.leased:
-            await self.book.release(p.tenant, p.rid)
-        await bus.ack_surely(p.msg, self.settings.bus_retry)  # held (in progress) until then
-        self.parents.pop(p.key, None)
-        if not self.parents:
-            self.empty.set()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from tokenway.metrics import ENGINE_FIRST_TOKEN
-from workers.schedule.owned import Owned
+from workers.schedule.owned import Cancelled, Owned
 
 # vLLM's own buckets for these families, so dashboards built for it read the same.
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -93,7 +93,7 @@ class Observed:
         self.e2e.observe(max(now - r.arrived, 0.0))
         if r.error is not None:
             FAILURE.labels(self.model, str(r.error.status)).inc()
-        elif r.cancelled:
+        elif isinstance(r.end, Cancelled):
             SUCCESS.labels(self.model, "abort").inc()
         else:
             for choice in r.choices:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from msgspec import Struct
 
 from tokenway.errors import EngineFailed, refused
 from tokenway.spans import OFF, Span
@@ -86,8 +87,38 @@ class Choice:
         self.made = 0
 
 
+class Done(Struct, frozen=True, tag=True):
+    """Its output ended (here, or under its last owner)."""
+
+
+class Failed(Struct, frozen=True, tag=True):
+    """It ends with an error event to its client."""
+
+    error: ErrorInfo
+
+
+class Cancelled(Struct, frozen=True, tag=True):
+    """Its client left: nothing more is said."""
+
+
+class HandedOver(Struct, frozen=True, tag=True):
+    """This worker stopped first: a peer continues it from the ledger."""
+
+
+class Superseded(Struct, frozen=True, tag=True):
+    """Another worker owns it now (this one stalled past the ack wait)."""
+
+
+Outcome = Done | Failed | Cancelled | HandedOver | Superseded
+DONE, CANCELLED, HANDED_OVER, SUPERSEDED = Done(), Cancelled(), HandedOver(), Superseded()
+
+
 @dataclass(eq=False)
-class Owned:
+class Held:
+    """A request a schedule worker owns, run on an engine (`Owned`) or fanned out over its
+    prompts (`fanout.Parent`): its TW_SCHED message, held un-acked until it ends, and how it
+    ended, one value for the one exit (`ScheduleService._finish`)."""
+
     rid: str
     reply: str
     request: GenerateRequest
@@ -99,10 +130,49 @@ class Owned:
     key: str = ""
     leased: bool = False  # it holds one of its tenant's slots (`tokenway.tenancy`) until it ends
     batch: bool = False  # a batch job's (`Tw-Batch`): it starts after interactive requests
+    trace: str = ""  # its W3C `traceparent`, for the engine (its span's, when recorded)
+    out_seq: int = 0  # last per-request output sequence published to TW_OUT
+    end: Outcome | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set with `end`
+
+    def end_as(self, end: Outcome) -> None:
+        """The first end stands, save that another owner taking the request over ends it
+        here whatever this worker thought."""
+        if self.end is None or isinstance(end, Superseded):
+            self.end = end
+            self.ended.set()
+
+    @property
+    def error(self) -> ErrorInfo | None:
+        return self.end.error if isinstance(self.end, Failed) else None
+
+    @property
+    def goes_on(self) -> bool:
+        """It goes on under another owner, whose end it is to tell."""
+        return isinstance(self.end, HandedOver | Superseded)
+
+    def fail(self, info: ErrorInfo) -> None:
+        self.end_as(Failed(info))
+
+    def cancel(self) -> None:
+        self.end_as(CANCELLED)
+
+    def hand_over(self) -> None:
+        """This worker stops before the request ends: a peer takes it (its message NAKed)."""
+        self.end_as(HANDED_OVER)
+
+    def supersede(self) -> None:
+        """Another worker owns the request now (this one stalled past the ack wait)."""
+        self.end_as(SUPERSEDED)
+
+
+@dataclass(eq=False)
+class Owned(Held):
+    """A request run on an engine: its attempts, choices and what of them is committed."""
+
     engine: str | None = None
     attempt: int = 0
     next_delta: int = 0  # the per-attempt seq expected next from the engine
-    out_seq: int = 0  # last per-request output sequence published to TW_OUT
     choices: list[Choice] = field(default_factory=list)
     # What the live attempt runs: the request's own, or a relay's (prompt + committed output)
     prompt: list[int] = field(default_factory=list)
@@ -122,17 +192,11 @@ class Owned:
     prefill_held: bool = False  # its capacity is still counted
     prefill_kv: dict[str, object] | None = None  # what the prefill handed to the decode leg
     prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
-    error: ErrorInfo | None = None
-    cancelled: bool = False
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
     # The ledger: the stream sequence of this request's last message there, which the next
     # publish expects (a fence against an owner that lost the request while it stalled).
     ledger_seq: int = 0
-    superseded: bool = False  # another owner has the request: leave everything to it
-    handed_over: bool = False  # this worker is stopping: a peer continues it from the ledger
     arrived: float = 0.0  # when it was queued for the schedulers (epoch seconds)
     dispatched: float = 0.0  # when its first attempt went to an engine
-    trace: str = ""  # its W3C `traceparent`, for the engine (its span's, when recorded)
     span: Span = OFF  # the owner's part of it (`tokenway.spans`)
     first_token: float | None = None  # when its engine's first output reached this owner
     last_token: float = 0.0  # when the latest did
@@ -170,11 +234,6 @@ class Owned:
     def engine_done(self) -> bool:
         """The engine has nothing more to send for this attempt."""
         return all(c.engine_done or c.done for c in self.choices)
-
-    def fail(self, info: ErrorInfo) -> None:
-        if not self.ended.is_set():
-            self.error = info
-            self.ended.set()
 
     def attempt_failed(self, info: ErrorInfo) -> None:
         """The engine failed the live attempt: the owner relays or gives up."""
@@ -227,20 +286,6 @@ class Owned:
         else:
             return
         raise RelayRefused(f"{what_failed}; {why}")
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.ended.set()
-
-    def hand_over(self) -> None:
-        """This worker stops before the request ends: a peer takes it (its message NAKed)."""
-        self.handed_over = True
-        self.cancel()
-
-    def supersede(self) -> None:
-        """Another worker owns the request now (this one stalled past the ack wait)."""
-        self.superseded = True
-        self.cancel()
 
     def refuse(self, delta: TokenDelta) -> None:
         """The engine refused the request itself: it ends with that error (the engine has
@@ -339,12 +384,13 @@ class Owned:
 
     def summary(self, now: float) -> str:
         """The request's one line once it ends: where it ran, how much, how fast, how."""
-        if self.error is not None:
-            outcome = f"error {self.error.status}: {self.error.message}"
-        elif self.cancelled:
-            outcome = "cancelled"
-        else:
-            outcome = ",".join(str(c.finish) for c in self.choices)
+        match self.end:
+            case Failed(error):
+                outcome = f"error {error.status}: {error.message}"
+            case Cancelled():
+                outcome = "cancelled"
+            case _:
+                outcome = ",".join(str(c.finish) for c in self.choices)
         ttft = "-" if self.first_token is None else f"{self.first_token - self.arrived:.3f}s"
         return (
             f"request {self.rid} ended: model {self.ctx.model}, engine {self.engine or '-'}, "

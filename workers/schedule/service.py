@@ -3,10 +3,11 @@
 Pulls `tw.sched.<model>` only while engines have room, dispatches to an engine, turns the
 engine's token steps into derender calls (one call per batch of ready requests), commits the
 results to `TW_OUT`, and holds the request's message un-acked, with in-progress acks, until
-the request ends. When an engine fails an attempt the owner relays: a new attempt on another
-engine continues from the committed output. A request redelivered after its owner died is
-first read back from its ledger. Every path (done, error, cancel, deadline) ends in one
-`_finish`.
+the request ends; a multi-prompt request is held the same way and run by `fanout.py`. When
+an engine fails an attempt the owner relays: a new attempt on another engine continues from
+the committed output. A request redelivered after its owner died is first read back from
+its ledger. Every request, every path (done, error, cancel, deadline, hand-over), ends in
+one `_finish`, and how it ended is one value (`owned.Outcome`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tokenway.errors import (
     EngineFailed,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
     StageTimeout,
     StageUnavailable,
     Unavailable,
@@ -51,8 +53,11 @@ from tokenway.registry import EngineRegistry, bucket_ttl
 from tokenway.sse import framed
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import (
+    OUTPUTS,
     Delivered,
+    Derendered,
     DerenderEntry,
+    DerenderFailed,
     DerenderResult,
     EngineAbort,
     GenerateRequest,
@@ -65,8 +70,8 @@ from tokenway.worker import Behind, consume
 from workers.schedule import direct, isolation, metrics
 from workers.schedule.derendering import Pool
 from workers.schedule.dispatch import Dispatcher
-from workers.schedule.fanout import FanOut
-from workers.schedule.owned import Choice, Owned, refusal
+from workers.schedule.fanout import FanOut, Parent
+from workers.schedule.owned import DONE, Choice, HandedOver, Owned, Superseded, refusal
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +92,7 @@ _DERENDER_BACKOFF = 0.05
 # A derender work item: the request, its choice (None: the closing usage chunk), the entry.
 Work = tuple[Owned, Choice | None, DerenderEntry]
 # What to commit of one result: its choice, the result, kind, payload and its tokens.
-Publication = tuple[Choice | None, DerenderResult, str, bytes, list[int]]
+Publication = tuple[Choice | None, Derendered, str, bytes, list[int]]
 
 
 class ScheduleService:
@@ -111,7 +116,10 @@ class ScheduleService:
         self.observed = metrics.Observed(model)
         self.obfuscation = obfuscation
         self.owner_id = f"s{secrets.token_hex(4)}"
-        self.requests: dict[str, Owned] = {}  # by key (`ledger.request_key`), not by rid
+        # What it owns, run on an engine or fanned out over its prompts: by key
+        # (`ledger.request_key`), not by rid.
+        self.requests: dict[str, Owned | Parent] = {}
+        self._parents = 0  # the fanned-out among them (`--max-fanout`)
         self.empty = asyncio.Event()
         self.started = asyncio.Event()  # it owns requests
         self.empty.set()
@@ -128,7 +136,7 @@ class ScheduleService:
         self._group: asyncio.TaskGroup | None = None
         self.registry: EngineRegistry | None = None
         self.dispatcher: Dispatcher | None = None
-        self.fanout: FanOut | None = None  # owner of multi-prompt requests
+        self.fanout: FanOut | None = None  # runs the multi-prompt requests
         self._backend = derenderer
         self.derenderer: Derenderer | None = None
         self._draining = False
@@ -152,20 +160,19 @@ class ScheduleService:
             nc, self.owner_id, self.registry, self.settings, self.obfuscation, self.model
         )
         self._book = TenantBook(await bus.tenants_kv(js, self.settings))
-        self.fanout = FanOut(nc, self.settings, self.model, self.owner_id, self._book)
+        self.fanout = FanOut(nc, self.settings, self.model, self.owner_id)
+        await self.fanout.router.start()
         # What it owns stays its own (progress acks, the engines' registry) until drained.
         drained = asyncio.Event()
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self.registry.run(drained))
-            group.create_task(self.fanout.run(stop))
             await nc.subscribe(bus.tok_subject(self.owner_id), cb=self._on_tokens)
             await nc.subscribe(bus.CANCELS, cb=self._on_cancel)
             await nc.subscribe(bus.OWNERS_SUBJECT, cb=self._on_owners)
             await nc.subscribe(bus.handover_subject(self.model), cb=self._on_handover)
             group.create_task(self._keepalive(drained))
             rounds = group.create_task(self._rounds())
-            await self.fanout.started.wait()  # its subscription made
             log.info("schedule %s owning %s", self.owner_id, self.model)
             self.started.set()
             await consume(
@@ -177,6 +184,7 @@ class ScheduleService:
             handed = await self._shutdown(grace(stop, self.settings.drain_timeout))
             drained.set()
             rounds.cancel()
+        await self.fanout.router.stop()
         await bus.drain(nc)
         await self.derenderer.aclose()
         left = f"{_requests(handed)} handed over" if handed else "nothing left to hand over"
@@ -205,7 +213,7 @@ class ScheduleService:
     def _capacity(self) -> int:
         if self.dispatcher is None:
             return 0
-        room = self.settings.max_inflight - len(self.requests)
+        room = self.settings.max_inflight - (len(self.requests) - self._parents)
         return min(room, self.dispatcher.may_pull(), 64)
 
     async def _keepalive(self, stop: asyncio.Event) -> None:
@@ -213,9 +221,7 @@ class ScheduleService:
         owner's ack wait; four per wait, so one that is late or lost does not cost them."""
         while not stop.is_set():
             await wait_any(stop, timeout=self.settings.owner_ack_wait / 4)
-            held = [r.msg for r in self.requests.values()]
-            held += self.fanout.held() if self.fanout is not None else []
-            for msg in held:
+            for msg in [r.msg for r in self.requests.values()]:
                 try:
                     await msg.in_progress()
                 except nats.errors.Error as exc:  # NATS away: the next round retries
@@ -223,7 +229,7 @@ class ScheduleService:
             if self.dispatcher is not None:
                 self.dispatcher.index.expire(time.monotonic())
 
-    def owned(self, reply: str, rid: str) -> Owned | None:
+    def owned(self, reply: str, rid: str) -> Owned | Parent | None:
         """The request of that reply and id, while it is owned here."""
         return self.requests.get(ledger.request_key(reply, rid))
 
@@ -232,7 +238,8 @@ class ScheduleService:
         line = self.dispatcher.line if self.dispatcher is not None else None
         return OwnerInfo(
             id=self.owner_id, model=self.model, owned=len(self.requests),
-            running=sum(r.engine is not None for r in self.requests.values()),
+            running=sum(isinstance(r, Owned) and r.engine is not None
+                        for r in self.requests.values()),
             waiting=len(line) if line is not None else 0,
             tenants=dict(line.running) if line is not None else {}, draining=self._draining,
         )  # fmt: skip
@@ -281,8 +288,8 @@ class ScheduleService:
         deadline = who.deadline
         if deadline is None:
             deadline = time.time() + self.settings.request_timeout
-        if request.prompts and self.fanout is not None and refused is None:  # one per prompt
-            await self.fanout.take(msg, who, deadline, request)
+        if request.prompts and refused is None:  # one request per prompt
+            self._fan_out(msg, who, deadline, request)
             return
         if refused is None:  # tenants' prompts cached apart (a multi-prompt one's: per prompt)
             salt = isolation.cache_salt(who.tenant, request.cache_salt,
@@ -294,23 +301,38 @@ class ScheduleService:
                   tenant=who.tenant, key=key, leased=bool(who.limits), batch=who.batch,
                   arrived=msg.metadata.timestamp.timestamp(),
                   trace=span.traceparent() or who.trace, span=span)  # fmt: skip
-        self.requests[key] = r
-        self.empty.clear()
         if refused is not None:  # its error event goes out on the way out, nothing runs
             r.fail(refused)
+        self._hold(r)
         self._group.create_task(self._own(r))
 
-    async def _own(self, r: Owned) -> None:
-        assert self.dispatcher is not None
+    def _fan_out(self, msg: Msg, who: ledger.Identity, deadline: float,
+                 request: GenerateRequest) -> None:  # fmt: skip
+        assert self._group is not None
+        p = Parent(rid=who.rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
+                   tenant=who.tenant, key=who.key, leased=bool(who.limits), batch=who.batch,
+                   trace=who.trace)  # fmt: skip
+        if self._parents >= self.settings.max_fanout:  # its error goes out on the way out
+            p.fail(Overloaded(f"this worker owns {self.settings.max_fanout} multi-prompt "
+                              "requests (--max-fanout); retry later",
+                              code="queue_full").info())  # fmt: skip
+        self._hold(p)
+        self._parents += 1
+        self._group.create_task(self._own(p))
+
+    def _hold(self, r: Owned | Parent) -> None:
+        self.requests[r.key] = r
+        self.empty.clear()
+
+    async def _own(self, r: Owned | Parent) -> None:
+        """Run the request (on engines, or fanned out over its prompts) until it ends."""
+        assert self.fanout is not None
         try:
-            if r.msg.metadata.num_delivered > 1 and not await self._read_back(r):
-                return  # its last owner finished it
-            while not r.ended.is_set():
-                if not r.trouble.is_set() or await self._relay(r):
-                    await self.dispatcher.dispatch(r)
-                await wait_any(r.ended, r.trouble, timeout=max(r.deadline - time.time(), 0))
-                if not (r.ended.is_set() or r.trouble.is_set()):
-                    raise TimeoutError
+            if isinstance(r, Parent):
+                if not r.ended.is_set():
+                    await self.fanout.own(r)
+            else:
+                await self._run(r)
         except TimeoutError:
             r.fail(DeadlineExceeded(
                 f"request {r.rid} passed its deadline after {r.out_seq} chunks"
@@ -328,6 +350,18 @@ class ScheduleService:
             r.fail(internal(r.rid))
         finally:
             await self._finish(r)
+
+    async def _run(self, r: Owned) -> None:
+        """Dispatch and relay its attempts until it ends; TimeoutError at its deadline."""
+        assert self.dispatcher is not None
+        if r.msg.metadata.num_delivered > 1 and not await self._read_back(r):
+            return  # its last owner finished it
+        while not r.ended.is_set():
+            if not r.trouble.is_set() or await self._relay(r):
+                await self.dispatcher.dispatch(r)
+            await wait_any(r.ended, r.trouble, timeout=max(r.deadline - time.time(), 0))
+            if not (r.ended.is_set() or r.trouble.is_set()):
+                raise TimeoutError
 
     async def _relay(self, r: Owned) -> bool:
         """The live attempt failed at its engine (or its owner died): roll back to the
@@ -378,6 +412,7 @@ class ScheduleService:
             # gets it now (and reads back whatever else it missed).
             assert found.last is not None  # (read back: a hand-over is of a request going on)
             await ledger.deliver(self._nc, r.reply, [found.last])
+            r.end_as(DONE)
             return False
         r.refuse_continuing(f"the owner of request {r.rid} stopped", "resumed")
         r.out_seq, r.attempt, r.ledger_seq = found.seq, found.attempt, found.stream_seq
@@ -444,54 +479,75 @@ class ScheduleService:
         except nats.errors.Error as exc:  # the peer reads the ledger back instead
             log.warning("hand-over of %s not sent: %r", r.rid, exc)
 
-    async def _finish(self, r: Owned) -> None:
-        """The one exit of every request: abort leftovers, let what is in flight land, tell the
-        client, free, ack."""
-        assert self._js is not None and self.dispatcher is not None and self._book is not None
+    async def _finish(self, r: Owned | Parent) -> None:
+        """The one exit of every request, a fanned-out one's too: abort leftovers, let what
+        is in flight land, tell the client, free, ack."""
+        assert self.dispatcher is not None and self._book is not None
+        if isinstance(r, Owned):
+            await self._let_engines_go(r)
+        if r.error is not None:
+            await self._tell_error(r)
+        if isinstance(r, Owned):
+            self._account(r)
+        if r.leased and not r.goes_on:  # else it goes on elsewhere
+            await self._book.release(r.tenant, r.rid)
+        # Still ours (kept in progress) until the server confirms the ack: gone from
+        # `requests` only then, so a drained worker has nothing left in flight.
+        match r.end:
+            case HandedOver():
+                assert isinstance(r, Owned)  # (a fanned-out request ends instead)
+                await self._hand_over(r)  # before the NAK that gives the request to a peer
+                await r.msg.nak()
+            case Superseded():
+                pass  # its new owner holds the message now
+            case _:
+                await bus.ack_surely(r.msg, self.settings.bus_retry)
+        self.requests.pop(r.key, None)
+        self._parents -= isinstance(r, Parent)
+        if not self.requests:
+            self.empty.set()
+
+    async def _let_engines_go(self, r: Owned) -> None:
+        """Abort the engine work it leaves, then wait for a derender + commit already under
+        way (each is bounded by its timeout), so an ended request leaves no work behind."""
+        assert self.dispatcher is not None
         if r.engine is not None and not r.engine_done:
             await self.dispatcher.abort(r.engine, r.key, r.attempt)
         if r.prefill_engine is not None and r.prefill_attempt is not None:
             if not r.prefill_done.is_set() or r.error is not None:
                 # A prefill still running, or holding KV for a decode that will not come.
                 await self.dispatcher.abort(r.prefill_engine, r.key, r.prefill_attempt)
-        # A derender + commit already under way ends first (each is bounded by its timeout),
-        # so an ended request leaves no work of its own behind.
         await r.settled.wait()
-        if r.error is not None and not r.cancelled:
-            assert self._nc is not None  # requests are owned once connected
-            try:
-                await ledger.publish_error(
-                    self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=r.ledger_seq,
-                    tenant=r.tenant,
-                )  # fmt: skip
-            except APIError as exc:
-                if not ledger.superseded(exc):
-                    raise
-                log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
-            except Exception:
+
+    async def _tell_error(self, r: Owned | Parent) -> None:
+        """Its error event, fenced on what it committed (a fanned-out request's merge is
+        its own writer's alone)."""
+        assert self._nc is not None and r.error is not None  # owned once connected
+        after = r.ledger_seq if isinstance(r, Owned) else None
+        try:
+            await ledger.publish_error(self._nc, r.reply, r.rid, r.out_seq + 1, r.error,
+                                       after=after, tenant=r.tenant)  # fmt: skip
+        except APIError as exc:
+            if not ledger.superseded(exc):
                 log.exception("could not deliver the error of %s", r.rid)
-        if not (r.handed_over or r.superseded):  # else its end is another owner's to tell
+            else:
+                log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
+        except Exception:
+            log.exception("could not deliver the error of %s", r.rid)
+
+    def _account(self, r: Owned) -> None:
+        """Its metrics, line and span; its engine capacity back."""
+        assert self.dispatcher is not None
+        if not r.goes_on:  # else its end is another owner's to tell
             now = time.time()
             self.observed.ended(r, now)
             if log.isEnabledFor(logging.INFO):
                 log.info("%s", r.summary(now))
         r.span.set(engine=r.engine or "", prompt_tokens=len(r.request.token_ids),
                    output_tokens=r.output_tokens, relays=r.relays,
-                   handed_over=r.handed_over)  # fmt: skip
+                   handed_over=isinstance(r.end, HandedOver))  # fmt: skip
         r.span.end(None if r.error is None else r.error.message)
         self.dispatcher.release(r)
-        if r.leased and not (r.handed_over or r.superseded):  # else it goes on elsewhere
-            await self._book.release(r.tenant, r.rid)
-        # Still ours (kept in progress) until the server confirms the ack: gone from
-        # `requests` only then, so a drained worker has nothing left in flight.
-        if r.handed_over:
-            await self._hand_over(r)  # before the NAK that gives the request to a peer
-            await r.msg.nak()
-        elif not r.superseded:  # its new owner holds the message now
-            await bus.ack_surely(r.msg, self.settings.bus_retry)
-        self.requests.pop(r.key, None)
-        if not self.requests:
-            self.empty.set()
 
     # -- cancellation and engine loss --------------------------------------------------------
 
@@ -502,8 +558,6 @@ class ScheduleService:
         self._cancelled[reply, rid] = None
         if len(self._cancelled) > _CANCEL_MEMORY:
             self._cancelled.popitem(last=False)
-        if self.fanout is not None and self.fanout.cancel(reply, rid):
-            return
         r = self.owned(reply, rid)
         if r is not None:
             log.info("request %s cancelled", rid)
@@ -514,6 +568,8 @@ class ScheduleService:
         if self.dispatcher is not None:
             self.dispatcher.engine_gone(engine_id)
         for r in self.requests.values():
+            if not isinstance(r, Owned):
+                continue
             if r.engine == engine_id and not r.engine_done:
                 r.attempt_failed(EngineFailed(f"engine {engine_id} {why}").info())
             elif r.prefill_engine == engine_id and not r.prefill_done.is_set():
@@ -532,7 +588,7 @@ class ScheduleService:
         assert self.dispatcher is not None
         for delta in step.entries:
             r = self.requests.get(delta.rid)  # its key
-            if r is None or delta.attempt not in (r.attempt, r.prefill_attempt):
+            if not isinstance(r, Owned) or delta.attempt not in (r.attempt, r.prefill_attempt):
                 await self._abort_unwanted(step.engine, delta)
                 continue
             healthy, live = r.broken is None, not r.ended.is_set()
@@ -647,7 +703,7 @@ class ScheduleService:
         for (r, choice, entry), res in zip(items, results, strict=True):
             if r.ended.is_set():
                 continue
-            if res.error is not None:
+            if isinstance(res, DerenderFailed):
                 r.fail(res.error)
                 continue
             publish = self._publication(r, choice, entry, res)
@@ -697,13 +753,13 @@ class ScheduleService:
             choice.state = res.state
             choice.committed.extend(tokens)
         if kind in (h.KIND_END, h.KIND_RESPONSE):
-            r.ended.set()
-        return Delivered(rid=r.rid, seq=r.out_seq, stream_seq=outcome, payload=payload,
-                         kind=kind, tokens=len(tokens))  # fmt: skip
+            r.end_as(DONE)
+        return OUTPUTS[kind](rid=r.rid, seq=r.out_seq, stream_seq=outcome, payload=payload,
+                             tokens=len(tokens))  # fmt: skip
 
     @staticmethod
     def _publication(
-        r: Owned, choice: Choice | None, entry: DerenderEntry, res: DerenderResult
+        r: Owned, choice: Choice | None, entry: DerenderEntry, res: Derendered
     ) -> tuple[str, bytes, list[int]] | None:
         """What to publish for one derender result (kind, payload, its tokens), if anything."""
         if choice is None:  # the closing usage chunk of an n > 1 stream

@@ -16,7 +16,7 @@ from tokenway.wire import (
     StructuredOutputs,
     TokenDelta,
 )
-from workers.schedule.owned import Owned, RelayRefused
+from workers.schedule.owned import CANCELLED, DONE, SUPERSEDED, Failed, Owned, RelayRefused
 
 
 def owned(stream: bool = True, attempt: int = 0, n: int = 1, usage: bool = False) -> Owned:
@@ -82,9 +82,28 @@ def test_accept_ignores_deltas_after_the_choice_finished() -> None:
 def test_accept_ignores_deltas_after_the_request_ended() -> None:
     r = owned()
     r.cancel()
-    assert r.cancelled and r.ended.is_set()
+    assert r.end == CANCELLED and r.ended.is_set()
     assert not r.accept(delta(0, [1]))
     assert r.choices[0].pending == []
+
+
+def test_a_request_ends_once_and_only_a_takeover_overrides_its_end() -> None:
+    """How a request ended is one value: the first end stands (a client leaving after its
+    request failed does not unsay the error, a stopping worker does not hand over what has
+    ended), save another owner taking it over, which ends it here whatever it was."""
+    r = owned()
+    r.fail(EngineFailed("first").info())
+    r.cancel()
+    r.hand_over()
+    r.end_as(DONE)
+    assert isinstance(r.end, Failed) and r.error is not None and r.error.message == "first"
+    assert not r.goes_on
+    r.supersede()
+    assert r.end == SUPERSEDED and r.error is None and r.goes_on
+    done = owned()
+    done.end_as(DONE)
+    done.hand_over()
+    assert done.end == DONE and done.ended.is_set() and not done.goes_on
 
 
 def test_a_seq_gap_breaks_the_attempt_as_an_engine_failure() -> None:
@@ -270,7 +289,7 @@ def test_take_clears_pending_and_sets_busy() -> None:
 
 def test_the_prompt_rides_only_on_a_first_entry_that_needs_it() -> None:
     r = owned()
-    r.request.context.return_token_ids = True
+    r.request.context = msgspec.structs.replace(r.request.context, return_token_ids=True)
     r.accept(delta(0, [1]))
     [(choice, entry)] = r.take_ready()
     assert entry.prompt_token_ids == [0, 6366]
@@ -323,7 +342,8 @@ def test_the_summary_says_where_how_much_how_fast_and_how_it_ended() -> None:
     r.fail(EngineFailed("the engine went away").info())
     assert r.summary(103.0).endswith("3.000s, error 502: the engine went away, 1 relays")
     waiting = owned()
-    waiting.engine, waiting.cancelled = None, True
+    waiting.engine = None
+    waiting.cancel()
     assert "engine -, 2 prompt + 0 output tokens, ttft -" in waiting.summary(1.0)
     assert waiting.summary(1.0).endswith(", cancelled")
 
