@@ -242,8 +242,14 @@ class Bridge:
 
         key = (work.rid, work.attempt)
         rid = work.request_id or work.rid  # what the request is called in the logs
-        span = spans.start("generate", work.traceparent, "client", request_id=rid,
-                           engine=self.id, attempt=work.attempt)  # fmt: skip
+        span = spans.start(
+            "generate",
+            work.traceparent,
+            "client",
+            request_id=rid,
+            engine=self.id,
+            attempt=work.attempt,
+        )
         work.traceparent = span.traceparent() or work.traceparent  # the engine's spans: ours
         failed: str | None = None
         try:
@@ -258,8 +264,7 @@ class Bridge:
         except Refused as exc:  # the request's own fault: its error, not the engine's
             log.info("engine %s refused %s (%d): %s", self.id, rid, exc.status, exc)
             failed = f"refused ({exc.status}): {exc.reason}"
-            self._fail(work, seq, f"engine {self.id} refused the request: {exc.reason}",
-                       exc.status)  # fmt: skip
+            self._fail(work, seq, f"engine {self.id} refused the request: {exc.reason}", exc.status)
         except Exception as exc:  # the engine failed this attempt: tell the owner why
             log.exception("engine %s failed %s", self.id, rid)
             failed = f"{type(exc).__name__}: {exc}"
@@ -276,8 +281,14 @@ class Bridge:
     def _fail(self, work: EngineWork, seq: int, error: str, refused: int | None = None) -> None:
         """The attempt's last delta: it ended without a finish, and why (`refused`: the
         status of the engine's refusal of the request itself)."""
-        delta = TokenDelta(rid=work.rid, attempt=work.attempt, seq=seq, finish_reason="error",
-                           error=error, refused=refused)  # fmt: skip
+        delta = TokenDelta(
+            rid=work.rid,
+            attempt=work.attempt,
+            seq=seq,
+            finish_reason="error",
+            error=error,
+            refused=refused,
+        )
         self._queue(work.owner, delta)
 
     def _queue(self, owner: str, delta: TokenDelta) -> None:

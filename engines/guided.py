@@ -50,8 +50,10 @@ def ll_tokenizer(tokenizer: Tokenizer, eos: int) -> tuple[LLTokenizer, dict[str,
         if held is None or held[0] is not tokenizer:
             added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
             held = _tokenizers[id(tokenizer)] = (
-                tokenizer, LLTokenizer(tokenizer.to_str(), eos_token=eos), added
-            )  # fmt: skip
+                tokenizer,
+                LLTokenizer(tokenizer.to_str(), eos_token=eos),
+                added,
+            )
         return held[1], held[2]
 
 
@@ -181,8 +183,11 @@ class Guide:
         closing = self.made >= PATIENCE or self.calling
         if not closing and self.m.validate_tokens([own]) == 1:
             return own
-        order = [self.eos, *self.marks, *self.close, *self.fill] if closing else [
-            *self.fill, *self.close]  # fmt: skip
+        order = (
+            [self.eos, *self.marks, *self.close, *self.fill]
+            if closing
+            else [*self.fill, *self.close]
+        )
         for tid in order:
             if (tid != self.eos or self.m.is_accepting()) and self.m.validate_tokens([tid]):
                 return tid

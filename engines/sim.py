@@ -283,8 +283,9 @@ class SimEngine:
         self.tokenizer = tokenizer
         self.think_end = tokenizer.token_to_id(THINK_END)  # None: the model does not reason
         think_start = tokenizer.token_to_id(THINK_START)
-        markers = None if think_start is None or self.think_end is None else (
-            think_start, self.think_end)  # fmt: skip
+        markers = (
+            None if think_start is None or self.think_end is None else (think_start, self.think_end)
+        )
         self.model = CorpusModel(corpus_sentences(tokenizer), markers)
         self.turns = Turns.of(tokenizer) if config.tool_calls else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -342,9 +343,17 @@ class SimEngine:
         # the reasoning's end marker, where the request's reasoning is still open
         think_end = self.think_end if work.reasoning_ended is False else None
         seq = Sequence(
-            self.model, self.eos_token_id, work.token_ids, params, index, c.output_len,
-            self.trained_on, guide, think_end, self.turns,
-        )  # fmt: skip
+            self.model,
+            self.eos_token_id,
+            work.token_ids,
+            params,
+            index,
+            c.output_len,
+            self.trained_on,
+            guide,
+            think_end,
+            self.turns,
+        )
         if self.config.ttft:
             await asyncio.sleep(self.config.ttft)  # simulated prefill time
         first = True
@@ -352,8 +361,15 @@ class SimEngine:
             await self.clock.tick()
             out, finish, reason = seq.step(self.config.chunk_size)
             kv = self._handoff(work) if finish else None
-            emit(out, finish, reason, self._logprobs(out, params.logprobs), index, kv,
-                 cached if first else None)  # fmt: skip
+            emit(
+                out,
+                finish,
+                reason,
+                self._logprobs(out, params.logprobs),
+                index,
+                kv,
+                cached if first else None,
+            )
             first = False
             if finish:
                 return

@@ -155,8 +155,14 @@ class VllmEndpoint:
 
 
 # What one `emit` reports: token IDs, finish, stop reason, logprobs, choice, KV parameters.
-_Step = tuple[list[int], FinishReason | None, int | str | None, list[LogprobEntry] | None, int,
-              dict[str, object] | None]  # fmt: skip
+_Step = tuple[
+    list[int],
+    FinishReason | None,
+    int | str | None,
+    list[LogprobEntry] | None,
+    int,
+    dict[str, object] | None,
+]
 
 
 @dataclass
@@ -222,8 +228,12 @@ class VllmEngine:
     async def generate(self, work: EngineWork, emit: Emit) -> None:
         n = max(work.sampling_params.n, 1)
         request_id = f"{work.rid}-{work.attempt}"
-        a = _Attempt(request_id, REQUEST_ID_PREFIX + request_id, open=set(range(n)),
-                     traceparent=work.traceparent)  # fmt: skip
+        a = _Attempt(
+            request_id,
+            REQUEST_ID_PREFIX + request_id,
+            open=set(range(n)),
+            traceparent=work.traceparent,
+        )
         self.running += n
         # The HTTP exchange runs in a task of its own, so that cancelling this one (the
         # owner's abort) leaves the stream open for vLLM to confirm the abort on.
@@ -361,8 +371,10 @@ class VllmEngine:
     ) -> None:
         if answer.error is not None:
             status = answer.error.code or 500
-            message = (f"vLLM at {self.url} failed {a.vllm_id} mid-stream ({status} "
-                       f"{answer.error.type}): {answer.error.message}")  # fmt: skip
+            message = (
+                f"vLLM at {self.url} failed {a.vllm_id} mid-stream ({status} "
+                f"{answer.error.type}): {answer.error.message}"
+            )
             if status in REFUSALS:
                 raise VllmRefused(message, status, answer.error.message)
             raise VllmHttpError(message, status)
@@ -374,8 +386,11 @@ class VllmEngine:
         if usage is not None and not answer.choices and usage != a.tokens:
             log.warning(
                 "vLLM at %s counts %d tokens for %s, but %d arrived",
-                self.url, usage, a.vllm_id, a.tokens,
-            )  # fmt: skip
+                self.url,
+                usage,
+                a.vllm_id,
+                a.tokens,
+            )
         for choice in answer.choices:  # none in the closing usage event
             if choice.index not in a.open:
                 raise VllmBadResponse(
@@ -475,8 +490,11 @@ class VllmEngine:
         if not a.native:
             log.warning(
                 "vLLM at %s did not end %s within %ss of %d aborts; dropping its connection",
-                self.url, a.vllm_id, self.endpoint.abort_timeout, asked,
-            )  # fmt: skip
+                self.url,
+                a.vllm_id,
+                self.endpoint.abort_timeout,
+                asked,
+            )
         exchange.cancel()
         await asyncio.wait({exchange})
 
@@ -501,8 +519,11 @@ class VllmEngine:
         if resp.status != 200:
             log.warning(
                 "vLLM at %s: abort of %s answered HTTP %d: %s",
-                self.url, vllm_id, resp.status, error_message(resp.body),
-            )  # fmt: skip
+                self.url,
+                vllm_id,
+                resp.status,
+                error_message(resp.body),
+            )
             return False
         return True
 

@@ -137,8 +137,10 @@ def logprob_entries(lp: Logprobs | None) -> list[LogprobEntry] | None:
         return None
     out = []
     for c in lp.content:
-        top = [TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
-               for t in c.top_logprobs]  # fmt: skip
+        top = [
+            TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
+            for t in c.top_logprobs
+        ]
         out.append(LogprobEntry(token_id=c.token_id, logprob=c.logprob, rank=c.rank, top=top))
     return out
 

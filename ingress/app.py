@@ -109,11 +109,22 @@ def _answering(send: Send, metrics: Metrics, echo: tuple[bytes, bytes] | None) -
 def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = Metrics(ctx.body_rate)
     completions = Completions(
-        ctx.nc, ctx.router, metrics, ctx.catalog, ctx.request_timeout, ctx.bus_retry, ctx.draining,
-        ctx.max_request_bytes, ctx.body_timeout, ctx.keys.limits, ctx.response_store,
+        ctx.nc,
+        ctx.router,
+        metrics,
+        ctx.catalog,
+        ctx.request_timeout,
+        ctx.bus_retry,
+        ctx.draining,
+        ctx.max_request_bytes,
+        ctx.body_timeout,
+        ctx.keys.limits,
+        ctx.response_store,
         request_limits=ctx.request_limits,
-        quota=ctx.keys.quota, ledger_room=ctx.ledger_room, body_rate=ctx.body_rate,
-    )  # fmt: skip
+        quota=ctx.keys.quota,
+        ledger_room=ctx.ledger_room,
+        body_rate=ctx.body_rate,
+    )
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 
     def openapi() -> dict[str, Any]:
@@ -140,9 +151,9 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         try:
             after = int(request.headers.get("last-event-id", "0"))
         except ValueError:
-            return _error(InvalidRequest(
-                "Last-Event-ID must be the number of `data:` events received"
-            ))  # fmt: skip
+            return _error(
+                InvalidRequest("Last-Event-ID must be the number of `data:` events received")
+            )
         try:
             ids = event_ids(request.headers.get(EVENT_IDS_HEADER, ""))
         except InvalidRequest as exc:
@@ -152,13 +163,20 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         # Another tenant's stream is as absent as one that never was.
         ledger_read = await ctx.ledger.read_from(rid, request.scope["state"]["tenant"])
         if ledger_read is None:
-            return _error(ModelNotFound(f"no stream {rid} within the output retention",
-                                        code="stream_not_found"))  # fmt: skip
+            return _error(
+                ModelNotFound(
+                    f"no stream {rid} within the output retention", code="stream_not_found"
+                )
+            )
         return StreamingResponse(
-            resumed(ledger_read, SseWriter(ids, after)), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", REQUEST_ID_HEADER.decode(): rid,
-                     STREAM_ID_HEADER.decode(): rid},
-        )  # fmt: skip
+            resumed(ledger_read, SseWriter(ids, after)),
+            media_type="text/event-stream",
+            headers={
+                "Cache-Control": "no-cache",
+                REQUEST_ID_HEADER.decode(): rid,
+                STREAM_ID_HEADER.decode(): rid,
+            },
+        )
 
     async def resumed(source: LedgerRead, writer: SseWriter) -> AsyncIterator[bytes]:
         metrics.active.inc()
@@ -227,18 +245,25 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
             info = ErrorInfo(
                 message=str(exc.detail), type="BadRequestError", status=exc.status_code
             )
-        return Response(error_body(info), status_code=info.status, media_type="application/json",
-                        headers=exc.headers)  # fmt: skip
+        return Response(
+            error_body(info),
+            status_code=info.status,
+            media_type="application/json",
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:
         """A bug: logged under the request's id, which is all its client hears of it."""
         rid = request.headers.get(REQUEST_ID_HEADER.decode()) or secrets.token_hex(12)
-        log.error("%s %s failed (request %s)", request.method, request.url.path, rid,
-                  exc_info=exc)  # fmt: skip
+        log.error("%s %s failed (request %s)", request.method, request.url.path, rid, exc_info=exc)
         info = internal(rid)
-        return Response(error_body(info), status_code=info.status, media_type="application/json",
-                        headers={REQUEST_ID_HEADER.decode(): rid})  # fmt: skip
+        return Response(
+            error_body(info),
+            status_code=info.status,
+            media_type="application/json",
+            headers={REQUEST_ID_HEADER.decode(): rid},
+        )
 
     async def serve(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

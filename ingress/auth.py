@@ -90,8 +90,9 @@ class ApiKeys:
     ) -> ApiKeys:
         """From the settings; ValueError (naming the flag, never a key) when they are unusable."""
         pairs: list[tuple[str, str, str, Limits | None, dict[str, int]]]
-        pairs = [(DEFAULT_TENANT, k.strip(), "--api-key", None, {})
-                 for k in (keys or "").split(",")]  # fmt: skip
+        pairs = [
+            (DEFAULT_TENANT, k.strip(), "--api-key", None, {}) for k in (keys or "").split(",")
+        ]
         if keys is not None and not any(p[1] for p in pairs):
             raise ValueError("--api-key (or TOKENWAY_API_KEY) is set but holds no key")
         pairs = [p for p in pairs if p[1]]
@@ -104,23 +105,36 @@ class ApiKeys:
             if (limits is not None and own.setdefault(tenant, limits) != limits) or (
                 quota and shares.setdefault(tenant, quota) != quota
             ):
-                raise ValueError(f"{where}: tenant {tenant} is given other limits on another "
-                                 "line; give them once, or the same on every line")  # fmt: skip
+                raise ValueError(
+                    f"{where}: tenant {tenant} is given other limits on another "
+                    "line; give them once, or the same on every line"
+                )
             digest = _digest(key.encode())
             if tenants.setdefault(digest, tenant) != tenant:
-                raise ValueError(f"{where}: a key is given to two tenants, {tenants[digest]} "
-                                 f"and {tenant}")  # fmt: skip
+                raise ValueError(
+                    f"{where}: a key is given to two tenants, {tenants[digest]} and {tenant}"
+                )
             if len(key) < WEAK_KEY_CHARS:
-                log.warning("%s: a key of tenant %s has %d characters; use %d or more "
-                            "(e.g. `openssl rand -hex 24`)", where, tenant, len(key),
-                            WEAK_KEY_CHARS)  # fmt: skip
+                log.warning(
+                    "%s: a key of tenant %s has %d characters; use %d or more "
+                    "(e.g. `openssl rand -hex 24`)",
+                    where,
+                    tenant,
+                    len(key),
+                    WEAK_KEY_CHARS,
+                )
         tenant_limits = {t: own.get(t, default_limits) for t in set(tenants.values())}
-        quotas = {t: msgspec.structs.replace(default_quota, **shares.get(t, {}))
-                  for t in set(tenants.values())}  # fmt: skip
+        quotas = {
+            t: msgspec.structs.replace(default_quota, **shares.get(t, {}))
+            for t in set(tenants.values())
+        }
         return cls(
-            tenants, ALWAYS_OPEN | _open_paths(open_routes),
-            {t: x for t, x in tenant_limits.items() if x}, quotas, default_quota,
-        )  # fmt: skip
+            tenants,
+            ALWAYS_OPEN | _open_paths(open_routes),
+            {t: x for t, x in tenant_limits.items() if x},
+            quotas,
+            default_quota,
+        )
 
 
 def tenants(keys: str | None, key_file: str | None, named: Sequence[str] = ()) -> list[str]:
@@ -131,8 +145,10 @@ def tenants(keys: str | None, key_file: str | None, named: Sequence[str] = ()) -
         found |= {tenant for tenant, *_ in _read_key_file(key_file)}
     for name in named:
         if not TENANT.fullmatch(name):
-            raise ValueError(f"tenant {name!r}: a tenant name is letters, digits, '_' and '-', "
-                             "up to 64, starting with a letter or digit")  # fmt: skip
+            raise ValueError(
+                f"tenant {name!r}: a tenant name is letters, digits, '_' and '-', "
+                "up to 64, starting with a letter or digit"
+            )
         found.add(name)
     return sorted(found)
 
@@ -162,8 +178,10 @@ def _read_key_file(
         where = f"--api-key-file {path} line {number}"
         if len(fields) < 2 or not TENANT.fullmatch(fields[0]):
             # The line may hold a key: say what is wrong without showing it.
-            raise ValueError(f"{where}: expected `TENANT KEY` (a tenant name of letters, "
-                             "digits, '_' and '-', up to 64; one key without spaces)")  # fmt: skip
+            raise ValueError(
+                f"{where}: expected `TENANT KEY` (a tenant name of letters, "
+                "digits, '_' and '-', up to 64; one key without spaces)"
+            )
         limits, quota = _limits(fields[2:], where)
         found.append((fields[0], fields[1], where, limits, quota))
     if not found:
@@ -181,8 +199,10 @@ def _limits(fields: list[str], where: str) -> tuple[Limits | None, dict[str, int
         known = name in Limits.__struct_fields__ or name in Quota.__struct_fields__
         if not known or not value.isdigit():
             # Not echoed: a mistyped line may hold a second key.
-            raise ValueError(f"{where}: after the key, expected limits as concurrent=N, "
-                             "tokens_per_minute=N, files_bytes=N, files_count=N, "
-                             "responses_bytes=N and responses_count=N only")  # fmt: skip
+            raise ValueError(
+                f"{where}: after the key, expected limits as concurrent=N, "
+                "tokens_per_minute=N, files_bytes=N, files_count=N, "
+                "responses_bytes=N and responses_count=N only"
+            )
         (values if name in Limits.__struct_fields__ else quota)[name] = int(value)
     return (Limits(**values) if values else None), quota

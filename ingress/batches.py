@@ -31,19 +31,42 @@ from tokenway.quota import FILES, UNLIMITED, Quota, QuotaExceeded
 
 _json = msgspec.json.Encoder()
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what file and batch ids are made of
-_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file", "purpose"],
-    "properties": {"file": {"type": "string", "format": "binary"},
-                   "purpose": {"type": "string", "enum": ["batch"]}},
-}}}}}  # fmt: skip
-_CREATE = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-    "type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
-    "properties": {"input_file_id": {"type": "string"},
-                   "endpoint": {"type": "string", "enum": list(batches.ENDPOINTS)},
-                   "completion_window": {"type": "string", "enum": list(batches.WINDOWS)},
-                   "metadata": {"type": "object",
-                                "additionalProperties": {"type": "string"}}},
-}}}}}  # fmt: skip
+_UPLOAD = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                    },
+                }
+            }
+        },
+    }
+}
+_CREATE = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["input_file_id", "endpoint", "completion_window"],
+                    "properties": {
+                        "input_file_id": {"type": "string"},
+                        "endpoint": {"type": "string", "enum": list(batches.ENDPOINTS)},
+                        "completion_window": {"type": "string", "enum": list(batches.WINDOWS)},
+                        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 def _ok(doc: object) -> Response:
@@ -53,8 +76,9 @@ def _ok(doc: object) -> Response:
 def _page(items: Sequence[FileObject | Batch], has_more: bool) -> Response:
     """OpenAI's list shape."""
     first, last = (items[0].id, items[-1].id) if items else (None, None)
-    return _ok({"object": "list", "data": items, "has_more": has_more, "first_id": first,
-                "last_id": last})  # fmt: skip
+    return _ok(
+        {"object": "list", "data": items, "has_more": has_more, "first_id": first, "last_id": last}
+    )
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -99,20 +123,29 @@ def add_routes(
         try:
             purpose, upload = form.get("purpose"), form.get("file")
             if purpose != "batch":
-                return _error(InvalidRequest("purpose must be 'batch' (the files kept here are "
-                                             "batch input files)", param="purpose"))  # fmt: skip
+                return _error(
+                    InvalidRequest(
+                        "purpose must be 'batch' (the files kept here are batch input files)",
+                        param="purpose",
+                    )
+                )
             if not isinstance(upload, UploadFile):
                 return _error(InvalidRequest("the form needs a file", param="file"))
             data = await upload.read(limit + 1)
             if len(data) > limit:
                 return _error(TooLarge(f"a file may hold at most {limit} bytes", param="file"))
-            meta = batches.file_object(batches.new_id("file").replace("_", "-", 1), data,
-                                       upload.filename or "upload.jsonl", "batch")  # fmt: skip
+            meta = batches.file_object(
+                batches.new_id("file").replace("_", "-", 1),
+                data,
+                upload.filename or "upload.jsonl",
+                "batch",
+            )
         finally:
             await form.close()
         try:
-            return _ok(await (await store()).put_file(meta, data, tenant(request),
-                                                      quota(tenant(request))))  # fmt: skip
+            return _ok(
+                await (await store()).put_file(meta, data, tenant(request), quota(tenant(request)))
+            )
         except QuotaExceeded as exc:
             return _error(exc)
 
@@ -161,8 +194,9 @@ def add_routes(
             fields[name] = value
         meta = body.get("metadata")
         try:
-            batch = batches.new_batch(fields["input_file_id"], fields["endpoint"],
-                                      fields["completion_window"], meta)  # fmt: skip
+            batch = batches.new_batch(
+                fields["input_file_id"], fields["endpoint"], fields["completion_window"], meta
+            )
         except BatchRefused as exc:
             return _error(InvalidRequest(str(exc), param=exc.param))
         kept = await store()
@@ -173,8 +207,9 @@ def add_routes(
         except NotFound:
             return _error(_missing("file", batch.input_file_id))
         if given.purpose != "batch":
-            return _error(InvalidRequest("the input file is not a batch file",
-                                         param="input_file_id"))  # fmt: skip
+            return _error(
+                InvalidRequest("the input file is not a batch file", param="input_file_id")
+            )
         share = quota(tenant(request))
         try:  # its output will be the tenant's: no room at all, no batch
             await kept.book.admits(tenant(request), share, FILES)
@@ -211,8 +246,11 @@ def add_routes(
             kept = await store()
             record = await kept.get(batch_id, tenant(request))
             if record.batch.status in ENDED:
-                return _error(Conflict(f"Cannot cancel a batch with status "
-                                       f"{record.batch.status}", param="batch_id"))  # fmt: skip
+                return _error(
+                    Conflict(
+                        f"Cannot cancel a batch with status {record.batch.status}", param="batch_id"
+                    )
+                )
             changed = await kept.change(batch_id, lambda r: batches.cancelled(r, time.time()))
             return _ok(changed.batch)
 

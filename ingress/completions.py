@@ -77,10 +77,15 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 Route = Api | TokenizeRoute | Literal["count_tokens"]
-ROUTES: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
-                            "/v1/messages": "messages", "/v1/responses": "responses",
-                            "/v1/messages/count_tokens": "count_tokens",
-                            "/tokenize": "tokenize", "/detokenize": "detokenize"}  # fmt: skip
+ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
 ANTHROPIC: frozenset[Route] = frozenset({"messages", "count_tokens"})  # its error shapes
 # A client's X-Request-Id (vLLM's habit): its response's id, echoed on every response.
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -278,9 +283,17 @@ class Completions:
             await asyncio.to_thread(heap.give_back)
 
     async def _run(
-        self, api: Api, scope: Scope, receive: Receive, send: Send, body: bytes, rid: str,
-        tenant: str, client_id: str, echo: tuple[bytes, bytes],
-    ) -> None:  # fmt: skip
+        self,
+        api: Api,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        rid: str,
+        tenant: str,
+        client_id: str,
+        echo: tuple[bytes, bytes],
+    ) -> None:
         """A request the ingress took: queued for render, answered whole or as a stream."""
         given = header(scope, _TRACEPARENT).decode("latin-1")
         span = spans.start(f"POST {scope['path']}", valid(given), "server", request_id=rid)
@@ -345,8 +358,7 @@ class Completions:
             talk = None
             if api == "responses":  # the conversation it continues, from the store
                 check_text(api, body, self.request_limits)  # before it is decoded for that
-                talk = await conversation(await self.responses(), body, tenant,
-                                          self.quota(tenant))  # fmt: skip
+                talk = await conversation(await self.responses(), body, tenant, self.quota(tenant))
                 body = talk.body
             model, stream = self._decode(api, body)
             previous = talk.previous if talk else None
@@ -374,19 +386,41 @@ class Completions:
         return self.catalog.resolve(req.model), bool(req.stream)
 
     async def _submit(
-        self, api: Api, model: str, body: bytes, rid: str, tenant: str, client_id: str,
-        trace: str, previous: str | None,
-    ) -> None:  # fmt: skip
-        request = RenderRequest(api=api, request_id=rid, body=body, created=int(time.time()),
-                                client_request_id=client_id or None,
-                                previous_response_id=previous)  # fmt: skip
-        who = ledger.Identity(rid, self.router.ingress_id, time.time() + self.request_timeout,
-                              tenant, self.limits.get(tenant), trace)  # fmt: skip
+        self,
+        api: Api,
+        model: str,
+        body: bytes,
+        rid: str,
+        tenant: str,
+        client_id: str,
+        trace: str,
+        previous: str | None,
+    ) -> None:
+        request = RenderRequest(
+            api=api,
+            request_id=rid,
+            body=body,
+            created=int(time.time()),
+            client_request_id=client_id or None,
+            previous_response_id=previous,
+        )
+        who = ledger.Identity(
+            rid,
+            self.router.ingress_id,
+            time.time() + self.request_timeout,
+            tenant,
+            self.limits.get(tenant),
+            trace,
+        )
         try:
             await enqueue(
-                self.js, "render", bus.render_subject(model), _encoder.encode(request),
-                who.headers(), self.bus_retry,
-            )  # fmt: skip
+                self.js,
+                "render",
+                bus.render_subject(model),
+                _encoder.encode(request),
+                who.headers(),
+                self.bus_retry,
+            )
         except MaxPayloadError as exc:
             raise self._over_the_bus(body) from exc
         except NatsError as exc:
@@ -399,8 +433,12 @@ class Completions:
             chat = anthropic.to_chat(decoded(anthropic.CountDecoder, body))
         except InvalidRequest as exc:
             return Reply.error(exc.info())
-        tokenize = {"model": chat.model, "messages": chat.messages, "tools": chat.tools,
-                    "chat_template_kwargs": chat.chat_template_kwargs}  # fmt: skip
+        tokenize = {
+            "model": chat.model,
+            "messages": chat.messages,
+            "tools": chat.tools,
+            "chat_template_kwargs": chat.chat_template_kwargs,
+        }
         counted = await self._tokenize("tokenize", msgspec.json.encode(tokenize), rid)
         if counted.status != 200:
             return counted

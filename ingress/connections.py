@@ -94,9 +94,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self.head_bytes += size
         if self.head_bytes > self.guard.max_head_bytes:
             self._head_ends()
-            self._close_with(b"431 Request Header Fields Too Large", HeadTooLarge(
-                f"the request head is over {self.guard.max_head_bytes} bytes "
-                "(--max-header-bytes)"))  # fmt: skip
+            self._close_with(
+                b"431 Request Header Fields Too Large",
+                HeadTooLarge(
+                    f"the request head is over {self.guard.max_head_bytes} bytes "
+                    "(--max-header-bytes)"
+                ),
+            )
             raise _Refused  # no more of it is read
 
     def send_400_response(self, msg: str) -> None:

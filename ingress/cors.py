@@ -52,12 +52,19 @@ class Cors:
                 "--allow-credentials with --allowed-origins '*' lets every web site send "
                 "requests with its visitors' credentials; name the origins instead"
             )
-        return cls(origins, names(settings.allowed_methods), names(settings.allowed_headers),
-                   settings.allow_credentials)  # fmt: skip
+        return cls(
+            origins,
+            names(settings.allowed_methods),
+            names(settings.allowed_headers),
+            settings.allow_credentials,
+        )
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         return CORSMiddleware(
-            app, allow_origins=self.origins, allow_methods=self.methods,
-            allow_headers=self.headers, allow_credentials=self.credentials,
+            app,
+            allow_origins=self.origins,
+            allow_methods=self.methods,
+            allow_headers=self.headers,
+            allow_credentials=self.credentials,
             expose_headers=EXPOSED,
-        )  # fmt: skip
+        )

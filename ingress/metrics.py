@@ -12,8 +12,9 @@ from ingress.body_rate import BodyRate
 
 OTHER = "other"  # the `api` of every answer but the completion and tokenize routes
 
-REQUESTS = Counter("tokenway_requests", "Every answer, by route (api) and HTTP status",
-                   ["api", "status"])  # fmt: skip
+REQUESTS = Counter(
+    "tokenway_requests", "Every answer, by route (api) and HTTP status", ["api", "status"]
+)
 ACTIVE = Gauge("tokenway_active_streams", "Open SSE streams")
 _BODY_RATES: list[weakref.ref[BodyRate]] = []  # each live ingress's, summed on a scrape
 

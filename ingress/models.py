@@ -28,10 +28,14 @@ class Catalog:
     def __init__(self, models: Sequence[ServedModel], registry: EngineRegistry) -> None:
         created = int(time.time())
         self.cards = {
-            m.name: ModelCard(id=m.name, created=created, root=str(m.info.path),
-                              max_model_len=m.info.context_length)
+            m.name: ModelCard(
+                id=m.name,
+                created=created,
+                root=str(m.info.path),
+                max_model_len=m.info.context_length,
+            )
             for m in models
-        }  # fmt: skip
+        }
         self.default = models[0].name  # of a request that names none, as in vLLM
         self.registry = registry
 

@@ -47,10 +47,18 @@ _ROUTES = {
     "/tokenize": ("tokenize", "TokenizeRequest", "Token IDs of a prompt or of chat messages"),
     "/detokenize": ("detokenize", "DetokenizeRequest", "The text of token IDs"),
 }
-_BODIES = [ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
-           TokenizeCompletionRequest, DetokenizeRequest, ErrorBody, anthropic.MessagesRequest,
-           anthropic.CountTokensRequest, anthropic.AnthropicError,
-           responses.ResponsesRequest]  # fmt: skip
+_BODIES = [
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    DetokenizeRequest,
+    ErrorBody,
+    anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
+    anthropic.AnthropicError,
+    responses.ResponsesRequest,
+]
 
 
 def _operation(operation_id: str, body: str, summary: str) -> dict[str, Any]:
@@ -77,25 +85,39 @@ def _resume_parameters(rid_pattern: str) -> list[dict[str, Any]]:
     """What `GET /v1/streams/{rid}` reads besides its path (its handler reads the headers
     itself, so FastAPI cannot describe them)."""
     return [
-        {"name": "rid", "in": "path", "required": True,
-         "schema": {"type": "string", "pattern": f"^{rid_pattern}$"}},
-        {"name": "Last-Event-ID", "in": "header", "required": False,
-         "description": "the number of `data:` events the client already has",
-         "schema": {"type": "string", "pattern": "^[0-9]+$"}},
-        {"name": "X-Tokenway-Event-Ids", "in": "header", "required": False,
-         "description": "1/true/yes/on: number each event in an `id:` line",
-         "schema": {"type": "string", "enum": sorted((YES | NO) - {""})}},
-    ]  # fmt: skip
+        {
+            "name": "rid",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string", "pattern": f"^{rid_pattern}$"},
+        },
+        {
+            "name": "Last-Event-ID",
+            "in": "header",
+            "required": False,
+            "description": "the number of `data:` events the client already has",
+            "schema": {"type": "string", "pattern": "^[0-9]+$"},
+        },
+        {
+            "name": "X-Tokenway-Event-Ids",
+            "in": "header",
+            "required": False,
+            "description": "1/true/yes/on: number each event in an `id:` line",
+            "schema": {"type": "string", "enum": sorted((YES | NO) - {""})},
+        },
+    ]
 
 
 def with_completions(document: dict[str, Any], rid_pattern: str) -> dict[str, Any]:
     """FastAPI's document with the plain ASGI routes and their schemas added, and the
     resume route's parameters as its handler checks them."""
     _, schemas = msgspec.json.schema_components(_BODIES, ref_template=_REF)
-    schemas["TokenizeRequest"] = {"anyOf": [
-        {"$ref": _REF.format(name=s.__name__)}
-        for s in (TokenizeChatRequest, TokenizeCompletionRequest)
-    ]}  # fmt: skip
+    schemas["TokenizeRequest"] = {
+        "anyOf": [
+            {"$ref": _REF.format(name=s.__name__)}
+            for s in (TokenizeChatRequest, TokenizeCompletionRequest)
+        ]
+    }
     document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
     paths = document.setdefault("paths", {})
     for path, (operation_id, body, summary) in _ROUTES.items():

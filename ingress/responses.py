@@ -89,14 +89,17 @@ async def conversation(
     previous = doc.pop("previous_response_id", None)
     if previous is not None:
         if not isinstance(previous, str) or not _ID.fullmatch(previous):
-            raise InvalidRequest(f"{str(previous)[:80]!r} is not a response id",
-                                 param="previous_response_id")  # fmt: skip
+            raise InvalidRequest(
+                f"{str(previous)[:80]!r} is not a response id", param="previous_response_id"
+            )
         try:
             before = await store.get(previous, tenant)
         except NotStored:
-            raise ModelNotFound(f"Previous response with id {previous!r} not found.",
-                                param="previous_response_id",
-                                code="previous_response_not_found") from None  # fmt: skip
+            raise ModelNotFound(
+                f"Previous response with id {previous!r} not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            ) from None
         answered = _decode.decode(before.response).get("output", [])
         items = [*before.input, *answered, *items]
         doc["input"] = items
@@ -118,11 +121,18 @@ def final_response(payload: bytes) -> bytes | None:
 
 
 # What OpenAI's `include` takes (its ResponseIncludable): none of it adds to items kept here.
-_INCLUDABLE = frozenset({
-    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
-    "message.input_image.image_url", "computer_call_output.output.image_url",
-    "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs",
-})  # fmt: skip
+_INCLUDABLE = frozenset(
+    {
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+        "message.output_text.logprobs",
+    }
+)
 MAX_PAGE, DEFAULT_PAGE = 100, 20
 
 
@@ -138,12 +148,15 @@ def input_page(items: list[dict[str, Any]], query: list[tuple[str, str]]) -> dic
         raise InvalidRequest(f"order must be 'asc' or 'desc', not {order[:40]!r}", param="order")
     limit = asked.get("limit", str(DEFAULT_PAGE))
     if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}, not {limit[:40]!r}",
-                             param="limit")  # fmt: skip
+        raise InvalidRequest(
+            f"limit must be an integer from 1 to {MAX_PAGE}, not {limit[:40]!r}", param="limit"
+        )
     for name, value in query:
         if name in ("include", "include[]") and value not in _INCLUDABLE:
-            raise InvalidRequest(f"include: {value[:80]!r} is not one of "
-                                 f"{', '.join(sorted(_INCLUDABLE))}", param="include")  # fmt: skip
+            raise InvalidRequest(
+                f"include: {value[:80]!r} is not one of {', '.join(sorted(_INCLUDABLE))}",
+                param="include",
+            )
     listed = items if order == "asc" else items[::-1]
     ids = [item.get("id") for item in listed]
     start, end = 0, len(listed)
@@ -151,17 +164,22 @@ def input_page(items: list[dict[str, Any]], query: list[tuple[str, str]]) -> dic
         if (at := asked.get(cursor)) is None:
             continue
         if at not in ids:
-            raise InvalidRequest(f"{cursor}: no input item {at[:80]!r} in this response",
-                                 param=cursor)  # fmt: skip
+            raise InvalidRequest(
+                f"{cursor}: no input item {at[:80]!r} in this response", param=cursor
+            )
         if cursor == "after":
             start = ids.index(at) + 1
         else:
             end = ids.index(at)
     window, size = listed[start:end], int(limit)
     page = window[-size:] if "before" in asked and "after" not in asked else window[:size]
-    return {"object": "list", "data": page, "has_more": len(window) > len(page),
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None}  # fmt: skip
+    return {
+        "object": "list",
+        "data": page,
+        "has_more": len(window) > len(page),
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+    }
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -169,8 +187,13 @@ def _error(exc: TokenwayError) -> Response:
 
 
 def _missing(response_id: str) -> Response:
-    return _error(ModelNotFound(f"No response found with id {response_id[:80]!r}.",
-                                param="response_id", code="response_not_found"))  # fmt: skip
+    return _error(
+        ModelNotFound(
+            f"No response found with id {response_id[:80]!r}.",
+            param="response_id",
+            code="response_not_found",
+        )
+    )
 
 
 def add_routes(app: FastAPI, store: Callable[[], Awaitable[ResponseStore]]) -> None:

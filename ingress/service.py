@@ -62,18 +62,25 @@ class IngressService:
         self.settings = settings
         # ValueError when the keys given are unusable: refuse to start rather than run open
         self.keys = ApiKeys.load(
-            settings.api_key, settings.api_key_file, settings.open_routes,
-            Limits(concurrent=settings.tenant_concurrency,
-                   tokens_per_minute=settings.tenant_tokens_per_minute),
-            Quota(files_bytes=settings.tenant_files_bytes,
-                  files_count=settings.tenant_files_count,
-                  responses_bytes=settings.tenant_responses_bytes,
-                  responses_count=settings.tenant_responses_count),
-        )  # fmt: skip
+            settings.api_key,
+            settings.api_key_file,
+            settings.open_routes,
+            Limits(
+                concurrent=settings.tenant_concurrency,
+                tokens_per_minute=settings.tenant_tokens_per_minute,
+            ),
+            Quota(
+                files_bytes=settings.tenant_files_bytes,
+                files_count=settings.tenant_files_count,
+                responses_bytes=settings.tenant_responses_bytes,
+                responses_count=settings.tenant_responses_count,
+            ),
+        )
         self.cors = Cors.load(settings)
         # each request head's deadline, and the connections one address may hold
-        self.guard = Guard(settings.header_timeout, settings.max_connections_per_address,
-                           settings.max_header_bytes)  # fmt: skip
+        self.guard = Guard(
+            settings.header_timeout, settings.max_connections_per_address, settings.max_header_bytes
+        )
         # each client's pace of request bodies: a bucket holds one largest body at least
         rate = settings.max_body_rate
         self.body_rate = BodyRate(rate, max(rate, settings.max_request_bytes))
@@ -99,9 +106,12 @@ class IngressService:
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         sock = listen(self.settings.host, self.settings.port)  # a taken port fails first
         nc = await bus.connect(
-            nats_url, f"tokenway-ingress-{self.ingress_id}", self.settings,
-            reconnected=self._reconnected, stop=stop,
-        )  # fmt: skip
+            nats_url,
+            f"tokenway-ingress-{self.ingress_id}",
+            self.settings,
+            reconnected=self._reconnected,
+            stop=stop,
+        )
         kv = await bus.engines_kv(nc.jetstream(), self.settings)
         served = [m.name for m in self.models]
         ttl = await bucket_ttl(kv, self.settings.engine_ttl)

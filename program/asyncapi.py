@@ -111,106 +111,226 @@ def _batch_lane(subject: Callable[[str | None, bool, str | None], str]) -> Calla
 def channels() -> list[Channel]:
     ingress, direct = "ingress", "direct clients (`tokenway.client`)"
     return [
-        Channel("render", _address(bus.render_subject, "model"),
-                "OpenAI request bodies, one per request, for render to template and tokenize.",
-                RenderRequest, stream=bus.RENDER_STREAM, senders=(ingress, direct),
-                receivers=("render",), headers=REQUEST_HEADERS),
-        Channel("schedule", _address(bus.sched_subject, "model"),
-                "Tokenized requests for their owner: vLLM's token-only generate body plus "
-                "tokenway's output context. A body without one (`context.response_id` "
-                "empty) gets it from the schedule stage, or an error event.",
-                GenerateRequest, stream=bus.SCHED_STREAM, senders=("render", direct),
-                receivers=("schedule",), headers=REQUEST_HEADERS),
-        Channel("render-batch", _address(_batch_lane(bus.render_subject), "model", "lane"),
-                "A batch job's request bodies (`Tw-Batch: 1`), which render takes only "
-                f"while `render` has none waiting. {_LANES}", RenderRequest,
-                stream=bus.RENDER_STREAM, senders=(direct,), receivers=("render",),
-                headers=REQUEST_HEADERS),
-        Channel("schedule-batch", _address(_batch_lane(bus.sched_subject), "model", "lane"),
-                "A batch job's tokenized requests, which an owner takes only while "
-                "`schedule` has none waiting and only as many as its engines can start. "
-                f"{_LANES}", GenerateRequest, stream=bus.SCHED_STREAM,
-                senders=("render", direct), receivers=("schedule",), headers=REQUEST_HEADERS),
-        Channel("output", _address(bus.out_subject, "reply", "rid"),
-                "A request's ledger: its committed output, in `Tw-Seq` order, kept for "
-                "`TW_OUT`'s retention. Read it with a consumer of your own from the first "
-                "message, live or later; it ends with an end, a response or an error. A "
-                "tenant's client names its consumer, so that the create call names the "
-                "subject: it may read `tw.out.tenant.<tenant>.>` only.",
-                None, content_type=SSE, stream=bus.OUT_STREAM, senders=("schedule",),
-                receivers=(ingress, direct), headers=OUTPUT_HEADERS),
-        Channel("delivery", _address(bus.sse_subject, "reply"),
-                "What the ledger's writer just stored for a reply, live: a lost one shows as "
-                "a gap in `Tw-Seq`, which the reader reads back from the ledger.",
-                Delivery, senders=("schedule",), receivers=(ingress,)),
-        Channel("tokens", _address(bus.tok_subject, "owner"),
-                "Everything one engine step made for one owner.", TokenStep,
-                senders=("engine bridge",), receivers=("schedule",)),
-        Channel("engine", _address(bus.engine_subject, "engine", "verb"),
-                "Work for an engine (`generate`: `EngineWork`) and aborts of it (`abort`: "
-                "`EngineAbort`).", EngineWork, senders=("schedule",),
-                receivers=("engine bridge",), more=(EngineAbort,)),
-        Channel("orphan", _address(bus.orphan_subject, "key"),
-                "A new owner's word to every bridge: drop the request's work for the old one "
-                "(`key`: the request's, a digest of its reply and rid, as in `EngineWork.rid`).",
-                EngineAbort, senders=("schedule",), receivers=("engine bridge",)),
-        Channel("handover", _address(bus.handover_subject, "model"),
-                "A stopping owner's word to the model's other owners: where a request it "
-                "hands back to `TW_SCHED` stands, so the one taking it over reads one ledger "
-                "message (to check) instead of all of them.",
-                HandOver, senders=("schedule",), receivers=("schedule",)),
-        Channel("cancel", _address(bus.cancel_subject, "reply", "rid"),
-                "The client left: its owner stops the request, if the request has both "
-                "names (a tenant's client cancels its own only). An empty body.", None,
-                content_type="application/octet-stream", senders=(ingress, direct),
-                receivers=("schedule",)),
-        Channel("derender", _address(bus.derender_subject, "model"),
-                "Token deltas to turn into OpenAI output (`--derender-placement pool`).",
-                DerenderCall, senders=("schedule",), receivers=("derender",),
-                reply=DerenderReply),
-        Channel("tokenize", _address(bus.tokenize_subject, "model"),
-                "`/tokenize` and `/detokenize`, answered by a render worker.", TokenizeCall,
-                senders=(ingress,), receivers=("render",), reply=TokenizeAnswer),
-        Channel("owners", bus.OWNERS_SUBJECT,
-                "`tokenway status`: every owner answers with what it holds. An empty body.",
-                None, content_type="application/octet-stream", senders=("ops",),
-                receivers=("schedule",), reply=OwnerInfo),
-        Channel("dead-letters", _address(bus.dlq_subject, "stage"),
-                "Messages no worker could process, with the reason and where they came from.",
-                DeadLetter, content_type=JSON, stream=bus.DLQ_STREAM,
-                senders=("every stage", "dead-letter mover"), receivers=("ops",)),
-        Channel("engine-registry", bus.ENGINES_KEYS.replace(">", "{engine}"),
-                f"The `{bus.ENGINES_BUCKET}` key-value bucket: each engine's heartbeat.",
-                EngineInfo, stream=bus.ENGINES_STREAM, senders=("engine bridge",),
-                receivers=(ingress, "schedule")),
-        Channel("tenants", bus.TENANTS_KEYS.replace(">", "{tenant}"),
-                f"The `{bus.TENANTS_BUCKET}` key-value bucket: each limited tenant's usage "
-                "(its rate and its requests' slots), written compare-and-set.", Usage,
-                stream=bus.TENANTS_STREAM, senders=("render", "schedule"),
-                receivers=("render", "schedule")),
-        Channel("batches", bus.BATCHES_KEYS.replace(">", "{batch}"),
-                f"The `{bus.BATCHES_BUCKET}` key-value bucket: each Batch API batch (OpenAI's "
-                "batch object, its tenant, its runner's lease), written compare-and-set.",
-                Record, content_type=JSON, stream=bus.BATCHES_STREAM,
-                senders=(ingress, "batch runner"), receivers=(ingress, "batch runner")),
-        Channel("responses", bus.RESPONSES_KEYS.replace(">", "{response}"),
-                f"The `{bus.RESPONSES_BUCKET}` key-value bucket: each stored Responses API "
-                "response with the conversation it answered and its tenant, kept "
-                "`TOKENWAY_RESPONSES_MAX_AGE`.", Stored, content_type=JSON,
-                stream=bus.RESPONSES_STREAM, senders=(ingress,), receivers=(ingress,)),
-        Channel("stored", bus.STORED_KEYS.replace(">", "{tenant}"),
-                f"The `{bus.STORED_BUCKET}` key-value bucket: what each tenant keeps in the "
-                "files and responses stores (`_` for a keyless deployment's one tenant), and "
-                "the quota it was last charged against, written compare-and-set.", Kept,
-                stream=bus.STORED_STREAM, senders=(ingress, "batch runner"),
-                receivers=(ingress, "batch runner", "ops")),
-        Channel("files", bus.FILES_SUBJECTS.replace(">", "{part}"),
-                f"The `{bus.FILES_BUCKET}` object store: Batch API files (input, output, "
-                "error), in JetStream's object-store layout; each object's description holds "
-                "its OpenAI file object and tenant.", None,
-                content_type="application/octet-stream", stream=bus.FILES_STREAM,
-                senders=(ingress, "batch runner"), receivers=(ingress, "batch runner")),
-    ]  # fmt: skip
+        Channel(
+            "render",
+            _address(bus.render_subject, "model"),
+            "OpenAI request bodies, one per request, for render to template and tokenize.",
+            RenderRequest,
+            stream=bus.RENDER_STREAM,
+            senders=(ingress, direct),
+            receivers=("render",),
+            headers=REQUEST_HEADERS,
+        ),
+        Channel(
+            "schedule",
+            _address(bus.sched_subject, "model"),
+            "Tokenized requests for their owner: vLLM's token-only generate body plus "
+            "tokenway's output context. A body without one (`context.response_id` "
+            "empty) gets it from the schedule stage, or an error event.",
+            GenerateRequest,
+            stream=bus.SCHED_STREAM,
+            senders=("render", direct),
+            receivers=("schedule",),
+            headers=REQUEST_HEADERS,
+        ),
+        Channel(
+            "render-batch",
+            _address(_batch_lane(bus.render_subject), "model", "lane"),
+            "A batch job's request bodies (`Tw-Batch: 1`), which render takes only "
+            f"while `render` has none waiting. {_LANES}",
+            RenderRequest,
+            stream=bus.RENDER_STREAM,
+            senders=(direct,),
+            receivers=("render",),
+            headers=REQUEST_HEADERS,
+        ),
+        Channel(
+            "schedule-batch",
+            _address(_batch_lane(bus.sched_subject), "model", "lane"),
+            "A batch job's tokenized requests, which an owner takes only while "
+            "`schedule` has none waiting and only as many as its engines can start. "
+            f"{_LANES}",
+            GenerateRequest,
+            stream=bus.SCHED_STREAM,
+            senders=("render", direct),
+            receivers=("schedule",),
+            headers=REQUEST_HEADERS,
+        ),
+        Channel(
+            "output",
+            _address(bus.out_subject, "reply", "rid"),
+            "A request's ledger: its committed output, in `Tw-Seq` order, kept for "
+            "`TW_OUT`'s retention. Read it with a consumer of your own from the first "
+            "message, live or later; it ends with an end, a response or an error. A "
+            "tenant's client names its consumer, so that the create call names the "
+            "subject: it may read `tw.out.tenant.<tenant>.>` only.",
+            None,
+            content_type=SSE,
+            stream=bus.OUT_STREAM,
+            senders=("schedule",),
+            receivers=(ingress, direct),
+            headers=OUTPUT_HEADERS,
+        ),
+        Channel(
+            "delivery",
+            _address(bus.sse_subject, "reply"),
+            "What the ledger's writer just stored for a reply, live: a lost one shows as "
+            "a gap in `Tw-Seq`, which the reader reads back from the ledger.",
+            Delivery,
+            senders=("schedule",),
+            receivers=(ingress,),
+        ),
+        Channel(
+            "tokens",
+            _address(bus.tok_subject, "owner"),
+            "Everything one engine step made for one owner.",
+            TokenStep,
+            senders=("engine bridge",),
+            receivers=("schedule",),
+        ),
+        Channel(
+            "engine",
+            _address(bus.engine_subject, "engine", "verb"),
+            "Work for an engine (`generate`: `EngineWork`) and aborts of it (`abort`: "
+            "`EngineAbort`).",
+            EngineWork,
+            senders=("schedule",),
+            receivers=("engine bridge",),
+            more=(EngineAbort,),
+        ),
+        Channel(
+            "orphan",
+            _address(bus.orphan_subject, "key"),
+            "A new owner's word to every bridge: drop the request's work for the old one "
+            "(`key`: the request's, a digest of its reply and rid, as in `EngineWork.rid`).",
+            EngineAbort,
+            senders=("schedule",),
+            receivers=("engine bridge",),
+        ),
+        Channel(
+            "handover",
+            _address(bus.handover_subject, "model"),
+            "A stopping owner's word to the model's other owners: where a request it "
+            "hands back to `TW_SCHED` stands, so the one taking it over reads one ledger "
+            "message (to check) instead of all of them.",
+            HandOver,
+            senders=("schedule",),
+            receivers=("schedule",),
+        ),
+        Channel(
+            "cancel",
+            _address(bus.cancel_subject, "reply", "rid"),
+            "The client left: its owner stops the request, if the request has both "
+            "names (a tenant's client cancels its own only). An empty body.",
+            None,
+            content_type="application/octet-stream",
+            senders=(ingress, direct),
+            receivers=("schedule",),
+        ),
+        Channel(
+            "derender",
+            _address(bus.derender_subject, "model"),
+            "Token deltas to turn into OpenAI output (`--derender-placement pool`).",
+            DerenderCall,
+            senders=("schedule",),
+            receivers=("derender",),
+            reply=DerenderReply,
+        ),
+        Channel(
+            "tokenize",
+            _address(bus.tokenize_subject, "model"),
+            "`/tokenize` and `/detokenize`, answered by a render worker.",
+            TokenizeCall,
+            senders=(ingress,),
+            receivers=("render",),
+            reply=TokenizeAnswer,
+        ),
+        Channel(
+            "owners",
+            bus.OWNERS_SUBJECT,
+            "`tokenway status`: every owner answers with what it holds. An empty body.",
+            None,
+            content_type="application/octet-stream",
+            senders=("ops",),
+            receivers=("schedule",),
+            reply=OwnerInfo,
+        ),
+        Channel(
+            "dead-letters",
+            _address(bus.dlq_subject, "stage"),
+            "Messages no worker could process, with the reason and where they came from.",
+            DeadLetter,
+            content_type=JSON,
+            stream=bus.DLQ_STREAM,
+            senders=("every stage", "dead-letter mover"),
+            receivers=("ops",),
+        ),
+        Channel(
+            "engine-registry",
+            bus.ENGINES_KEYS.replace(">", "{engine}"),
+            f"The `{bus.ENGINES_BUCKET}` key-value bucket: each engine's heartbeat.",
+            EngineInfo,
+            stream=bus.ENGINES_STREAM,
+            senders=("engine bridge",),
+            receivers=(ingress, "schedule"),
+        ),
+        Channel(
+            "tenants",
+            bus.TENANTS_KEYS.replace(">", "{tenant}"),
+            f"The `{bus.TENANTS_BUCKET}` key-value bucket: each limited tenant's usage "
+            "(its rate and its requests' slots), written compare-and-set.",
+            Usage,
+            stream=bus.TENANTS_STREAM,
+            senders=("render", "schedule"),
+            receivers=("render", "schedule"),
+        ),
+        Channel(
+            "batches",
+            bus.BATCHES_KEYS.replace(">", "{batch}"),
+            f"The `{bus.BATCHES_BUCKET}` key-value bucket: each Batch API batch (OpenAI's "
+            "batch object, its tenant, its runner's lease), written compare-and-set.",
+            Record,
+            content_type=JSON,
+            stream=bus.BATCHES_STREAM,
+            senders=(ingress, "batch runner"),
+            receivers=(ingress, "batch runner"),
+        ),
+        Channel(
+            "responses",
+            bus.RESPONSES_KEYS.replace(">", "{response}"),
+            f"The `{bus.RESPONSES_BUCKET}` key-value bucket: each stored Responses API "
+            "response with the conversation it answered and its tenant, kept "
+            "`TOKENWAY_RESPONSES_MAX_AGE`.",
+            Stored,
+            content_type=JSON,
+            stream=bus.RESPONSES_STREAM,
+            senders=(ingress,),
+            receivers=(ingress,),
+        ),
+        Channel(
+            "stored",
+            bus.STORED_KEYS.replace(">", "{tenant}"),
+            f"The `{bus.STORED_BUCKET}` key-value bucket: what each tenant keeps in the "
+            "files and responses stores (`_` for a keyless deployment's one tenant), and "
+            "the quota it was last charged against, written compare-and-set.",
+            Kept,
+            stream=bus.STORED_STREAM,
+            senders=(ingress, "batch runner"),
+            receivers=(ingress, "batch runner", "ops"),
+        ),
+        Channel(
+            "files",
+            bus.FILES_SUBJECTS.replace(">", "{part}"),
+            f"The `{bus.FILES_BUCKET}` object store: Batch API files (input, output, "
+            "error), in JetStream's object-store layout; each object's description holds "
+            "its OpenAI file object and tenant.",
+            None,
+            content_type="application/octet-stream",
+            stream=bus.FILES_STREAM,
+            senders=(ingress, "batch runner"),
+            receivers=(ingress, "batch runner"),
+        ),
+    ]
 
 
 _STRUCTS: tuple[type, ...] = (ErrorInfo,)  # referenced by the descriptions, not a channel's
@@ -221,9 +341,10 @@ def document() -> dict[str, Any]:
     chans = channels()
     types = [t for c in chans for t in (c.payload, c.reply, *c.more) if t is not None]
     _, schemas = msgspec.json.schema_components(
-        [*dict.fromkeys(types), *_STRUCTS], schema_hook=_any,
+        [*dict.fromkeys(types), *_STRUCTS],
+        schema_hook=_any,
         ref_template="#/components/schemas/{name}",
-    )  # fmt: skip
+    )
     messages: dict[str, Any] = {}
     doc_channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
@@ -232,8 +353,9 @@ def document() -> dict[str, Any]:
         carried = [c.name]
         for other in c.more:
             carried.append(f"{c.name}-{other.__name__}")
-            messages[carried[-1]] = _message(carried[-1], other, c.content_type, c.headers,
-                                             other.__doc__ or other.__name__)  # fmt: skip
+            messages[carried[-1]] = _message(
+                carried[-1], other, c.content_type, c.headers, other.__doc__ or other.__name__
+            )
         entry: dict[str, Any] = {
             "address": c.address,
             "description": c.description + _kept(c.stream),
@@ -281,8 +403,11 @@ def _operations(
 ) -> None:
     ref = {"$ref": f"#/channels/{channel}"}
     for action, who in (("send", senders), ("receive", receivers)):
-        into[f"{action}-{channel}"] = {"action": action, "channel": ref,
-                                       "summary": f"{', '.join(who)} {action}"}  # fmt: skip
+        into[f"{action}-{channel}"] = {
+            "action": action,
+            "channel": ref,
+            "summary": f"{', '.join(who)} {action}",
+        }
 
 
 def _any(kind: type) -> dict[str, Any]:
@@ -316,6 +441,8 @@ def _message(
 
 def _opaque(content_type: str) -> str:
     if content_type == SSE:
-        return ("Stream chunks as SSE `data: <JSON>` events (chunk, end); a whole response "
-                "or an error as one JSON document.")  # fmt: skip
+        return (
+            "Stream chunks as SSE `data: <JSON>` events (chunk, end); a whole response "
+            "or an error as one JSON document."
+        )
     return "Bytes: empty, or an object's chunk."

@@ -25,11 +25,15 @@ def add_verbs(verbs: argparse._SubParsersAction, common: object) -> None:
     """The verbs besides `run` (the runner stage); `common` adds the NATS flags."""
     submit = verbs.add_parser("submit", help="upload a JSONL file and start a batch of it")
     submit.add_argument("file", help="one request per line: custom_id, method, url, body")
-    submit.add_argument("--endpoint", default="/v1/chat/completions",
-                        choices=list(batches.ENDPOINTS))  # fmt: skip
+    submit.add_argument(
+        "--endpoint", default="/v1/chat/completions", choices=list(batches.ENDPOINTS)
+    )
     submit.add_argument("--wait", action="store_true", help="show progress until it ends")
-    shown = (("status", "the batch object"), ("cancel", "stop a batch"),
-             ("results", "the output file's lines (--errors: the error file's)"))  # fmt: skip
+    shown = (
+        ("status", "the batch object"),
+        ("cancel", "stop a batch"),
+        ("results", "the output file's lines (--errors: the error file's)"),
+    )
     for name, text in shown:
         p = verbs.add_parser(name, help=text)
         p.add_argument("id")
@@ -70,8 +74,9 @@ async def command(args: argparse.Namespace, settings: Settings, nc: NATS) -> int
 
 async def _submit(store: BatchStore, path: Path, endpoint: str) -> Record:
     data = await asyncio.to_thread(path.read_bytes)
-    meta = batches.file_object(batches.new_id("file").replace("_", "-", 1), data, path.name,
-                               "batch")  # fmt: skip
+    meta = batches.file_object(
+        batches.new_id("file").replace("_", "-", 1), data, path.name, "batch"
+    )
     await store.put_file(meta, data, "")
     batch = batches.new_batch(meta.id, endpoint, "24h", None)
     record = Record(batch=batch)
@@ -86,8 +91,12 @@ async def _wait(store: BatchStore, batch_id: str) -> int:
         c = b.request_counts
         done = c.completed + c.failed
         bar = "#" * (30 * done // c.total) if c.total else ""
-        print(f"\r{b.status:<11} [{bar:<30}] {done}/{c.total} ({c.failed} failed)", end="",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"\r{b.status:<11} [{bar:<30}] {done}/{c.total} ({c.failed} failed)",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
         if b.status in ENDED:
             print(file=sys.stderr)
             return 0 if b.status == "completed" else 1

@@ -43,11 +43,14 @@ def batch_parser() -> argparse.ArgumentParser:
     verbs = top.add_subparsers(dest="verb", required=True)
     run = verbs.add_parser("run", help="run the batch runner: batches, line by line")
     flags.common(run)
-    run.add_argument("--batch-concurrency", type=int,
-                     help="lines in flight at once, over all its batches (256)")  # fmt: skip
-    run.add_argument("--batch-lease", type=float,
-                     help="seconds a batch stays held unrenewed before another runner takes it "
-                     "(30)")  # fmt: skip
+    run.add_argument(
+        "--batch-concurrency", type=int, help="lines in flight at once, over all its batches (256)"
+    )
+    run.add_argument(
+        "--batch-lease",
+        type=float,
+        help="seconds a batch stays held unrenewed before another runner takes it (30)",
+    )
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--nats", help="NATS server URL (required)")
@@ -71,14 +74,20 @@ def dlq_parser() -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=text)
         p.add_argument("--nats", help="NATS server URL (required)")
         flags.nats_credentials(p)
-        p.add_argument("--json", action="store_true",
-                       help="print JSON lines: one object per line (per letter for ls), not an "
-                            "array, so a script can read them as they come")  # fmt: skip
+        p.add_argument(
+            "--json",
+            action="store_true",
+            help="print JSON lines: one object per line (per letter for ls), not an "
+            "array, so a script can read them as they come",
+        )
         if filters:
             p.add_argument("--stage", help="only this stage's letters (render, schedule, ...)")
             p.add_argument("--since", help="since a duration ago (30m, 2h) or an ISO time")
-            p.add_argument("--reason", help="only letters whose reason contains this text "
-                           "(each starts with decode: or exhausted:)")  # fmt: skip
+            p.add_argument(
+                "--reason",
+                help="only letters whose reason contains this text "
+                "(each starts with decode: or exhausted:)",
+            )
         return p
 
     verb("ls", "list dead letters (ID: the letter's TW_DLQ sequence)", filters=True)
@@ -110,9 +119,15 @@ async def _command_connection(settings: Settings, name: str) -> Client:
         # Each server tried once (nats-py's 0 here is "for ever", even without reconnects).
         async with asyncio.timeout(settings.connect_timeout):
             nc = await nats.connect(
-                servers=bus.seeds(url), name=name, allow_reconnect=False, connect_timeout=3,
-                max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=noted, **options,
-            )  # fmt: skip
+                servers=bus.seeds(url),
+                name=name,
+                allow_reconnect=False,
+                connect_timeout=3,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.2,
+                error_cb=noted,
+                **options,
+            )
             await bus.try_inboxes(nc)  # denied (another role's seed): said by now
         if not errors:
             return nc
@@ -216,13 +231,15 @@ def parser() -> argparse.ArgumentParser:
     root.add_argument("--version", action="version", version=f"tokenway {version('tokenway')}")
     sub = root.add_subparsers(dest="command", required=True)
     up = sub.add_parser(
-        "up", help="run every stage, an embedded NATS and the engines (simulated, or "
+        "up",
+        help="run every stage, an embedded NATS and the engines (simulated, or "
         "--vllm-url) in one process",
-    )  # fmt: skip
+    )
     up.add_argument(
-        "--nats-port", type=int,
+        "--nats-port",
+        type=int,
         help="port of the embedded nats-server, on 127.0.0.1 (default 0: a free one)",
-    )  # fmt: skip
+    )
     for add in (
         flags.common,
         flags.http,
@@ -290,16 +307,20 @@ def parser() -> argparse.ArgumentParser:
     )
     auth.add_argument("dir", help="where to write them (seeds are kept if present)")
     auth.add_argument(
-        "--tenant", action="append", default=[],
+        "--tenant",
+        action="append",
+        default=[],
         help="a tenant whose batch and RL jobs publish to the bus: a client-TENANT user that "
         "queues and reads that tenant's requests only (repeatable)",
-    )  # fmt: skip
+    )
     auth.add_argument("--api-key-file", help="a client user for each tenant the key file names")
     auth.add_argument(
-        "--route", action="append", metavar="HOST:PORT",
+        "--route",
+        action="append",
+        metavar="HOST:PORT",
         help="a cluster node's route address, for routes.conf (repeatable; default: the three "
         "nodes of infra/nats/cluster-*.conf on 127.0.0.1:6222-6224)",
-    )  # fmt: skip
+    )
     md = sub.add_parser("model-dir", help="print the bundled model directory (materializing it)")
     md.add_argument("--data-dir", help="state directory")
     sub.add_parser(
@@ -327,8 +348,12 @@ def _warn_secret_flags(flags: dict[str, object]) -> None:
         if not value or (name == "nats" and bus.redacted(str(value)) == value):
             continue  # not given, or a `--nats` URL without credentials
         flag = "--" + name.replace("_", "-")
-        print(f"tokenway: warning: {flag} on the command line is readable by every local user "
-              f"(ps, /proc/PID/cmdline); use {safe}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"tokenway: warning: {flag} on the command line is readable by every local user "
+            f"(ps, /proc/PID/cmdline); use {safe}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _role(args: argparse.Namespace) -> str | None:
@@ -350,8 +375,9 @@ def _as_role(s: Settings, role: str, flags: dict[str, object]) -> Settings:
     changes: dict[str, object] = {}
     if s.nats_inbox_prefix is None:
         changes["nats_inbox_prefix"] = bus.inbox_prefix(role)
-    authenticates = any(getattr(s, n) is not None for n in NATS_CREDENTIALS
-                        if not n.startswith("nats_tls_"))  # fmt: skip
+    authenticates = any(
+        getattr(s, n) is not None for n in NATS_CREDENTIALS if not n.startswith("nats_tls_")
+    )
     if authenticates and not given("provision", flags):
         changes["provision"] = role == "provision"
     return msgspec.structs.replace(s, **changes)
@@ -384,11 +410,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"tokenway: {exc}") from None
         users = NatsUsers.prepare(Path(args.dir).expanduser(), named)
         print(f"wrote {users.directory / AUTH_FILE} (include it in the nats-server configuration)")
-        print(f"and per role a seed (<role>.nk, mode 0600) and the settings to use it "
-              f"(<role>.env) in {users.directory}")  # fmt: skip
+        print(
+            f"and per role a seed (<role>.nk, mode 0600) and the settings to use it "
+            f"(<role>.env) in {users.directory}"
+        )
         routes = write_routes(users.directory, args.route or LOCAL_ROUTES)
-        print(f"and {routes}: the route user and routes a cluster node's `cluster` block "
-              "includes (mode 0600)")  # fmt: skip
+        print(
+            f"and {routes}: the route user and routes a cluster node's `cluster` block "
+            "includes (mode 0600)"
+        )
         return
     if args.command == "dlq":
         if not settings.nats:

@@ -21,21 +21,24 @@ def common(p: argparse.ArgumentParser) -> None:
         "(TOKENWAY_NATS); `up` without it embeds a nats-server, other stages need it",
     )
     g.add_argument(
-        "--drain-timeout", type=float,
+        "--drain-timeout",
+        type=float,
         help="seconds open streams and owned requests get to finish on SIGTERM/SIGINT (20)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--provision", action=argparse.BooleanOptionalAction,
+        "--provision",
+        action=argparse.BooleanOptionalAction,
         help="create or update the streams at start (default); --no-provision waits until "
         "they exist, as `tokenway provision` makes them (a least-privilege role may not touch "
         "them)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--replicas", type=int,
+        "--replicas",
+        type=int,
         help="replicas of each stream and bucket it creates, or raises (TOKENWAY_REPLICAS; "
         "default 0: the cluster's servers up to 3, 1 on a lone server); provision never lowers "
         "a stream's replicas, it refuses",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--connect-timeout",
         type=float,
@@ -49,10 +52,13 @@ def common(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--served-model-name", help="the model name clients use")
     g.add_argument(
-        "--model", action="append", dest="models", metavar="NAME[=DIR]",
+        "--model",
+        action="append",
+        dest="models",
+        metavar="NAME[=DIR]",
         help="serve a model under NAME, from a local Hugging Face directory (without DIR: the "
         "bundled tokenizer); repeatable, in place of --model-dir and --served-model-name",
-    )  # fmt: skip
+    )
     g.add_argument("--max-model-len", type=int, help="cap the context length, in tokens")
     g.add_argument(
         "--context-budget",
@@ -66,10 +72,11 @@ def common(p: argparse.ArgumentParser) -> None:
         "http://127.0.0.1:4318 (needs the otel extra; default: no spans)",
     )
     g.add_argument(
-        "--metrics-port", type=int,
+        "--metrics-port",
+        type=int,
         help="serve this process's metrics at http://HOST:PORT/metrics (default: none); an "
         "ingress's API /metrics is the same page",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--metrics-host",
         help="where --metrics-port listens (default 127.0.0.1; 0.0.0.0 in a container, for "
@@ -116,34 +123,40 @@ def scheduling(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-inflight", type=int, help="requests one schedule worker owns (1024)")
     g.add_argument(
-        "--owner-lookahead", type=int,
+        "--owner-lookahead",
+        type=int,
         help="sequences a schedule worker pulls beyond its engines' room, so that tenants "
         "take turns in its waiting line (64; 0: pull only what fits)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--batch-headroom", type=float,
+        "--batch-headroom",
+        type=float,
         help="share of each engine's sequences and KV tokens a batch job's requests leave free "
         "for interactive ones (0.125)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--batch-busy-share", type=float,
+        "--batch-busy-share",
+        type=float,
         help="share of each engine a batch job's requests may take while a schedule worker "
         "runs interactive ones, and for a second after (0.25)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--decode-reserve", type=int,
+        "--decode-reserve",
+        type=int,
         help="engine tokens a sequence holds ahead of its output, charged again as it outgrows "
         "them up to its max_tokens (1024): what flow control charges instead of max_tokens",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--engine-wait", type=float,
+        "--engine-wait",
+        type=float,
         help="seconds a request waits for an engine of its model to register before a 503 (10)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--owner-ack-wait", type=float,
+        "--owner-ack-wait",
+        type=float,
         help="seconds after a schedule worker's last progress ack that its requests move to "
         "another worker (2)",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--relay-attempts",
         type=int,
@@ -154,25 +167,31 @@ def scheduling(p: argparse.ArgumentParser) -> None:
         "--max-fanout", type=int, help="multi-prompt requests one schedule worker owns (64)"
     )
     g.add_argument(
-        "--fanout-buffer", type=int,
+        "--fanout-buffer",
+        type=int,
         help="output events held per prompt until every prompt's stream has begun (1024)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--fanout-retries", type=int,
+        "--fanout-retries",
+        type=int,
         help="whole-request retries of a multi-prompt request failing before output (1)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--share-prefix-cache", action="store_true", default=None,
+        "--share-prefix-cache",
+        action="store_true",
+        default=None,
         help="tenants (API keys, direct clients) share the engines' prefix caches: for tenants "
         "that trust each other (default: each tenant's prompts are salted apart, so that no "
         "tenant can time another's cached prompt)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--trust-client-kv-transfer", action="store_true", default=None,
+        "--trust-client-kv-transfer",
+        action="store_true",
+        default=None,
         help="pass a tenant's kv_transfer_params on to the engines, for clients that are "
         "trusted P/D coordinators (default: a 400, since they name KV blocks that may hold "
         "another tenant's prompt; without API keys they are always passed on)",
-    )  # fmt: skip
+    )
 
 
 def parsers(p: argparse.ArgumentParser) -> None:
@@ -191,17 +210,20 @@ def parsers(p: argparse.ArgumentParser) -> None:
         help='parse tool calls for tool_choice "auto" (bundled model: on)',
     )
     g.add_argument(
-        "--strict-tool-calling", action=argparse.BooleanOptionalAction, default=None,
+        "--strict-tool-calling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="constrain tool calls to the tool parser's own syntax with a structural tag, as "
         "vLLM does by default (on); off: a forced call to the tools' JSON schema, as vLLM "
         "with VLLM_ENFORCE_STRICT_TOOL_CALLING=0",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tool-strict-level", choices=["auto", "function", "parameter"],
+        "--tool-strict-level",
+        choices=["auto", "function", "parameter"],
         help="as vLLM's: auto (default) constrains calls where tool_choice forces one or a "
         "tool is strict; function also every auto call's envelope; parameter also every "
         "tool's arguments to its schema",
-    )  # fmt: skip
+    )
 
 
 def render(p: argparse.ArgumentParser) -> None:
@@ -225,24 +247,28 @@ def limits(p: argparse.ArgumentParser) -> None:
         "tokenized or compiled)"
     )
     g.add_argument(
-        "--max-tools", type=int,
+        "--max-tools",
+        type=int,
         help="tools one request may give (1024; OpenAI takes 128)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-schema-bytes", type=int,
+        "--max-schema-bytes",
+        type=int,
         help="bytes of JSON text in all of a request's schemas together: tools' parameters, "
         "response_format, structured_outputs (1048576); checked before the body is decoded",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-schema-nodes", type=int,
+        "--max-schema-nodes",
+        type=int,
         help="JSON values (objects, arrays, scalars) in all of a request's schemas together, "
         "a structural tag's too (65536)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-grammar-bytes", type=int,
+        "--max-grammar-bytes",
+        type=int,
         help="bytes of a request's regexes, grammars and choices, with its schemas' patterns "
         "(65536)",
-    )  # fmt: skip
+    )
 
 
 def derender(p: argparse.ArgumentParser) -> None:
@@ -277,48 +303,58 @@ def http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--ingress-id", help="this ingress's id on the bus (default: random)")
     p.add_argument(
-        "--access-log", action="store_true", default=None,
+        "--access-log",
+        action="store_true",
+        default=None,
         help="log a line per HTTP response on stdout (client, method, path, status)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-request-bytes", type=int,
+        "--max-request-bytes",
+        type=int,
         help="a request body above this is refused with a 413 before it is read (8000000)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--body-timeout", type=float,
+        "--body-timeout",
+        type=float,
         help="seconds a client has to send its whole request body; later, a 408 (30)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-body-rate", type=int,
+        "--max-body-rate",
+        type=int,
         help="bytes a second of request bodies one client (tenant, or address without keys) "
         "may send; faster, its next body waits unread (33554432; 0: no bound)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--header-timeout", type=float,
+        "--header-timeout",
+        type=float,
         help="seconds a client has to send a request's whole head (request line and headers) "
         "from its first byte, or from connecting; later, a 408 and the connection closed (10)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-header-bytes", type=int,
+        "--max-header-bytes",
+        type=int,
         help="bytes a request's head (request line and headers) may have; past them, a 431 "
         "and the connection closed (65536)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-connections-per-address", type=int,
+        "--max-connections-per-address",
+        type=int,
         help="connections one client address may hold open at once; past them, a 429 and the "
         "connection closed (1024: room for a load generator or a proxy; 0: no cap)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--stream-buffer-bytes", type=int,
+        "--stream-buffer-bytes",
+        type=int,
         help="output bytes held for a stream whose client reads slowly; the rest is read back "
         "from TW_OUT as it catches up (1048576)",
-    )  # fmt: skip
+    )
     g = p.add_argument_group("API keys (none given: the API is open)")
     g.add_argument(
-        "--api-key", action="append",
+        "--api-key",
+        action="append",
         help="a key clients send as `Authorization: Bearer KEY` (repeatable; tenant "
         "`default`); prefer TOKENWAY_API_KEY (comma-separated) or --api-key-file",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--api-key-file",
         help="keys of several tenants, `TENANT KEY [concurrent=N] [tokens_per_minute=N] "
@@ -326,29 +362,34 @@ def http(p: argparse.ArgumentParser) -> None:
         "(# comments); a tenant's limits are shared by all its keys and every ingress",
     )
     g.add_argument(
-        "--tenant-concurrency", type=int,
+        "--tenant-concurrency",
+        type=int,
         help="requests a tenant may run at once where its key file sets no limit (default 0: "
         "no limit); past it, a 429 with Retry-After",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tenant-tokens-per-minute", type=int,
+        "--tenant-tokens-per-minute",
+        type=int,
         help="tokens (prompt + max_tokens × n; no max_tokens: the context left) a tenant may "
         "start per minute where its key file sets no limit (default 0: no limit)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tenant-files-bytes", type=int,
+        "--tenant-files-bytes",
+        type=int,
         help="bytes of files (uploads, batch outputs) a tenant may keep where its key file "
         "sets none (1073741824, a quarter of the files store; 0: no limit); past it, a 400",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tenant-files-count", type=int,
+        "--tenant-files-count",
+        type=int,
         help="files a tenant may keep, a running batch's parts among them (10000)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tenant-responses-bytes", type=int,
+        "--tenant-responses-bytes",
+        type=int,
         help="bytes of stored responses a tenant may keep (268435456, a quarter of the "
         "store; each leaves at TOKENWAY_RESPONSES_MAX_AGE); past it, `store: true` is a 400",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--tenant-responses-count", type=int, help="stored responses a tenant may keep (100000)"
     )
@@ -358,24 +399,28 @@ def http(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("CORS (no origin given: browsers get no cross-origin access)")
     g.add_argument(
-        "--allowed-origins", action="append",
+        "--allowed-origins",
+        action="append",
         help="an origin browsers may call from, `https://app.example` or `*` (repeatable; a "
         "JSON list or comma-separated also works)",
-    )  # fmt: skip
+    )
     g.add_argument("--allowed-methods", help="methods they may use (default `*`)")
     g.add_argument("--allowed-headers", help="request headers they may send (default `*`)")
     g.add_argument(
-        "--allow-credentials", action="store_true", default=None,
+        "--allow-credentials",
+        action="store_true",
+        default=None,
         help="let them send cookies and HTTP auth too (not with origin `*`)",
-    )  # fmt: skip
+    )
 
 
 def sim(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated engine")
     g.add_argument(
-        "--sim-engines", type=int,
+        "--sim-engines",
+        type=int,
         help="how many simulated engines per model (default 1; `up` with --vllm-url: 0, none)",
-    )  # fmt: skip
+    )
     g.add_argument("--sim-max-seqs", type=int, help="concurrent sequences per engine (default 256)")
     g.add_argument("--sim-chunk-size", type=int, help="tokens per sequence per step (default 1)")
     g.add_argument("--sim-ttft", type=float, help="seconds to first token (default 0.02)")
@@ -385,22 +430,26 @@ def sim(p: argparse.ArgumentParser) -> None:
         "--sim-roles", help="roles of the simulated engines, e.g. prefill,decode (default union)"
     )
     g.add_argument(
-        "--sim-tool-calls", action="store_true", default=None,
+        "--sim-tool-calls",
+        action="store_true",
+        default=None,
         help="the simulated model calls a tool where the prompt's last turn is a user's (the "
         "tool the turn names, else the first; made-up arguments of its schema) and answers a "
         "tool's output in text, so an agent client's tool loop runs (off: free text wherever "
         "it is allowed); it knows the tools only from the request's constraint, which under "
         "tool_choice auto takes --tool-strict-level function",
-    )  # fmt: skip
+    )
 
 
 def vllm(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM engine")
     g.add_argument(
-        "--vllm-url", action="append", metavar="[MODEL=]URL",
+        "--vllm-url",
+        action="append",
+        metavar="[MODEL=]URL",
         help="http://host:port of a vLLM server (repeatable); MODEL= names the served model "
         "it runs where there are several",
-    )  # fmt: skip
+    )
     g.add_argument("--engine-id", help="id in the registry (default: vllm-<host>-<port>)")
     g.add_argument("--engine-role", choices=["union", "prefill", "decode"], help="default union")
     g.add_argument("--engine-max-seqs", type=int, help="concurrent sequences (default 256)")

@@ -170,8 +170,9 @@ async def serve(
         if url is None:
             held.enter_context(data_dir_lock(s.data_path))
             auth = {"authorization": users.authorization} if users is not None else None
-            natsd = EmbeddedNats(s.data_path / "jetstream", s.nats_port or -1, s.max_payload,
-                                 config=auth)  # fmt: skip
+            natsd = EmbeddedNats(
+                s.data_path / "jetstream", s.nats_port or -1, s.max_payload, config=auth
+            )
             held.callback(natsd.stop)
             try:
                 url = await natsd.start()
@@ -217,8 +218,10 @@ _DATA_ORDER = {"ingress": 0, "batch": 0, "render": 1, "schedule": 2}
 
 def _in_data_order(stages: Sequence[Stage]) -> list[list[Stage]]:
     ranks = sorted({_DATA_ORDER.get(stage.name, len(_DATA_ORDER)) for stage in stages})
-    return [[st for st in stages if _DATA_ORDER.get(st.name, len(_DATA_ORDER)) == rank]
-            for rank in ranks]  # fmt: skip
+    return [
+        [st for st in stages if _DATA_ORDER.get(st.name, len(_DATA_ORDER)) == rank]
+        for rank in ranks
+    ]
 
 
 async def _stop_in_order(
@@ -334,11 +337,17 @@ def run(s: Settings, stage_names: Sequence[str], announce: bool = False) -> None
         def on_signal() -> None:
             if stopping.is_set():  # a second signal: no more draining, and no tracebacks of
                 # requests cut short; an embedded nats-server stops too (told as we exit)
-                print("tokenway: stopped at once, without draining (a second signal)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    "tokenway: stopped at once, without draining (a second signal)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(130)
-            log.warning("stopping: open requests have %gs to finish (a second Ctrl-C or "
-                        "SIGTERM stops at once)", s.drain_timeout)  # fmt: skip
+            log.warning(
+                "stopping: open requests have %gs to finish (a second Ctrl-C or "
+                "SIGTERM stops at once)",
+                s.drain_timeout,
+            )
             stopping.set()
             stop.set()
 

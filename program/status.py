@@ -105,16 +105,26 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
             missing.append(spec)
             continue
         consumers = await js.consumers_info(spec) if spec in _QUEUES else []
-        streams.append(Stream(
-            name=spec, messages=info.state.messages, bytes=info.state.bytes,
-            max_bytes=info.config.max_bytes or -1,
-            replicas=info.config.num_replicas or 1,
-            replicas_low=(info.config.num_replicas or 1) < wanted,
-            consumers=[Consumer(
-                name=c.name, pending=c.num_pending or 0, in_flight=c.num_ack_pending or 0,
-                redelivered=c.num_redelivered or 0, pulling=c.num_waiting or 0,
-            ) for c in consumers],
-        ))  # fmt: skip
+        streams.append(
+            Stream(
+                name=spec,
+                messages=info.state.messages,
+                bytes=info.state.bytes,
+                max_bytes=info.config.max_bytes or -1,
+                replicas=info.config.num_replicas or 1,
+                replicas_low=(info.config.num_replicas or 1) < wanted,
+                consumers=[
+                    Consumer(
+                        name=c.name,
+                        pending=c.num_pending or 0,
+                        in_flight=c.num_ack_pending or 0,
+                        redelivered=c.num_redelivered or 0,
+                        pulling=c.num_waiting or 0,
+                    )
+                    for c in consumers
+                ],
+            )
+        )
     letters: dict[str, int] = {}
     if bus.DLQ_STREAM not in missing:
         # `tw.dlq.<stage>` only: a replay's marker, `tw.dlq.replayed.<id>`, is no letter
@@ -123,10 +133,17 @@ async def read_status(nc: NATS, settings: Settings) -> Status:
             stage = subject.removeprefix(bus.dlq_subject(""))
             letters[stage] = letters.get(stage, 0) + count
     runs, ended = await _batches(js)
-    return Status(engines=await _engines(js, settings.engine_ttl),
-                  owners=await _owners(nc), streams=streams, dead_letters=letters,
-                  batches=runs, batches_ended=ended, missing=missing,
-                  stored=await _stored(js), replicas_default=wanted)  # fmt: skip
+    return Status(
+        engines=await _engines(js, settings.engine_ttl),
+        owners=await _owners(nc),
+        streams=streams,
+        dead_letters=letters,
+        batches=runs,
+        batches_ended=ended,
+        missing=missing,
+        stored=await _stored(js),
+        replicas_default=wanted,
+    )
 
 
 async def _stored(js: JetStreamContext) -> list[TenantStored]:
@@ -137,8 +154,13 @@ async def _stored(js: JetStreamContext) -> list[TenantStored]:
         return []
     now, found = time.time(), []
     for tenant, kept in (await quota_book.every_tenant(js, kv)).items():
-        found.append(TenantStored(tenant=tenant, files=_usage(kept, FILES, now),
-                                  responses=_usage(kept, RESPONSES, now)))  # fmt: skip
+        found.append(
+            TenantStored(
+                tenant=tenant,
+                files=_usage(kept, FILES, now),
+                responses=_usage(kept, RESPONSES, now),
+            )
+        )
     return found
 
 
@@ -155,16 +177,25 @@ async def _batches(js: JetStreamContext) -> tuple[list[BatchRun], int]:
             ended += 1
             continue
         c = b.request_counts
-        runs.append(BatchRun(id=b.id, status=b.status, total=c.total, completed=c.completed,
-                             failed=c.failed, runner=record.runner))  # fmt: skip
+        runs.append(
+            BatchRun(
+                id=b.id,
+                status=b.status,
+                total=c.total,
+                completed=c.completed,
+                failed=c.failed,
+                runner=record.runner,
+            )
+        )
     return runs, ended
 
 
 def _usage(kept: quota.Kept, store: quota.Store, now: float) -> StoreUsage:
     used = kept.used(store, now)
     limit = kept.quota.of(store) if kept.quota else quota.Tally(-1, -1)
-    return StoreUsage(count=used.count, bytes=used.bytes, count_limit=limit.count,
-                      bytes_limit=limit.bytes)  # fmt: skip
+    return StoreUsage(
+        count=used.count, bytes=used.bytes, count_limit=limit.count, bytes_limit=limit.bytes
+    )
 
 
 async def _owners(nc: NATS, first: float = 2.0, between: float = 0.2) -> list[OwnerInfo]:
@@ -203,11 +234,19 @@ async def _engines(js: JetStreamContext, ttl: float) -> list[Engine]:
         if not entry.value:
             continue  # a delete marker
         e = _engine.decode(entry.value)
-        engines.append(Engine(
-            id=e.id, model=e.model, role=e.role, running=e.running, waiting=e.waiting,
-            max_seqs=e.max_seqs, kv_usage=e.kv_usage, beat_age=round(now - e.updated, 3),
-            alive=now - e.updated <= ttl,
-        ))  # fmt: skip
+        engines.append(
+            Engine(
+                id=e.id,
+                model=e.model,
+                role=e.role,
+                running=e.running,
+                waiting=e.waiting,
+                max_seqs=e.max_seqs,
+                kv_usage=e.kv_usage,
+                beat_age=round(now - e.updated, 3),
+                alive=now - e.updated <= ttl,
+            )
+        )
     return engines
 
 
@@ -226,8 +265,10 @@ def _kept(k: StoreUsage) -> str:
     def of(limit: int, shown: str) -> str:
         return "" if limit < 0 else " of unlimited" if limit == 0 else f" of {shown}"
 
-    return (f"{k.count}{of(k.count_limit, str(k.count_limit))} "
-            f"({_size(k.bytes)}{of(k.bytes_limit, _size(k.bytes_limit))})")  # fmt: skip
+    return (
+        f"{k.count}{of(k.count_limit, str(k.count_limit))} "
+        f"({_size(k.bytes)}{of(k.bytes_limit, _size(k.bytes_limit))})"
+    )
 
 
 def format_status(s: Status) -> str:
@@ -235,25 +276,32 @@ def format_status(s: Status) -> str:
     for e in s.engines:
         kv = "-" if e.kv_usage is None else f"{e.kv_usage:.0%}"
         health = "alive" if e.alive else "silent"
-        lines.append(f"  {e.id:<28} {e.model:<16} {e.role:<8} {e.running:>4}/{e.max_seqs:<4} "
-                     f"running  {e.waiting:>4} waiting  kv {kv:>4}  beat {e.beat_age:.1f}s ago "
-                     f"({health})")  # fmt: skip
+        lines.append(
+            f"  {e.id:<28} {e.model:<16} {e.role:<8} {e.running:>4}/{e.max_seqs:<4} "
+            f"running  {e.waiting:>4} waiting  kv {kv:>4}  beat {e.beat_age:.1f}s ago "
+            f"({health})"
+        )
     if not s.engines:
         lines.append("  none registered")
     lines.append("owners")
     for o in s.owners:
         tenants = ", ".join(f"{t or 'default'} {n}" for t, n in sorted(o.tenants.items()))
-        lines.append(f"  {o.id:<12} {o.model:<16} {o.owned:>5} owned  {o.running:>5} running  "
-                     f"{o.waiting:>5} waiting" + (f"  (sequences: {tenants})" if tenants else "")
-                     + ("  draining" if o.draining else ""))  # fmt: skip
+        lines.append(
+            f"  {o.id:<12} {o.model:<16} {o.owned:>5} owned  {o.running:>5} running  "
+            f"{o.waiting:>5} waiting"
+            + (f"  (sequences: {tenants})" if tenants else "")
+            + ("  draining" if o.draining else "")
+        )
     if not s.owners:
         lines.append("  none answered")
     lines.append("queues")
     for st in s.streams:
         for c in st.consumers:
-            lines.append(f"  {st.name:<10} {c.name:<28} {c.pending:>6} queued  "
-                         f"{c.in_flight:>6} in flight  {c.redelivered:>4} redelivered  "
-                         f"{c.pulling:>3} workers pulling")  # fmt: skip
+            lines.append(
+                f"  {st.name:<10} {c.name:<28} {c.pending:>6} queued  "
+                f"{c.in_flight:>6} in flight  {c.redelivered:>4} redelivered  "
+                f"{c.pulling:>3} workers pulling"
+            )
     lines.append("dead letters")
     lines += [f"  {stage:<10} {count}" for stage, count in sorted(s.dead_letters.items())]
     if not s.dead_letters:
@@ -261,22 +309,30 @@ def format_status(s: Status) -> str:
     lines.append("batches")
     for b in s.batches:
         held = f"runner {b.runner}" if b.runner else "no runner"
-        lines.append(f"  {b.id:<30} {b.status:<12} {b.completed + b.failed:>6}/{b.total:<6} "
-                     f"answered  {b.failed:>5} failed  ({held})")  # fmt: skip
+        lines.append(
+            f"  {b.id:<30} {b.status:<12} {b.completed + b.failed:>6}/{b.total:<6} "
+            f"answered  {b.failed:>5} failed  ({held})"
+        )
     lines.append(f"  {s.batches_ended} ended" if s.batches or s.batches_ended else "  none")
     lines.append("stored (per tenant)")
     for t in s.stored:
-        lines.append(f"  {t.tenant or '(keyless)':<16} files {_kept(t.files)}  "
-                     f"responses {_kept(t.responses)}")  # fmt: skip
+        lines.append(
+            f"  {t.tenant or '(keyless)':<16} files {_kept(t.files)}  "
+            f"responses {_kept(t.responses)}"
+        )
     if not s.stored:
         lines.append("  none")
     lines.append("streams")
     for st in s.streams:
         cap = "unbounded" if st.max_bytes < 0 else _size(st.max_bytes)
-        low = (f"  below the cluster's {s.replicas_default}: a lost server may lose it "
-               f"(`tokenway provision --replicas {s.replicas_default}` raises it)")  # fmt: skip
-        lines.append(f"  {st.name:<16} {st.messages:>8} messages  {_size(st.bytes):>10} of "
-                     f"{cap:<10} R{st.replicas}" + (low if st.replicas_low else ""))  # fmt: skip
+        low = (
+            f"  below the cluster's {s.replicas_default}: a lost server may lose it "
+            f"(`tokenway provision --replicas {s.replicas_default}` raises it)"
+        )
+        lines.append(
+            f"  {st.name:<16} {st.messages:>8} messages  {_size(st.bytes):>10} of "
+            f"{cap:<10} R{st.replicas}" + (low if st.replicas_low else "")
+        )
     if s.missing:
         lines.append(f"missing: {', '.join(s.missing)} (run `tokenway provision`)")
     return "\n".join(lines)

@@ -55,8 +55,12 @@ class BatchStore:
 
     @classmethod
     async def bind(cls, js: JetStreamContext, s: Settings) -> BatchStore:
-        return cls(js, await bus.files_store(js, s), await bus.batches_kv(js, s),
-                   QuotaBook(await bus.stored_kv(js, s)))  # fmt: skip
+        return cls(
+            js,
+            await bus.files_store(js, s),
+            await bus.batches_kv(js, s),
+            QuotaBook(await bus.stored_kv(js, s)),
+        )
 
     # -- files ----------------------------------------------------------------------------
 
@@ -104,8 +108,9 @@ class BatchStore:
         seq = 1  # each object's description is its meta subject's one message (a rollup)
         while True:
             try:
-                msg = await self.js.get_msg(bus.FILES_STREAM, seq=seq, next=True,
-                                            subject=f"$O.{bus.FILES_BUCKET}.M.>")  # fmt: skip
+                msg = await self.js.get_msg(
+                    bus.FILES_STREAM, seq=seq, next=True, subject=f"$O.{bus.FILES_BUCKET}.M.>"
+                )
             except NotFoundError:
                 break
             seq = (msg.seq or seq) + 1

@@ -22,9 +22,15 @@ from tokenway.quota import Quota
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 Status = Literal[
-    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
     "cancelled",
-]  # fmt: skip
+]
 ENDED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
 WINDOWS = {"24h": 24 * 3600}  # completion windows, as OpenAI offers them
 MAX_LINES = 50_000  # OpenAI's limit per batch
@@ -123,8 +129,9 @@ def new_batch(input_file_id: str, endpoint: str, window: str, metadata: object) 
     if endpoint not in ENDPOINTS:
         raise BatchRefused(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
     if window not in WINDOWS:
-        raise BatchRefused(f"completion_window must be one of {', '.join(WINDOWS)}",
-                           "completion_window")  # fmt: skip
+        raise BatchRefused(
+            f"completion_window must be one of {', '.join(WINDOWS)}", "completion_window"
+        )
     if metadata is not None and (
         not isinstance(metadata, dict)
         or len(metadata) > 16
@@ -132,9 +139,16 @@ def new_batch(input_file_id: str, endpoint: str, window: str, metadata: object) 
     ):
         raise BatchRefused("metadata holds at most 16 string keys and values", "metadata")
     now = int(time.time())
-    return Batch(id=new_id("batch"), endpoint=endpoint, input_file_id=input_file_id,
-                 completion_window=window, status="validating", created_at=now,
-                 expires_at=now + WINDOWS[window], metadata=metadata)  # fmt: skip
+    return Batch(
+        id=new_id("batch"),
+        endpoint=endpoint,
+        input_file_id=input_file_id,
+        completion_window=window,
+        status="validating",
+        created_at=now,
+        expires_at=now + WINDOWS[window],
+        metadata=metadata,
+    )
 
 
 def parse_lines(data: bytes, endpoint: str) -> tuple[list[Line], list[LineError]]:
@@ -148,8 +162,9 @@ def parse_lines(data: bytes, endpoint: str) -> tuple[list[Line], list[LineError]
         try:
             doc = json.loads(raw)
         except ValueError:
-            errors.append(LineError(code="invalid_json", message="the line is not JSON",
-                                    line=number))  # fmt: skip
+            errors.append(
+                LineError(code="invalid_json", message="the line is not JSON", line=number)
+            )
             continue
         why = _line_problem(doc, endpoint, seen)
         if why is not None:
@@ -160,8 +175,11 @@ def parse_lines(data: bytes, endpoint: str) -> tuple[list[Line], list[LineError]
     if not lines and not errors:
         errors.append(LineError(code="empty_file", message="the input file has no requests"))
     if len(lines) > MAX_LINES:
-        errors.append(LineError(code="too_many_requests",
-                                message=f"a batch holds at most {MAX_LINES} requests"))  # fmt: skip
+        errors.append(
+            LineError(
+                code="too_many_requests", message=f"a batch holds at most {MAX_LINES} requests"
+            )
+        )
     return lines, errors
 
 
@@ -193,15 +211,19 @@ def output_line(batch_id: str, index: int, line: Line, status: int, body: object
     """One line of the output (or error) file, in OpenAI's shape."""
     rid = line_rid(batch_id, index)
     digest = hashlib.blake2b(rid.encode(), digest_size=12).hexdigest()
-    doc = {"id": f"batch_req_{digest}", "custom_id": line.custom_id,
-           "response": {"status_code": status, "request_id": rid, "body": body},
-           "error": None}  # fmt: skip
+    doc = {
+        "id": f"batch_req_{digest}",
+        "custom_id": line.custom_id,
+        "response": {"status_code": status, "request_id": rid, "body": body},
+        "error": None,
+    }
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def file_object(file_id: str, data: bytes, filename: str, purpose: str) -> FileObject:
-    return FileObject(id=file_id, bytes=len(data), created_at=int(time.time()),
-                      filename=filename, purpose=purpose)  # fmt: skip
+    return FileObject(
+        id=file_id, bytes=len(data), created_at=int(time.time()), filename=filename, purpose=purpose
+    )
 
 
 def cancelled(record: Record, now: float) -> Record | None:

@@ -400,9 +400,15 @@ async def connect(
                 if outage[0] > 1 and time.monotonic() - outage[1] < OUTAGE_SAID_EVERY:
                     return
                 outage[1] = time.monotonic()
-                log.warning("%s: cannot reach NATS at %s: %s (attempt %d; said again every "
-                            "%gs until it is back)", name, _server(nc, url), reason(exc),
-                            outage[0], OUTAGE_SAID_EVERY)  # fmt: skip
+                log.warning(
+                    "%s: cannot reach NATS at %s: %s (attempt %d; said again every "
+                    "%gs until it is back)",
+                    name,
+                    _server(nc, url),
+                    reason(exc),
+                    outage[0],
+                    OUTAGE_SAID_EVERY,
+                )
                 return
             log.warning("%s: NATS error at %s: %s", name, _server(nc, url), reason(exc))
             return
@@ -628,8 +634,14 @@ async def ack_surely(msg: Msg, within: float) -> None:
 
 
 # The streams JetStream keeps the buckets in: made by `provision_streams` beside `streams`.
-BUCKET_STREAMS = (ENGINES_STREAM, TENANTS_STREAM, FILES_STREAM, BATCHES_STREAM,
-                  RESPONSES_STREAM, STORED_STREAM)  # fmt: skip
+BUCKET_STREAMS = (
+    ENGINES_STREAM,
+    TENANTS_STREAM,
+    FILES_STREAM,
+    BATCHES_STREAM,
+    RESPONSES_STREAM,
+    STORED_STREAM,
+)
 MAX_DEFAULT_REPLICAS = 3  # a quorum that outlives one lost server; more only when asked
 
 
@@ -690,9 +702,10 @@ def _changed(wanted: jsapi.StreamConfig, current: jsapi.StreamConfig) -> tuple[s
     """The fields of `wanted` (those it sets) that `current` holds otherwise."""
     have = current.as_dict()
     return tuple(
-        k for k, v in wanted.as_dict().items()
+        k
+        for k, v in wanted.as_dict().items()
         if k != "name" and have.get(k) != v and not (k in _SERVER_FILLS and v == _SERVER_FILLS[k])
-    )  # fmt: skip
+    )
 
 
 async def _info(js: JetStreamContext, name: str) -> jsapi.StreamInfo | None:
@@ -757,23 +770,36 @@ async def provision_streams(js: JetStreamContext, s: Settings) -> list[Provision
             names = [*(c.name or "" for c in configs), *BUCKET_STREAMS]
             before = {name: await _info(js, name) for name in names}
             wanted = {
-                name: replicas_for(name, (info.config.num_replicas or 1) if info else None,
-                                   asked, explicit=s.replicas > 0)
+                name: replicas_for(
+                    name,
+                    (info.config.num_replicas or 1) if info else None,
+                    asked,
+                    explicit=s.replicas > 0,
+                )
                 for name, info in before.items()
-            }  # fmt: skip
+            }
             done = []
             for config in configs:
                 config = dataclasses.replace(config, num_replicas=wanted[config.name or ""])
                 done.append(await _ensure_stream(js, config, before[config.name or ""]))
             made = msgspec.structs.replace(s, replicas=asked)  # what a new bucket gets
-            for bucket in (tenants_kv, files_store, batches_kv, responses_kv, stored_kv,
-                           engines_kv):  # fmt: skip
+            for bucket in (
+                tenants_kv,
+                files_store,
+                batches_kv,
+                responses_kv,
+                stored_kv,
+                engines_kv,
+            ):
                 await bucket(js, made)
             for name in BUCKET_STREAMS:
                 done.append(await _ensure_bucket(js, name, wanted[name], before[name]))
             for p in done:
-                log.log(logging.DEBUG if p.action == "unchanged" else logging.INFO,
-                        "stream %s", p.line())  # fmt: skip
+                log.log(
+                    logging.DEBUG if p.action == "unchanged" else logging.INFO,
+                    "stream %s",
+                    p.line(),
+                )
             log.info("%s", provisioned_summary(done))
             return done
     raise AssertionError("unreachable: tenacity reraises")
@@ -811,8 +837,9 @@ async def wait_for_streams(js: JetStreamContext, s: Settings, stop: asyncio.Even
                     log.warning(
                         "waiting for stream %s: run `tokenway provision` (the provision "
                         "role's credentials) to create the streams, or let this process do it "
-                        "(--provision)", name,
-                    )  # fmt: skip
+                        "(--provision)",
+                        name,
+                    )
                     told = True
             await wait_any(stop, timeout=delay)
             if stop.is_set():
@@ -853,27 +880,33 @@ async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
 async def engines_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     """The engine registry. Limit markers make an expired heartbeat visible to watchers as
     a delete: no polling."""
-    return await _bucket(js, jsapi.KeyValueConfig(
-        bucket=ENGINES_BUCKET,
-        history=1,
-        ttl=s.engine_ttl,
-        limit_marker_ttl=s.engine_ttl,
-        max_bytes=16 << 20,
-        storage=jsapi.StorageType.FILE,  # a server restart keeps the registry
-        replicas=s.replicas,
-    ))  # fmt: skip
+    return await _bucket(
+        js,
+        jsapi.KeyValueConfig(
+            bucket=ENGINES_BUCKET,
+            history=1,
+            ttl=s.engine_ttl,
+            limit_marker_ttl=s.engine_ttl,
+            max_bytes=16 << 20,
+            storage=jsapi.StorageType.FILE,  # a server restart keeps the registry
+            replicas=s.replicas,
+        ),
+    )
 
 
 async def tenants_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     """Tenants' usage: one small record per limited tenant, read directly by any replica."""
-    return await _bucket(js, jsapi.KeyValueConfig(
-        bucket=TENANTS_BUCKET,
-        history=1,
-        max_bytes=64 << 20,
-        storage=jsapi.StorageType.FILE,  # a restart forgets no lease or spent budget
-        replicas=s.replicas,
-        direct=True,
-    ))  # fmt: skip
+    return await _bucket(
+        js,
+        jsapi.KeyValueConfig(
+            bucket=TENANTS_BUCKET,
+            history=1,
+            max_bytes=64 << 20,
+            storage=jsapi.StorageType.FILE,  # a restart forgets no lease or spent budget
+            replicas=s.replicas,
+            direct=True,
+        ),
+    )
 
 
 async def files_store(js: JetStreamContext, s: Settings) -> ObjectStore:
@@ -889,30 +922,50 @@ async def files_store(js: JetStreamContext, s: Settings) -> ObjectStore:
 
 async def batches_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     """The Batch API's batches, one record each, changed compare-and-set."""
-    return await _bucket(js, jsapi.KeyValueConfig(
-        bucket=BATCHES_BUCKET, history=1, max_bytes=256 << 20,
-        storage=jsapi.StorageType.FILE, replicas=s.replicas,
-    ))  # fmt: skip
+    return await _bucket(
+        js,
+        jsapi.KeyValueConfig(
+            bucket=BATCHES_BUCKET,
+            history=1,
+            max_bytes=256 << 20,
+            storage=jsapi.StorageType.FILE,
+            replicas=s.replicas,
+        ),
+    )
 
 
 async def responses_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     """Stored responses (`tokenway.response_store`): each kept `TOKENWAY_RESPONSES_MAX_AGE`,
     the bucket bounded by `TOKENWAY_RESPONSES_MAX_BYTES` (full, it stores no more: each
     tenant has its share, `tokenway.quota`)."""
-    return await _bucket(js, jsapi.KeyValueConfig(
-        bucket=RESPONSES_BUCKET, history=1, ttl=s.responses_max_age,
-        max_bytes=s.responses_max_bytes, storage=jsapi.StorageType.FILE, replicas=s.replicas,
-        direct=True,
-    ))  # fmt: skip
+    return await _bucket(
+        js,
+        jsapi.KeyValueConfig(
+            bucket=RESPONSES_BUCKET,
+            history=1,
+            ttl=s.responses_max_age,
+            max_bytes=s.responses_max_bytes,
+            storage=jsapi.StorageType.FILE,
+            replicas=s.replicas,
+            direct=True,
+        ),
+    )
 
 
 async def stored_kv(js: JetStreamContext, s: Settings) -> KeyValue:
     """Tenants' usage of the files and responses stores: one small record per tenant,
     changed compare-and-set by the ingresses and batch runners (`tokenway.quota_book`)."""
-    return await _bucket(js, jsapi.KeyValueConfig(
-        bucket=STORED_BUCKET, history=1, max_bytes=64 << 20,
-        storage=jsapi.StorageType.FILE, replicas=s.replicas, direct=True,
-    ))  # fmt: skip
+    return await _bucket(
+        js,
+        jsapi.KeyValueConfig(
+            bucket=STORED_BUCKET,
+            history=1,
+            max_bytes=64 << 20,
+            storage=jsapi.StorageType.FILE,
+            replicas=s.replicas,
+            direct=True,
+        ),
+    )
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:

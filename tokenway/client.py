@@ -412,8 +412,12 @@ class Finished:
 
 def _output(headers: dict[str, str] | None, body: bytes, seq: int = 1) -> Output:
     hdrs = headers or {}
-    return Output(kind=hdrs.get(h.KIND, h.KIND_CHUNK), body=body,
-                  seq=int(hdrs.get(h.SEQ, seq)), status=int(hdrs.get(h.STATUS, 200)))  # fmt: skip
+    return Output(
+        kind=hdrs.get(h.KIND, h.KIND_CHUNK),
+        body=body,
+        seq=int(hdrs.get(h.SEQ, seq)),
+        status=int(hdrs.get(h.STATUS, 200)),
+    )
 
 
 def outcome(rid: str, out: Output) -> dict[str, Any] | RequestFailed:

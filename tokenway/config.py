@@ -16,20 +16,42 @@ ENV_PREFIX = "TOKENWAY_"
 # A direct publisher's tenant (`tokenway.client.Client.from_env`), beside its credentials in
 # the `client-<tenant>.env` file `tokenway nats-auth` and `up` write.
 TENANT_ENV = f"{ENV_PREFIX}TENANT"
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 # Secrets: an empty variable is a deployment whose secret went missing, which must refuse
 # to start, never run as if obfuscation or API keys were off. An empty `open_routes` opens
 # nothing.
 NATS_CREDENTIALS = (
-    "nats_user", "nats_password", "nats_password_file", "nats_token", "nats_token_file",
-    "nats_nkey_file", "nats_creds", "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
-)  # fmt: skip
+    "nats_user",
+    "nats_password",
+    "nats_password_file",
+    "nats_token",
+    "nats_token_file",
+    "nats_nkey_file",
+    "nats_creds",
+    "nats_tls_ca",
+    "nats_tls_cert",
+    "nats_tls_key",
+)
 _EMPTY_IS_SET = frozenset(
-    {"obfuscation_key", "obfuscation_key_file", "api_key", "api_key_file", "open_routes",
-     *NATS_CREDENTIALS}
-)  # fmt: skip
+    {
+        "obfuscation_key",
+        "obfuscation_key_file",
+        "api_key",
+        "api_key_file",
+        "open_routes",
+        *NATS_CREDENTIALS,
+    }
+)
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]

@@ -92,10 +92,27 @@ async def publish_error(
     tenant: str = "",
 ) -> None:
     """An error event for the client; the stream (or response) ends with it."""
-    hdrs = out_headers(rid, seq, h.KIND_ERROR, status=info.status, retry_after=info.retry_after,
-                       after=after, tenant=tenant, reply=reply)  # fmt: skip
-    await commit(nc, reply, rid, seq, h.KIND_ERROR, error_body(info), hdrs, status=info.status,
-                 retry_after=info.retry_after)  # fmt: skip
+    hdrs = out_headers(
+        rid,
+        seq,
+        h.KIND_ERROR,
+        status=info.status,
+        retry_after=info.retry_after,
+        after=after,
+        tenant=tenant,
+        reply=reply,
+    )
+    await commit(
+        nc,
+        reply,
+        rid,
+        seq,
+        h.KIND_ERROR,
+        error_body(info),
+        hdrs,
+        status=info.status,
+        retry_after=info.retry_after,
+    )
 
 
 async def commit(
@@ -112,8 +129,9 @@ async def commit(
     tokens: int = 0,
 ) -> PubAck:
     """One ledger message stored (retried while NATS comes back), then delivered live."""
-    ack = await publish(nc.jetstream(), bus.out_subject(reply, rid), payload, headers,
-                        within=PUBLISH_WITHIN)  # fmt: skip
+    ack = await publish(
+        nc.jetstream(), bus.out_subject(reply, rid), payload, headers, within=PUBLISH_WITHIN
+    )
     event = _event(kind, rid, seq, ack.seq, payload, status, retry_after, tokens)
     await deliver(nc, reply, [event])
     return ack
@@ -132,8 +150,14 @@ def _event(
     """A message stored with `Tw-Kind` `kind` as its variant (an unknown kind, which no
     writer stores, passes as a chunk)."""
     if kind == h.KIND_ERROR:
-        return Failed(rid=rid, seq=seq, stream_seq=stream_seq, payload=payload, status=status,
-                      retry_after=retry_after)  # fmt: skip
+        return Failed(
+            rid=rid,
+            seq=seq,
+            stream_seq=stream_seq,
+            payload=payload,
+            status=status,
+            retry_after=retry_after,
+        )
     variant = OUTPUTS.get(kind, OUTPUTS[h.KIND_CHUNK])
     return variant(rid=rid, seq=seq, stream_seq=stream_seq, payload=payload, tokens=tokens)
 
@@ -339,13 +363,21 @@ class Identity:
         are the ingress's word for an API key's requests)."""
         hdrs = msg.headers or {}
         deadline, limits = hdrs.get(h.DEADLINE), hdrs.get(h.LIMITS)
-        who = cls(hdrs[h.RID], hdrs[h.REPLY], float(deadline) if deadline else None,
-                  hdrs.get(h.TENANT, ""), Limits.parse(limits) if limits else None,
-                  hdrs.get(h.TRACEPARENT, ""), hdrs.get(h.BATCH) == "1")  # fmt: skip
+        who = cls(
+            hdrs[h.RID],
+            hdrs[h.REPLY],
+            float(deadline) if deadline else None,
+            hdrs.get(h.TENANT, ""),
+            Limits.parse(limits) if limits else None,
+            hdrs.get(h.TRACEPARENT, ""),
+            hdrs.get(h.BATCH) == "1",
+        )
         tenant = bus.lane_tenant(msg.subject)
         if tenant is None:
             return who
         if not bus.owns_reply(tenant, who.reply):
-            raise ValueError(f"tenant {tenant}'s client named the reply {who.reply!r}, not one "
-                             f"of its own ({bus.tenant_replies(tenant)})")  # fmt: skip
+            raise ValueError(
+                f"tenant {tenant}'s client named the reply {who.reply!r}, not one "
+                f"of its own ({bus.tenant_replies(tenant)})"
+            )
         return replace(who, tenant=tenant, limits=None, batch=True)

@@ -63,8 +63,9 @@ def hpub(subject: str, reply: str, headers: dict[str, str], payload: bytes) -> b
         or _NOT_TOKEN.search("".join(headers))
         or _LINE_BREAK.search("".join(headers.values()))
     ):
-        raise ValueError(f"a publish on {subject!r} with a subject, reply or header that breaks "
-                         "the frame")  # fmt: skip
+        raise ValueError(
+            f"a publish on {subject!r} with a subject, reply or header that breaks the frame"
+        )
     head = "NATS/1.0\r\n" + "".join([f"{k}: {v}\r\n" for k, v in headers.items()]) + "\r\n"
     return hpub_cmd(subject, reply, head.encode(), payload)
 

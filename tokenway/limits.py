@@ -107,14 +107,17 @@ def check_text(api: str, body: bytes, limits: RequestLimits) -> None:
     tools: list[tuple[str, _ToolText]] = []
     for i, t in enumerate(text.tools or []):  # a namespace: its tools count, not itself
         tools.append((where.format(i), t))
-        tools += [(f"tools[{i}].tools[{j}].parameters", inner)
-                  for j, inner in enumerate(t.tools or [])]  # fmt: skip
+        tools += [
+            (f"tools[{i}].tools[{j}].parameters", inner) for j, inner in enumerate(t.tools or [])
+        ]
     _check_tools(limits, sum(1 for _, t in tools if t.tools is None))
     sizes = [(param, t.size()) for param, t in tools]
     fmt = len(text.response_format) + len(text.text) + len(text.output_config)
-    sizes += [(_FORMAT.get(api, "response_format"), fmt),
-              ("structured_outputs", len(text.structured_outputs)),
-              ("guided_json", len(text.guided_json))]  # fmt: skip
+    sizes += [
+        (_FORMAT.get(api, "response_format"), fmt),
+        ("structured_outputs", len(text.structured_outputs)),
+        ("guided_json", len(text.guided_json)),
+    ]
     total = sum(size for _, size in sizes)
     if total > limits.max_schema_bytes:
         past, running = "", 0

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
+# fmt: off
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+            1.0, 2.5, 5.0, 10.0)
+# fmt: on
 STAGE_SECONDS = Histogram(
     "tokenway_stage_seconds",
     "One stage's part: render (a request, queued to the schedulers), engine_first_token "
     "(from the hand-off to an engine to its first output), derender and commit (one round "
     "of engine output, derendered, stored in TW_OUT), sse_write (one write to a client)",
     ["stage"],
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-             0.5, 1.0, 2.5, 5.0, 10.0),
-)  # fmt: skip
+    buckets=_BUCKETS,
+)
 RENDER = STAGE_SECONDS.labels("render")
 ENGINE_FIRST_TOKEN = STAGE_SECONDS.labels("engine_first_token")
 DERENDER = STAGE_SECONDS.labels("derender")

@@ -80,21 +80,28 @@ class EmbeddedNats:
         )
         cmd = [
             server_binary(),
-            "-c", str(conf),
-            "-a", "127.0.0.1",
-            "-p", str(self.port),
+            "-c",
+            str(conf),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
             "-js",
-            "--ports_file_dir", self._ports_dir,
-        ]  # fmt: skip
+            "--ports_file_dir",
+            self._ports_dir,
+        ]
         # Its log goes to a file: a pipe nobody reads fills up, then blocks the server. The
         # owner's alone, as the rest of the data dir (it names clients, subjects, errors).
         fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.fchmod(fd, 0o600)  # one an older version made
         with open(fd, "ab") as log_file:  # noqa: ASYNC230 - once, at start
             self._proc = subprocess.Popen(  # noqa: ASYNC220 - a fork+exec, it does not wait
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=_die_with_parent,
-            )  # fmt: skip
+            )
         self.url = await self._wait_ready(ready_timeout)
         log.info("embedded nats-server at %s (store %s)", self.url, self.store_dir)
         return self.url

@@ -77,9 +77,10 @@ def fingerprint(key: bytes, vocab_size: int) -> str:
 
 
 def _shuffled(key: bytes, vocab_size: int) -> list[int]:
-    draws = array("Q", hashlib.shake_256(_prf(key, b"permutation", vocab_size)).digest(
-        8 * max(vocab_size - 1, 0)
-    ))  # fmt: skip
+    draws = array(
+        "Q",
+        hashlib.shake_256(_prf(key, b"permutation", vocab_size)).digest(8 * max(vocab_size - 1, 0)),
+    )
     if sys.byteorder != "little":
         draws.byteswap()
     table = list(range(vocab_size))

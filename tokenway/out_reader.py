@@ -44,12 +44,18 @@ class Reader:
     async def open(self) -> int:
         """Make the consumer; how many messages it holds for us already."""
         config = ConsumerConfig(
-            name=f"read{secrets.token_hex(8)}", filter_subject=self.subject,
-            ack_policy=AckPolicy.NONE, inactive_threshold=IDLE, num_replicas=1,
+            name=f"read{secrets.token_hex(8)}",
+            filter_subject=self.subject,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=IDLE,
+            num_replicas=1,
             mem_storage=True,
-            **({"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": self.last + 1}
-               if self.last else {"deliver_policy": self.policy}),
-        )  # fmt: skip
+            **(
+                {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": self.last + 1}
+                if self.last
+                else {"deliver_policy": self.policy}
+            ),
+        )
         info = await self.js.add_consumer(bus.OUT_STREAM, config)
         self.name = info.name
         self._sub = await self.js.pull_subscribe_bind(self.name, bus.OUT_STREAM)

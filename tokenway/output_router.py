@@ -87,8 +87,9 @@ class Slot:
 
     def cut(self, error: bytes) -> None:
         """Ends the stream here with `error` (an error body): its writer is going away."""
-        event = Failed(rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq,
-                       payload=error, status=503)  # fmt: skip
+        event = Failed(
+            rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq, payload=error, status=503
+        )
         self.keep(event)
 
     def abandon(self) -> None:
@@ -199,8 +200,12 @@ class OutputRouter:
         except msgspec.DecodeError:
             log.error("undecodable delivery on %s: %s", msg.subject, exc)
             return
-        log.warning("delivery on %s in another shape (%s): reading back %d request(s)",
-                    msg.subject, exc, len(rids))  # fmt: skip
+        log.warning(
+            "delivery on %s in another shape (%s): reading back %d request(s)",
+            msg.subject,
+            exc,
+            len(rids),
+        )
         for rid in rids:
             slot = self.slots.get(rid)
             if slot is not None and not slot.spilled:

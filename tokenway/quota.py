@@ -146,9 +146,12 @@ def _live(slots: dict[int, Tally], now: float) -> dict[int, Tally]:
 
 
 _WHAT = {FILES: ("files", "file"), RESPONSES: ("stored responses", "store")}
-_FIELD = {(FILES, "count"): "files_count", (FILES, "bytes"): "files_bytes",
-          (RESPONSES, "count"): "responses_count",
-          (RESPONSES, "bytes"): "responses_bytes"}  # fmt: skip
+_FIELD = {
+    (FILES, "count"): "files_count",
+    (FILES, "bytes"): "files_bytes",
+    (RESPONSES, "count"): "responses_count",
+    (RESPONSES, "bytes"): "responses_bytes",
+}
 
 
 def over(store: Store, used: Tally, limit: Tally, wanted: str, which: str) -> QuotaExceeded:
@@ -159,7 +162,10 @@ def over(store: Store, used: Tally, limit: Tally, wanted: str, which: str) -> Qu
         f"You have exceeded your storage quota of {cap} ({_FIELD[store, which]}): you keep "
         f"{used.count} {things} of {used.bytes} bytes, and {wanted} would be past it. Delete "
         f"{things} to make room"
-        + (" (stored responses also leave by themselves at their max age)."
-           if store == RESPONSES else "."),
+        + (
+            " (stored responses also leave by themselves at their max age)."
+            if store == RESPONSES
+            else "."
+        ),
         param,
-    )  # fmt: skip
+    )

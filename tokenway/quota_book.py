@@ -50,8 +50,14 @@ class QuotaBook:
         try:
             await self._change(tenant, lambda kept, now: release(kept, c, now))
         except (nats.errors.Error, Unavailable) as exc:
-            log.warning("tenant %r stays charged %d %s (%d bytes): %r", tenant, c.count,
-                        c.store, c.bytes, exc)  # fmt: skip
+            log.warning(
+                "tenant %r stays charged %d %s (%d bytes): %r",
+                tenant,
+                c.count,
+                c.store,
+                c.bytes,
+                exc,
+            )
 
     async def admits(self, tenant: str, quota: Quota, store: Store) -> None:
         """`QuotaExceeded` when the tenant has no room at all left in `store`."""

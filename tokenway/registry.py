@@ -162,8 +162,10 @@ async def bucket_ttl(kv: KeyValue, configured: float) -> float:
         log.warning(
             "the engine registry bucket %s keeps entries %ss (as provisioned), not the %ss "
             "configured here: following it (delete the bucket to provision it anew)",
-            bus.ENGINES_BUCKET, f"{ttl:g}", f"{configured:g}",
-        )  # fmt: skip
+            bus.ENGINES_BUCKET,
+            f"{ttl:g}",
+            f"{configured:g}",
+        )
     return ttl
 
 

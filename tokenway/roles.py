@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from tokenway import bus
 
 # Every tokenway stream; their names and limits are no secret to any role.
-_STREAMS = (bus.RENDER_STREAM, bus.SCHED_STREAM, bus.OUT_STREAM, bus.DLQ_STREAM,
-            bus.ADVISORY_STREAM, bus.ENGINES_STREAM, bus.TENANTS_STREAM, bus.FILES_STREAM,
-            bus.BATCHES_STREAM, bus.RESPONSES_STREAM, bus.STORED_STREAM)  # fmt: skip
+_STREAMS = (
+    bus.RENDER_STREAM,
+    bus.SCHED_STREAM,
+    bus.OUT_STREAM,
+    bus.DLQ_STREAM,
+    bus.ADVISORY_STREAM,
+    bus.ENGINES_STREAM,
+    bus.TENANTS_STREAM,
+    bus.FILES_STREAM,
+    bus.BATCHES_STREAM,
+    bus.RESPONSES_STREAM,
+    bus.STORED_STREAM,
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,9 @@ def _consumes(stream: str) -> tuple[str, ...]:
     )
 
 
-def _lanes(subject: Callable[[str | None, bool, str | None], str],
-           tenant: str | None = "") -> tuple[str, str]:  # fmt: skip
+def _lanes(
+    subject: Callable[[str | None, bool, str | None], str], tenant: str | None = ""
+) -> tuple[str, str]:
     """A queue's two lanes: interactive requests and a batch job's (the shared batch lane,
     or a tenant's: `bus.ANY` for every one)."""
     return subject(bus.ANY, False, ""), subject(bus.ANY, True, tenant)
@@ -88,10 +99,16 @@ _LEDGER_WRITE = (bus.OUTPUTS, bus.DELIVERIES, _gets(bus.OUT_STREAM))
 # and read through ordered consumers; a batch record is read, watched, written back. nats-py's
 # object store finds its stream by subject before it reads an object (STREAM.NAMES: only names).
 _BATCH_STORE = (
-    bus.FILES_SUBJECTS, *_reads(bus.FILES_STREAM), _gets(bus.FILES_STREAM), _api("STREAM.NAMES"),
+    bus.FILES_SUBJECTS,
+    *_reads(bus.FILES_STREAM),
+    _gets(bus.FILES_STREAM),
+    _api("STREAM.NAMES"),
     _api("STREAM.PURGE", bus.FILES_STREAM),
-    bus.BATCHES_KEYS, *_reads(bus.BATCHES_STREAM), _gets(bus.BATCHES_STREAM), *_STORED,
-)  # fmt: skip
+    bus.BATCHES_KEYS,
+    *_reads(bus.BATCHES_STREAM),
+    _gets(bus.BATCHES_STREAM),
+    *_STORED,
+)
 # What the batch runner does as a direct client (`tokenway.client`): queue its lines
 # (OpenAI bodies) on their tenants' lanes, read their ledgers, cancel them.
 _DIRECT = (bus.render_subject(bus.ANY, True, bus.ANY), bus.CANCELS, *_reads(bus.OUT_STREAM))

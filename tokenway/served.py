@@ -50,8 +50,9 @@ def served_models(s: Settings) -> list[ServedModel]:
             )
         if not entries:
             given = Path(s.model_dir).expanduser() if s.model_dir else None
-            entries = [(s.served_model_name or (given.name if given else DEFAULT_MODEL_NAME),
-                        s.model_dir)]  # fmt: skip
+            entries = [
+                (s.served_model_name or (given.name if given else DEFAULT_MODEL_NAME), s.model_dir)
+            ]
         models = [_load(s, name, directory) for name, directory in entries]
         _check(s, models)
     except ValueError as exc:
@@ -72,9 +73,10 @@ def _check(s: Settings, models: list[ServedModel]) -> None:
         key = bus.token(model.name)
         if key in seen:
             raise ValueError(
-                f"model {model.name!r} is named twice" if seen[key] == model.name
+                f"model {model.name!r} is named twice"
+                if seen[key] == model.name
                 else f"models {seen[key]!r} and {model.name!r} would share the bus's subjects"
-            )  # fmt: skip
+            )
         seen[key] = model.name
     if len(models) > 1:
         for backend in ("render", "derender"):

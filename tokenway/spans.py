@@ -70,9 +70,11 @@ def start(
         return OFF
     context = _propagator.extract({"traceparent": parent}) if parent else None
     span = _tracer.start_span(
-        name, context=context, kind=_kinds[kind.upper()],
+        name,
+        context=context,
+        kind=_kinds[kind.upper()],
         attributes={f"tokenway.{k}": v for k, v in attributes.items()},
-    )  # fmt: skip
+    )
     return _Recorded(span)
 
 

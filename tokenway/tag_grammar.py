@@ -30,8 +30,17 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 MAX_DEPTH = 64  # nesting of formats; a deeper tag is refused, not recursed into
 MAX_ID = 2**31 - 1  # a token ID, and xgrammar's bound on a count
 # xgrammar's JSON schema styles: "json" is llguidance's JSON; the others are XML call syntaxes
-STYLES = ("json", "qwen_xml", "minimax_xml", "minimax_m3_xml", "deepseek_xml", "glm_xml",
-          "cohere_xml", "kimi_k3_xml", "deepseek_v4_1_xml")  # fmt: skip
+STYLES = (
+    "json",
+    "qwen_xml",
+    "minimax_xml",
+    "minimax_m3_xml",
+    "deepseek_xml",
+    "glm_xml",
+    "cohere_xml",
+    "kimi_k3_xml",
+    "deepseek_v4_1_xml",
+)
 
 
 class Unsupported(ValueError):
@@ -190,12 +199,14 @@ class _Rules:
         if spaces is not None and not (_is_int(spaces) and spaces > 0):
             raise ValueError(f"{where}.max_whitespace_cnt must be a positive integer or null")
         body = f"%json {json.dumps(schema)}"
-        return body if style == "json" else self._not_here(f"json_schema style {style}", where,
-                                                           [body])  # fmt: skip
+        return (
+            body if style == "json" else self._not_here(f"json_schema style {style}", where, [body])
+        )
 
     def _qwen_xml_parameter(self, fmt: dict[str, Any], where: str, depth: int) -> str:
-        return self._not_here("qwen_xml_parameter", where,
-                              [f"%json {json.dumps(_schema(fmt, where))}"])  # fmt: skip
+        return self._not_here(
+            "qwen_xml_parameter", where, [f"%json {json.dumps(_schema(fmt, where))}"]
+        )
 
     def _any_text(self, fmt: dict[str, Any], where: str, depth: int) -> str:
         _strings(fmt, where, "excludes")
@@ -264,11 +275,14 @@ class _Rules:
             closing = "(" + " | ".join(self.literal(e) if e else '""' for e in end) + ")"
             ends = any(end)
         else:
-            raise ValueError(f"{where}.end must be a string, a non-empty list of strings or a "
-                             "token format")  # fmt: skip
+            raise ValueError(
+                f"{where}.end must be a string, a non-empty list of strings or a token format"
+            )
         if not ends and _unbounded(fmt["content"]):
-            raise ValueError(f"the content of {where} runs on without an end of its own, so "
-                             "its end must be a non-empty string")  # fmt: skip
+            raise ValueError(
+                f"the content of {where} runs on without an end of its own, so "
+                "its end must be a non-empty string"
+            )
         return " ".join(p for p in (opening, content, closing) if p)
 
     def _tags(
@@ -282,8 +296,10 @@ class _Rules:
             if not isinstance(tag, dict) or tag.get("type") != "tag":
                 raise ValueError(f'{where}.tags[{i}] must be a format of type "tag"')
             if not isinstance(tag.get("begin"), begin):
-                raise ValueError(f"{where}.tags[{i}].begin must be a "
-                                 f"{'string' if begin is str else 'token format'}")  # fmt: skip
+                raise ValueError(
+                    f"{where}.tags[{i}].begin must be a "
+                    f"{'string' if begin is str else 'token format'}"
+                )
         return [self.rule(t, f"{where}.tags[{i}]", depth) for i, t in enumerate(tags)]
 
     def _triggered_tags(
@@ -298,9 +314,11 @@ class _Rules:
         for i, tag in enumerate(fmt["tags"]):
             opened = sum(tag["begin"].startswith(t) for t in triggers)
             if opened == 0 or (one_trigger and opened > 1):
-                raise ValueError(f"{where}.tags[{i}].begin {tag['begin']!r} starts with "
-                                 f"{'none' if opened == 0 else 'more than one'} of the "
-                                 "triggers")  # fmt: skip
+                raise ValueError(
+                    f"{where}.tags[{i}].begin {tag['begin']!r} starts with "
+                    f"{'none' if opened == 0 else 'more than one'} of the "
+                    "triggers"
+                )
         one = "(" + " | ".join(tags) + ")"
         if fmt.get("stop_after_first"):
             calls = one if fmt.get("at_least_one") else f"{one}?"
@@ -384,16 +402,44 @@ _Build = Callable[[_Rules, dict[str, Any], str, int], str]
 # Every kind xgrammar 0.2.8 knows, and what checks it and writes its rule.
 _KINDS: dict[str, _Build] = {
     kind: getattr(_Rules, f"_{kind}")
-    for kind in ("const_string", "json_schema", "any_text", "grammar", "regex", "token",
-                 "exclude_token", "any_tokens", "sequence", "or", "tag", "triggered_tags",
-                 "token_triggered_tags", "tags_with_separator", "optional", "plus", "star",
-                 "repeat", "dispatch", "token_dispatch", "qwen_xml_parameter")
-}  # fmt: skip
+    for kind in (
+        "const_string",
+        "json_schema",
+        "any_text",
+        "grammar",
+        "regex",
+        "token",
+        "exclude_token",
+        "any_tokens",
+        "sequence",
+        "or",
+        "tag",
+        "triggered_tags",
+        "token_triggered_tags",
+        "tags_with_separator",
+        "optional",
+        "plus",
+        "star",
+        "repeat",
+        "dispatch",
+        "token_dispatch",
+        "qwen_xml_parameter",
+    )
+}
 # Kinds whose text may run on for ever: a tag around one needs an end string (xgrammar's rule).
-_RUNS_ON = frozenset({
-    "any_text", "any_tokens", "triggered_tags", "token_triggered_tags", "tags_with_separator",
-    "plus", "star", "dispatch", "token_dispatch",
-})  # fmt: skip
+_RUNS_ON = frozenset(
+    {
+        "any_text",
+        "any_tokens",
+        "triggered_tags",
+        "token_triggered_tags",
+        "tags_with_separator",
+        "plus",
+        "star",
+        "dispatch",
+        "token_dispatch",
+    }
+)
 
 
 def _unbounded(fmt: dict[str, Any]) -> bool:
@@ -434,8 +480,9 @@ def _flags(fmt: dict[str, Any], where: str, *names: str) -> None:
 
 def _strings(fmt: dict[str, Any], where: str, name: str, non_empty: bool = False) -> None:
     value = fmt.get(name, [])
-    if not isinstance(value, list) or not all(isinstance(s, str) and (s or not non_empty)
-                                              for s in value):  # fmt: skip
+    if not isinstance(value, list) or not all(
+        isinstance(s, str) and (s or not non_empty) for s in value
+    ):
         raise ValueError(f"{where}.{name} must be a list of {'non-empty ' * non_empty}strings")
 
 

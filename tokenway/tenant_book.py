@@ -41,8 +41,9 @@ class TenantBook:
         try:
             await self._change(tenant, lambda u: release(u, rid, time.time()))
         except (nats.errors.Error, Unavailable) as exc:
-            log.warning("the lease of request %s (tenant %s) stays until its deadline: %r",
-                        rid, tenant, exc)  # fmt: skip
+            log.warning(
+                "the lease of request %s (tenant %s) stays until its deadline: %r", rid, tenant, exc
+            )
 
     async def _change(
         self, tenant: str, change: Callable[[Usage], Usage | Refused | None]

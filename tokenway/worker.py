@@ -136,8 +136,9 @@ class _Stage:
                 msgs = await bus.fetch(sub, want, self.idle)
             except nats.errors.Error as exc:  # NATS away, or the consumer has no leader or is gone
                 if not failing:
-                    log.warning("%s cannot fetch (%r); subscribing anew until it can",
-                                spec.handler, exc)  # fmt: skip
+                    log.warning(
+                        "%s cannot fetch (%r); subscribing anew until it can", spec.handler, exc
+                    )
                 failing = True
                 await wait_any(stop, timeout=self.idle)
                 sub = await _resubscribe(js, spec, sub)

@@ -133,11 +133,15 @@ _MEDIA = ("image", "document")
 
 def _not_text(where: str, b: Block, served: str) -> InvalidRequest:
     if b.type in _MEDIA:
-        return InvalidRequest(f"{where}: {b.type!r} blocks are not served here (images and "
-                              "documents need a multimodal render; this deployment takes "
-                              "text only)", param=where)  # fmt: skip
-    return InvalidRequest(f"{where}: only {served} blocks are served here, not {b.type!r}",
-                          param=where)  # fmt: skip
+        return InvalidRequest(
+            f"{where}: {b.type!r} blocks are not served here (images and "
+            "documents need a multimodal render; this deployment takes "
+            "text only)",
+            param=where,
+        )
+    return InvalidRequest(
+        f"{where}: only {served} blocks are served here, not {b.type!r}", param=where
+    )
 
 
 def _text(blocks: str | list[Block] | None, where: str, sep: str = "") -> str:
@@ -174,8 +178,11 @@ def _check_signature(b: Block, where: str) -> None:
     are taken, as the thinking reaches only the template."""
     if b.signature and b.signature.startswith(SIGNATURE_PREFIX):
         if b.signature != signature(fold_thinking(0, b.thinking or "")):
-            raise InvalidRequest(f"{where}.signature: does not fit the block's thinking (it "
-                                 "was changed after tokenway signed it)", param=where)  # fmt: skip
+            raise InvalidRequest(
+                f"{where}.signature: does not fit the block's thinking (it "
+                "was changed after tokenway signed it)",
+                param=where,
+            )
 
 
 def _assistant(content: str | list[Block], where: str) -> Message:
@@ -192,16 +199,22 @@ def _assistant(content: str | list[Block], where: str) -> Message:
             continue  # nothing to show a template
         elif b.type == "tool_use":
             if not b.id or not b.name:
-                raise InvalidRequest(f"{where}[{i}]: a tool_use block needs an id and a name",
-                                     param=where)  # fmt: skip
+                raise InvalidRequest(
+                    f"{where}[{i}]: a tool_use block needs an id and a name", param=where
+                )
             check_nesting(f"{where}[{i}].input", b.input)
             arguments = json.dumps(b.input or {}, ensure_ascii=False)
             calls.append(ToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=arguments)))
         else:
-            raise InvalidRequest(f"{where}[{i}]: an assistant cannot send a {b.type!r} block",
-                                 param=where)  # fmt: skip
-    return Message(role="assistant", content="".join(text), tool_calls=calls or None,
-                   reasoning_content="".join(thought) or None)  # fmt: skip
+            raise InvalidRequest(
+                f"{where}[{i}]: an assistant cannot send a {b.type!r} block", param=where
+            )
+    return Message(
+        role="assistant",
+        content="".join(text),
+        tool_calls=calls or None,
+        reasoning_content="".join(thought) or None,
+    )
 
 
 def _user(content: str | list[Block], where: str) -> list[Message]:
@@ -212,8 +225,9 @@ def _user(content: str | list[Block], where: str) -> list[Message]:
     for i, b in enumerate(content):
         if b.type == "tool_result":
             if not b.tool_use_id:
-                raise InvalidRequest(f"{where}[{i}]: a tool_result block needs its tool_use_id",
-                                     param=where)  # fmt: skip
+                raise InvalidRequest(
+                    f"{where}[{i}]: a tool_result block needs its tool_use_id", param=where
+                )
             # a block a line, as vLLM's route joins them (run together, two outputs merge)
             result = _text(b.content, f"{where}[{i}].content", sep="\n")
             if b.is_error:  # a chat's tool message has no flag: the text says it failed
@@ -259,12 +273,17 @@ def _messages(req: Messages) -> list[Message]:
 
 # Anthropic's client tools: typed, without a schema (its models know it), run by the client
 # as any tool. A template needs the schema, so the same interface is written out here.
-_BASH = ("Run a command in a persistent bash session.", {
-    "type": "object", "required": ["command"], "properties": {
-        "command": {"type": "string", "description": "The command to run."},
-        "restart": {"type": "boolean", "description": "Restart the session instead."},
+_BASH = (
+    "Run a command in a persistent bash session.",
+    {
+        "type": "object",
+        "required": ["command"],
+        "properties": {
+            "command": {"type": "string", "description": "The command to run."},
+            "restart": {"type": "boolean", "description": "Restart the session instead."},
+        },
     },
-})  # fmt: skip
+)
 _EDITS = ["view", "create", "str_replace", "insert"]
 _EDITOR_PROPERTIES = {
     "path": {"type": "string", "description": "The file or directory, an absolute path."},
@@ -272,24 +291,34 @@ _EDITOR_PROPERTIES = {
     "old_str": {"type": "string", "description": "str_replace: the text to replace, once."},
     "new_str": {"type": "string", "description": "str_replace, insert: the new text."},
     "insert_line": {"type": "integer", "description": "insert: after this line (0: first)."},
-    "view_range": {"type": "array", "items": {"type": "integer"},
-                   "description": "view: the first and last line (-1: to the end)."},
-}  # fmt: skip
+    "view_range": {
+        "type": "array",
+        "items": {"type": "integer"},
+        "description": "view: the first and last line (-1: to the end).",
+    },
+}
 
 
 def _editor(edits: list[str]) -> tuple[str, dict[str, Any]]:
     command = {"type": "string", "enum": edits, "description": "What to do."}
-    return ("View, create and edit text files.", {"type": "object",
-            "required": ["command", "path"], "properties": {"command": command,
-                                                            **_EDITOR_PROPERTIES}})  # fmt: skip
+    return (
+        "View, create and edit text files.",
+        {
+            "type": "object",
+            "required": ["command", "path"],
+            "properties": {"command": command, **_EDITOR_PROPERTIES},
+        },
+    )
 
 
 CLIENT_TOOLS = {
-    "bash_20241022": _BASH, "bash_20250124": _BASH,
+    "bash_20241022": _BASH,
+    "bash_20250124": _BASH,
     "text_editor_20241022": _editor([*_EDITS, "undo_edit"]),
     "text_editor_20250124": _editor([*_EDITS, "undo_edit"]),
-    "text_editor_20250429": _editor(_EDITS), "text_editor_20250728": _editor(_EDITS),
-}  # fmt: skip
+    "text_editor_20250429": _editor(_EDITS),
+    "text_editor_20250728": _editor(_EDITS),
+}
 # Tools Anthropic's servers run (the model's call and its result both come from there).
 SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
 
@@ -301,16 +330,25 @@ def _tool(i: int, t: ToolDef) -> Tool:
     if t.type in CLIENT_TOOLS:
         description, schema = CLIENT_TOOLS[t.type]
     elif t.type not in (None, "custom"):
-        why = ("a server tool (Anthropic runs it); server tools are not served here"
-               if t.type.startswith(SERVER_TOOLS) else "not served here")  # fmt: skip
-        raise InvalidRequest(f"tools[{i}]: {t.type!r} ({t.name!r}) is {why}: give a custom "
-                             "tool (name, input_schema) and run it yourself",
-                             param="tools")  # fmt: skip
+        why = (
+            "a server tool (Anthropic runs it); server tools are not served here"
+            if t.type.startswith(SERVER_TOOLS)
+            else "not served here"
+        )
+        raise InvalidRequest(
+            f"tools[{i}]: {t.type!r} ({t.name!r}) is {why}: give a custom "
+            "tool (name, input_schema) and run it yourself",
+            param="tools",
+        )
     elif schema is None:
-        raise InvalidRequest(f"tools[{i}].input_schema: a custom tool ({t.name!r}) needs one",
-                             param="tools")  # fmt: skip
-    return Tool(function=FunctionDef(name=t.name, description=description, parameters=schema,
-                                     strict=t.strict))  # fmt: skip
+        raise InvalidRequest(
+            f"tools[{i}].input_schema: a custom tool ({t.name!r}) needs one", param="tools"
+        )
+    return Tool(
+        function=FunctionDef(
+            name=t.name, description=description, parameters=schema, strict=t.strict
+        )
+    )
 
 
 def _tools(req: Messages) -> list[Tool] | None:
@@ -336,11 +374,15 @@ def _thinking(req: Messages) -> dict[str, Any] | None:
     if thinking is not None and thinking.type == "enabled":
         budget = thinking.budget_tokens
         if budget is None or budget < LEAST_BUDGET:
-            raise InvalidRequest(f"thinking.budget_tokens: enabled thinking needs a budget of "
-                                 f"at least {LEAST_BUDGET} tokens", param="thinking")  # fmt: skip
+            raise InvalidRequest(
+                f"thinking.budget_tokens: enabled thinking needs a budget of "
+                f"at least {LEAST_BUDGET} tokens",
+                param="thinking",
+            )
         if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
-            raise InvalidRequest("thinking.budget_tokens must be less than max_tokens",
-                                 param="thinking")  # fmt: skip
+            raise InvalidRequest(
+                "thinking.budget_tokens must be less than max_tokens", param="thinking"
+            )
     switch = None if thinking is None else thinking_switch(thinking.type != "disabled")
     return template_kwargs(switch, req.chat_template_kwargs)
 
@@ -369,19 +411,32 @@ def _tool_choice(choice: ToolChoice | None) -> Any:
 def to_chat(req: Messages) -> ChatCompletionRequest:
     """The chat completion request a Messages request is."""
     if isinstance(req, CountTokensRequest):
-        return ChatCompletionRequest(model=req.model, messages=_messages(req), tools=_tools(req),
-                                     chat_template_kwargs=_thinking(req))  # fmt: skip
+        return ChatCompletionRequest(
+            model=req.model,
+            messages=_messages(req),
+            tools=_tools(req),
+            chat_template_kwargs=_thinking(req),
+        )
     parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
     return ChatCompletionRequest(
-        model=req.model, messages=_messages(req), max_tokens=req.max_tokens,
-        stop=req.stop_sequences, stream=req.stream, temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, tools=_tools(req),
-        tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=parallel,
-        chat_template_kwargs=_thinking(req), response_format=_format(req),
+        model=req.model,
+        messages=_messages(req),
+        max_tokens=req.max_tokens,
+        stop=req.stop_sequences,
+        stream=req.stream,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        tools=_tools(req),
+        tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=_thinking(req),
+        response_format=_format(req),
         thinking_token_budget=req.thinking.budget_tokens
-        if req.thinking and req.thinking.type == "enabled" else None,
+        if req.thinking and req.thinking.type == "enabled"
+        else None,
         user=req.metadata.user_id if req.metadata else None,
-    )  # fmt: skip
+    )
 
 
 MessagesDecoder = msgspec.json.Decoder(MessagesRequest, strict=False)
@@ -401,10 +456,17 @@ def stop_reason(finish: str | None, stop: int | str | None, called: bool) -> str
 
 
 # Anthropic's error types, by HTTP status.
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
-                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-                529: "overloaded_error"}  # fmt: skip
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 class AnthropicErrorDetail(Struct, kw_only=True):

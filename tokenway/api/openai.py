@@ -378,18 +378,28 @@ def check_nesting(param: str, value: object) -> None:
 
 
 # Free-form fields, on whichever API's request has them (Responses and Messages too).
-_FREE_FORM = ("kv_transfer_params", "response_format", "structured_outputs", "guided_json",
-              "chat_template_kwargs")  # fmt: skip
+_FREE_FORM = (
+    "kv_transfer_params",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "chat_template_kwargs",
+)
 
 
 def _free_form(req: object) -> list[tuple[str, object]]:
     """The free-form JSON of a request body, by parameter."""
     fields = [(name, getattr(req, name)) for name in _FREE_FORM if hasattr(req, name)]
     if isinstance(req, ChatCompletionRequest | TokenizeChatRequest):
-        fields += [(f"tools[{i}].function.parameters", t.function.parameters)
-                   for i, t in enumerate(req.tools or [])]  # fmt: skip
-        fields += [(f"messages[{i}].tool_calls", m.tool_calls)
-                   for i, m in enumerate(req.messages) if m.tool_calls]  # fmt: skip
+        fields += [
+            (f"tools[{i}].function.parameters", t.function.parameters)
+            for i, t in enumerate(req.tools or [])
+        ]
+        fields += [
+            (f"messages[{i}].tool_calls", m.tool_calls)
+            for i, m in enumerate(req.messages)
+            if m.tool_calls
+        ]
     return fields
 
 

@@ -51,9 +51,11 @@ RESPONSE_ID_PREFIX = "resp_"
 # The chat request's parameters a Responses request gives by other names (`to_chat`): what
 # an error about one names.
 CHAT_PARAMS = {
-    "messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
     "response_format.json_schema.schema": "text.format.schema",
-}  # fmt: skip
+}
 COMPLETED = "response.completed"  # a Responses stream's last event, holding the response
 
 
@@ -157,30 +159,53 @@ def _text(content: str | list[Part] | None, where: str) -> str:
     for i, p in enumerate(content):
         if p.type not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
             why = " (images and files need multimodal input, not served yet)" * (
-                p.type in ("input_image", "input_file"))  # fmt: skip
-            raise InvalidRequest(f"{where}[{i}]: {p.type!r} parts are not served here{why}",
-                                 param=where)  # fmt: skip
+                p.type in ("input_image", "input_file")
+            )
+            raise InvalidRequest(
+                f"{where}[{i}]: {p.type!r} parts are not served here{why}", param=where
+            )
         parts.append(p.text or "")
     return "".join(parts)
 
 
 # Tools OpenAI runs itself: none runs here, so none is shown to the model (as vLLM drops
 # them), and the calls of them a client sends back as history are skipped.
-HOSTED = frozenset({
-    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
-    "file_search", "code_interpreter", "image_generation", "computer", "computer_use_preview",
-    "mcp", "tool_search", "programmatic_tool_calling",
-})  # fmt: skip
-HOSTED_CALLS = frozenset({
-    "web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
-    "mcp_list_tools", "mcp_call", "tool_search_call", "tool_search_output",
-})  # fmt: skip
+HOSTED = frozenset(
+    {
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer",
+        "computer_use_preview",
+        "mcp",
+        "tool_search",
+        "programmatic_tool_calling",
+    }
+)
+HOSTED_CALLS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "code_interpreter_call",
+        "image_generation_call",
+        "mcp_list_tools",
+        "mcp_call",
+        "tool_search_call",
+        "tool_search_output",
+    }
+)
 SEPARATOR = "__"  # between a namespace and its tool's name, in the name the model calls
 CUSTOM_INPUT = "input"  # the one argument a custom tool's function takes
 CUSTOM_PARAMETERS = {
-    "type": "object", "required": [CUSTOM_INPUT], "additionalProperties": False,
+    "type": "object",
+    "required": [CUSTOM_INPUT],
+    "additionalProperties": False,
     "properties": {CUSTOM_INPUT: {"type": "string", "description": "The tool's input."}},
-}  # fmt: skip
+}
 _SEALED = "twr1."  # what `encrypted_content` made here starts with
 
 
@@ -235,9 +260,11 @@ def _messages(req: ResponsesRequest) -> list[Message]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if item.type == "reasoning":
-            thought = (_text(item.content, f"{where}.content") if item.content
-                       else _unsealed(item.encrypted_content)
-                       or _text(item.summary, f"{where}.summary"))  # fmt: skip
+            thought = (
+                _text(item.content, f"{where}.content")
+                if item.content
+                else _unsealed(item.encrypted_content) or _text(item.summary, f"{where}.summary")
+            )
         elif item.type == "message":
             if item.role is None:
                 raise InvalidRequest(f"{where}: a message needs its role", param=where)
@@ -249,18 +276,27 @@ def _messages(req: ResponsesRequest) -> list[Message]:
                 out.append(Message(role=item.role, content=text))
         elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
-                raise InvalidRequest(f"{where}: a {item.type} needs its call_id and name",
-                                     param=where)  # fmt: skip
-            arguments = (item.arguments or "{}" if item.type == "function_call"
-                         else json.dumps({CUSTOM_INPUT: item.input or ""}))  # fmt: skip
-            call = ToolCall(id=item.call_id, function=FunctionCall(
-                name=_flat(item.name, item.namespace), arguments=arguments))  # fmt: skip
+                raise InvalidRequest(
+                    f"{where}: a {item.type} needs its call_id and name", param=where
+                )
+            arguments = (
+                item.arguments or "{}"
+                if item.type == "function_call"
+                else json.dumps({CUSTOM_INPUT: item.input or ""})
+            )
+            call = ToolCall(
+                id=item.call_id,
+                function=FunctionCall(name=_flat(item.name, item.namespace), arguments=arguments),
+            )
             last = out[-1] if out else None
             if last is not None and last.role == "assistant" and thought is None:
                 last.tool_calls = [*(last.tool_calls or []), call]  # the same turn's calls
             else:
-                out.append(Message(role="assistant", content="", tool_calls=[call],
-                                   reasoning_content=thought))  # fmt: skip
+                out.append(
+                    Message(
+                        role="assistant", content="", tool_calls=[call], reasoning_content=thought
+                    )
+                )
                 thought = None
         elif item.type in ("function_call_output", "custom_tool_call_output"):
             if not item.call_id:
@@ -279,11 +315,14 @@ def _function(t: FunctionTool, where: str, namespace: str | None = None) -> Tool
             f"{where}: {t.type!r} tools are not served here: function, custom and namespace "
             f"tools are (with a name), and hosted tools are not shown to the model",
             param="tools",
-        )  # fmt: skip
+        )
     custom = t.type == "custom"
-    function = FunctionDef(name=_flat(t.name, namespace), description=t.description,
-                           parameters=CUSTOM_PARAMETERS if custom else t.parameters,
-                           strict=None if custom else t.strict)  # fmt: skip
+    function = FunctionDef(
+        name=_flat(t.name, namespace),
+        description=t.description,
+        parameters=CUSTOM_PARAMETERS if custom else t.parameters,
+        strict=None if custom else t.strict,
+    )
     return Tool(function=function)
 
 
@@ -296,10 +335,10 @@ def _tools(req: ResponsesRequest) -> list[Tool] | None:
             tools.append(_function(t, f"tools[{i}]"))
             continue
         if not t.name or not t.tools:
-            raise InvalidRequest(f"tools[{i}]: a namespace needs its name and tools",
-                                 param="tools")  # fmt: skip
-        tools += [_function(inner, f"tools[{i}].tools[{j}]", t.name)
-                  for j, inner in enumerate(t.tools)]  # fmt: skip
+            raise InvalidRequest(f"tools[{i}]: a namespace needs its name and tools", param="tools")
+        tools += [
+            _function(inner, f"tools[{i}].tools[{j}]", t.name) for j, inner in enumerate(t.tools)
+        ]
     return tools or None
 
 
@@ -309,12 +348,19 @@ def _chosen(name: str, req: ResponsesRequest) -> str:
     tools = req.tools or []
     if any(t.name == name for t in tools if t.type != "namespace"):
         return name
-    held = [_flat(inner.name, t.name) for t in tools if t.type == "namespace"
-            for inner in t.tools or [] if inner.name == name]  # fmt: skip
+    held = [
+        _flat(inner.name, t.name)
+        for t in tools
+        if t.type == "namespace"
+        for inner in t.tools or []
+        if inner.name == name
+    ]
     if len(held) > 1:
-        raise InvalidRequest(f"tool_choice {name!r} is a tool of more than one namespace "
-                             f"({', '.join(held)}): name it as one of those",
-                             param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            f"tool_choice {name!r} is a tool of more than one namespace "
+            f"({', '.join(held)}): name it as one of those",
+            param="tool_choice",
+        )
     return held[0] if held else name
 
 
@@ -324,18 +370,23 @@ def _tool_choice(req: ResponsesRequest, tools: list[Tool] | None) -> Any:
     choice = req.tool_choice
     if isinstance(choice, NamedTool):
         if choice.type in HOSTED:
-            raise InvalidRequest(f"tool_choice: {choice.type!r} is a hosted tool, which is not "
-                                 "run here", param="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                f"tool_choice: {choice.type!r} is a hosted tool, which is not run here",
+                param="tool_choice",
+            )
         if choice.type not in ("function", "custom") or not choice.name:
-            raise InvalidRequest("tool_choice: name a function or custom tool",
-                                 param="tool_choice")  # fmt: skip
+            raise InvalidRequest("tool_choice: name a function or custom tool", param="tool_choice")
         if not tools:
-            raise InvalidRequest(f"tool_choice names the function {choice.name!r}, but the "
-                                 "request gives no tools", param="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                f"tool_choice names the function {choice.name!r}, but the request gives no tools",
+                param="tool_choice",
+            )
         return NamedToolChoice(function=NamedFunction(_chosen(choice.name, req)))
     if choice == "required" and not tools:
-        raise InvalidRequest("tool_choice 'required' needs tools: the request gives none to call",
-                             param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            "tool_choice 'required' needs tools: the request gives none to call",
+            param="tool_choice",
+        )
     return choice if tools else None
 
 
@@ -345,8 +396,9 @@ def _format(text: Text | None) -> ResponseFormat | None:
         return None
     if f.type == "json_object":
         return ResponseFormat(type="json_object")
-    schema = JsonSchemaFormat(name=f.name or "response", description=f.description,
-                              schema=f.schema, strict=f.strict)  # fmt: skip
+    schema = JsonSchemaFormat(
+        name=f.name or "response", description=f.description, schema=f.schema, strict=f.strict
+    )
     return ResponseFormat(type="json_schema", json_schema=schema)
 
 
@@ -368,20 +420,33 @@ def _refuse_unserved(req: ResponsesRequest) -> None:
     first one set. Hints (other `include`s; `service_tier`, `prompt_cache_key`) change
     nothing and are taken."""
     unserved = {
-        "background": (req.background, "responses run while the request waits; none is "
-                       "served in the background"),
-        "conversation": (req.conversation is not None, "the Conversations API is not served; "
-                         "go on from a stored response with previous_response_id"),
+        "background": (
+            req.background,
+            "responses run while the request waits; none is served in the background",
+        ),
+        "conversation": (
+            req.conversation is not None,
+            "the Conversations API is not served; "
+            "go on from a stored response with previous_response_id",
+        ),
         "prompt": (req.prompt is not None, "stored prompt templates are not served"),
-        "truncation": (req.truncation not in (None, "disabled"), "only 'disabled' is "
-                       "served: a prompt past the context is a 400"),
-        "top_logprobs": (bool(req.top_logprobs), "logprobs are not served on this route "
-                         "(/v1/chat/completions has them)"),
-        "include": (LOGPROBS in (req.include or []), f"{LOGPROBS} is not served on this "
-                    "route (/v1/chat/completions has logprobs)"),
-        "max_tool_calls": (req.max_tool_calls is not None, "a cap on tool calls is not "
-                           "served (parallel_tool_calls: false allows one)"),
-    }  # fmt: skip
+        "truncation": (
+            req.truncation not in (None, "disabled"),
+            "only 'disabled' is served: a prompt past the context is a 400",
+        ),
+        "top_logprobs": (
+            bool(req.top_logprobs),
+            "logprobs are not served on this route (/v1/chat/completions has them)",
+        ),
+        "include": (
+            LOGPROBS in (req.include or []),
+            f"{LOGPROBS} is not served on this route (/v1/chat/completions has logprobs)",
+        ),
+        "max_tool_calls": (
+            req.max_tool_calls is not None,
+            "a cap on tool calls is not served (parallel_tool_calls: false allows one)",
+        ),
+    }
     for param, (refused, why) in unserved.items():
         if refused:
             raise InvalidRequest(f"{param}: {why}", param=param)
@@ -394,17 +459,26 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.previous_response_id:
         raise InvalidRequest(
             "previous_response_id is for the ingress, which puts the stored conversation "
-            "before the input", param="previous_response_id",
-        )  # fmt: skip
+            "before the input",
+            param="previous_response_id",
+        )
     tools = _tools(req)
     return ChatCompletionRequest(
-        model=req.model, messages=_messages(req), max_tokens=req.max_output_tokens,
-        stream=req.stream, temperature=req.temperature, top_p=req.top_p, tools=tools,
+        model=req.model,
+        messages=_messages(req),
+        max_tokens=req.max_output_tokens,
+        stream=req.stream,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tools=tools,
         tool_choice=_tool_choice(req, tools),
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        response_format=_format(req.text), chat_template_kwargs=_thinking(req),
-        include_reasoning=req.include_reasoning, user=req.user, **sampling_of(req),
-    )  # fmt: skip
+        response_format=_format(req.text),
+        chat_template_kwargs=_thinking(req),
+        include_reasoning=req.include_reasoning,
+        user=req.user,
+        **sampling_of(req),
+    )
 
 
 ResponsesDecoder = msgspec.json.Decoder(ResponsesRequest, strict=False)
@@ -414,21 +488,32 @@ def echoed(body: bytes, previous: str | None) -> bytes:
     """The request's fields its response object repeats (a JSON object), as OpenAI's do."""
     req = decoded(ResponsesDecoder, body)
     f = req.text.format if req.text else None
-    return _json.encode({
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": previous,
-        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
-                      "summary": req.reasoning.summary if req.reasoning else None},
-        "store": req.store is not False, "temperature": req.temperature,
-        "text": {"format": msgspec.to_builtins(f) if f else {"type": "text"},
-                 "verbosity": req.text.verbosity if req.text else None},
-        "tool_choice": msgspec.to_builtins(req.tool_choice) if req.tool_choice else "auto",
-        "tools": msgspec.to_builtins(req.tools or []), "top_p": req.top_p,
-        "truncation": "disabled", "user": req.user,
-        # for derender, which takes it out: what the output adds when asked
-        PRIVATE: {"sealed_reasoning": SEALED_REASONING in (req.include or [])},
-    })  # fmt: skip
+    return _json.encode(
+        {
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": previous,
+            "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning else None,
+                "summary": req.reasoning.summary if req.reasoning else None,
+            },
+            "store": req.store is not False,
+            "temperature": req.temperature,
+            "text": {
+                "format": msgspec.to_builtins(f) if f else {"type": "text"},
+                "verbosity": req.text.verbosity if req.text else None,
+            },
+            "tool_choice": msgspec.to_builtins(req.tool_choice) if req.tool_choice else "auto",
+            "tools": msgspec.to_builtins(req.tools or []),
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "user": req.user,
+            # for derender, which takes it out: what the output adds when asked
+            PRIVATE: {"sealed_reasoning": SEALED_REASONING in (req.include or [])},
+        }
+    )
 
 
 _json = msgspec.json.Encoder()

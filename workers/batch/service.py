@@ -84,8 +84,9 @@ class BatchRunner:
                     for record in await store.records():
                         self._maybe_take(nc, store, record)
                 except NatsError as exc:  # JetStream busy or electing: the next look will do
-                    log.warning("batch runner %s could not list the batches: %r",
-                                self.runner_id, exc)  # fmt: skip
+                    log.warning(
+                        "batch runner %s could not list the batches: %r", self.runner_id, exc
+                    )
                 # woken by any change of a batch, else in time to take over a lapsed lease
                 update = asyncio.ensure_future(watcher.updates(self.settings.batch_lease / 3))
                 await wait_any(stop, _done(update))
@@ -120,8 +121,9 @@ class BatchRunner:
                 return None
             if r.runner != self.runner_id and r.lease_until > now:
                 return None
-            return msgspec.structs.replace(r, runner=self.runner_id,
-                                           lease_until=now + self.settings.batch_lease)  # fmt: skip
+            return msgspec.structs.replace(
+                r, runner=self.runner_id, lease_until=now + self.settings.batch_lease
+            )
 
         record = await store.change(bid, take)
         if record.runner != self.runner_id or record.batch.status in ENDED:
@@ -141,8 +143,7 @@ class BatchRunner:
                     work.cancel()
             await work
         except Exception:
-            log.exception("running batch %s failed (run %d of %d)", bid,
-                          record.failures + 1, RUNS)  # fmt: skip
+            log.exception("running batch %s failed (run %d of %d)", bid, record.failures + 1, RUNS)
             release = self._failed
         finally:
             await cancel_and_wait(work)
@@ -172,10 +173,12 @@ class BatchRunner:
             message=f"the batch could not be run: {failures} runs of it failed; the server's "
             f"log has the reason under {r.batch.id}",
         )
-        batch = msgspec.structs.replace(r.batch, status="failed", failed_at=int(time.time()),
-                                        errors=Errors(data=[why]))  # fmt: skip
-        return msgspec.structs.replace(r, batch=batch, runner="", lease_until=0.0,
-                                       failures=failures)  # fmt: skip
+        batch = msgspec.structs.replace(
+            r.batch, status="failed", failed_at=int(time.time()), errors=Errors(data=[why])
+        )
+        return msgspec.structs.replace(
+            r, batch=batch, runner="", lease_until=0.0, failures=failures
+        )
 
     async def _run(self, nc: NATS, store: BatchStore, r: Record) -> None:
         bid = r.batch.id
@@ -219,11 +222,19 @@ class BatchRunner:
             cancelled = b.status == "cancelling"
             over = any(e.code == CODE for e in (b.errors.data if b.errors else []))
             expired = cancelled and b.cancelling_at is None  # stopped by its window
-            status = ("failed" if over else "expired" if expired else
-                      "cancelled" if cancelled else "completed")  # fmt: skip
+            status = (
+                "failed"
+                if over
+                else "expired"
+                if expired
+                else "cancelled"
+                if cancelled
+                else "completed"
+            )
             stamps = {f"{status}_at": now}
-            batch = msgspec.structs.replace(b, status=status, output_file_id=files["out"],
-                                            error_file_id=files["err"], **stamps)  # fmt: skip
+            batch = msgspec.structs.replace(
+                b, status=status, output_file_id=files["out"], error_file_id=files["err"], **stamps
+            )
             return msgspec.structs.replace(rec, batch=batch)
 
         done = await store.change(bid, ended)
@@ -231,8 +242,13 @@ class BatchRunner:
             for part in parts:
                 with contextlib.suppress(NotFound):
                     await store.delete_file(part_id(bid, kind, part), r.tenant)
-        log.info("batch %s %s: %d completed, %d failed", bid, done.batch.status,
-                 done.batch.request_counts.completed, done.batch.request_counts.failed)  # fmt: skip
+        log.info(
+            "batch %s %s: %d completed, %d failed",
+            bid,
+            done.batch.status,
+            done.batch.request_counts.completed,
+            done.batch.request_counts.failed,
+        )
 
 
 class Lines:
@@ -248,8 +264,13 @@ class Lines:
         self.bid = record.batch.id
         # its lines are its tenant's, on the tenant's lane: their turns, their ledgers
         room = runner.ledger_room
-        self.client = Client(nc, runner.model, reply=bus.token(self.bid), tenant=record.tenant,
-                             admission=room.wait if room is not None else None)  # fmt: skip
+        self.client = Client(
+            nc,
+            runner.model,
+            reply=bus.token(self.bid),
+            tenant=record.tenant,
+            admission=room.wait if room is not None else None,
+        )
         self.answers: dict[int, tuple[int, bytes]] = {}  # line → status, its output line
         self.parts = record.parts
         self.stopping = False
@@ -335,8 +356,9 @@ class Lines:
             elif status == "in_progress" and final:
                 status = "finalizing"
             stamps = {"finalizing_at": now} if status == "finalizing" else {}
-            batch = msgspec.structs.replace(b, request_counts=counts, status=status,
-                                            errors=errors, **stamps)  # fmt: skip
+            batch = msgspec.structs.replace(
+                b, request_counts=counts, status=status, errors=errors, **stamps
+            )
             return msgspec.structs.replace(r, batch=batch, parts=max(r.parts, parts))
 
         try:
@@ -349,11 +371,16 @@ class Lines:
 
     async def _write_part(self, part: int, span: range) -> None:
         for kind, wanted in (("out", _is_ok), ("err", _is_error)):
-            data = b"".join(self.answers[i][1] for i in span
-                            if i in self.answers and wanted(self.answers[i][0]))  # fmt: skip
+            data = b"".join(
+                self.answers[i][1] for i in span if i in self.answers and wanted(self.answers[i][0])
+            )
             pid = part_id(self.bid, kind, part)
-            await self.store.put_file(batches.file_object(pid, data, pid, "batch_part"), data,
-                                      self.record.tenant, self.record.quota)  # fmt: skip
+            await self.store.put_file(
+                batches.file_object(pid, data, pid, "batch_part"),
+                data,
+                self.record.tenant,
+                self.record.quota,
+            )
 
 
 def _is_ok(status: int) -> bool:
@@ -377,12 +404,14 @@ def _validated(r: Record, count: int, errors: list[batches.LineError]) -> Record
     if b.status != "validating":
         return None
     if errors:
-        batch = msgspec.structs.replace(b, status="failed", failed_at=now,
-                                        errors=Errors(data=errors[:100]))  # fmt: skip
+        batch = msgspec.structs.replace(
+            b, status="failed", failed_at=now, errors=Errors(data=errors[:100])
+        )
     else:
         counts = batches.RequestCounts(total=count)
-        batch = msgspec.structs.replace(b, status="in_progress", in_progress_at=now,
-                                        request_counts=counts)  # fmt: skip
+        batch = msgspec.structs.replace(
+            b, status="in_progress", in_progress_at=now, request_counts=counts
+        )
     return msgspec.structs.replace(r, batch=batch)
 
 

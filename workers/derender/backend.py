@@ -114,7 +114,10 @@ def derender_backend(settings: Settings, model_dir: Path) -> Derenderer:
             "gives up before the server's failure can be reported"
         )
     client = v.VllmDerenderClient(
-        url, settings.derender_connect_timeout, settings.derender_server_timeout,
-        settings.derender_retries, settings.derender_timeout,
-    )  # fmt: skip
+        url,
+        settings.derender_connect_timeout,
+        settings.derender_server_timeout,
+        settings.derender_retries,
+        settings.derender_timeout,
+    )
     return VllmBackend(client)

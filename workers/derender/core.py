@@ -262,9 +262,13 @@ def _messages(
     if not ctx.stream:
         return [messages.message(ctx, out, state.completion_tokens)]
     events, state.opened = messages.events(
-        ctx, out, state.opened or Opened(), not state.role_sent,
-        state.completion_tokens, state.tools_called,
-    )  # fmt: skip
+        ctx,
+        out,
+        state.opened or Opened(),
+        not state.role_sent,
+        state.completion_tokens,
+        state.tools_called,
+    )
     state.role_sent = True
     return events
 
@@ -305,9 +309,11 @@ def _whole(detok: Detokenizer, entry: DerenderEntry) -> bytes:
     Responses stream's closing events hold."""
     whole = DerenderEntry(
         context=msgspec.structs.replace(entry.context, stream=False),
-        token_ids=[*(entry.output_ids or ()), *entry.token_ids], index=entry.index,
-        finish_reason=entry.finish_reason, stop_reason=entry.stop_reason,
-    )  # fmt: skip
+        token_ids=[*(entry.output_ids or ()), *entry.token_ids],
+        index=entry.index,
+        finish_reason=entry.finish_reason,
+        stop_reason=entry.stop_reason,
+    )
     return derender(detok, whole).chunks[0]
 
 

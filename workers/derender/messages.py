@@ -34,8 +34,12 @@ def _usage(ctx: OutputContext, output_tokens: int) -> dict[str, int]:
     written to a cache: that is what `cache_control` asks of Anthropic's, and here the
     engine caches every prompt by itself."""
     cached = ctx.cached_tokens or 0
-    return {"input_tokens": ctx.prompt_tokens - cached, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
+    return {
+        "input_tokens": ctx.prompt_tokens - cached,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def _stop_sequence(out: Out) -> str | None:
@@ -46,20 +50,37 @@ def message(ctx: OutputContext, out: Out, output_tokens: int) -> bytes:
     """The whole message (a request that did not stream); `out.tool_calls` assembled."""
     content: list[dict[str, Any]] = []
     if out.reasoning:
-        content.append({"type": "thinking", "thinking": out.reasoning,
-                        "signature": signature(fold_thinking(0, out.reasoning))})  # fmt: skip
+        content.append(
+            {
+                "type": "thinking",
+                "thinking": out.reasoning,
+                "signature": signature(fold_thinking(0, out.reasoning)),
+            }
+        )
     if out.text:
         content.append({"type": "text", "text": out.text})
     for call in out.tool_calls:
         function = call["function"]
-        content.append({"type": "tool_use", "id": call["id"], "name": function["name"],
-                        "input": _arguments(function["arguments"])})  # fmt: skip
-    return _json.encode({
-        "id": ctx.response_id, "type": "message", "role": "assistant", "model": ctx.model,
-        "content": content,
-        "stop_reason": stop_reason(out.finish_reason, out.stop_reason, bool(out.tool_calls)),
-        "stop_sequence": _stop_sequence(out), "usage": _usage(ctx, output_tokens),
-    })  # fmt: skip
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": function["name"],
+                "input": _arguments(function["arguments"]),
+            }
+        )
+    return _json.encode(
+        {
+            "id": ctx.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": ctx.model,
+            "content": content,
+            "stop_reason": stop_reason(out.finish_reason, out.stop_reason, bool(out.tool_calls)),
+            "stop_sequence": _stop_sequence(out),
+            "usage": _usage(ctx, output_tokens),
+        }
+    )
 
 
 def _arguments(text: str) -> dict[str, Any]:
@@ -79,17 +100,26 @@ def events(
     stream called a tool so far)."""
     docs: list[dict[str, Any]] = []
     if first:
-        docs.append({"type": "message_start", "message": {
-            "id": ctx.response_id, "type": "message", "role": "assistant", "model": ctx.model,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(ctx, 0),
-        }})  # fmt: skip
+        docs.append(
+            {
+                "type": "message_start",
+                "message": {
+                    "id": ctx.response_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": ctx.model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": _usage(ctx, 0),
+                },
+            }
+        )
         docs.append({"type": "ping"})  # as Anthropic's streams begin; clients skip it
     if out.reasoning:
         blocks = _open(docs, blocks, "thinking", {"thinking": "", "signature": ""})
         docs.append(_delta(blocks, {"type": "thinking_delta", "thinking": out.reasoning}))
-        blocks = msgspec.structs.replace(blocks, digest=fold_thinking(blocks.digest,
-                                                                      out.reasoning))  # fmt: skip
+        blocks = msgspec.structs.replace(blocks, digest=fold_thinking(blocks.digest, out.reasoning))
     if out.text:
         blocks = _open(docs, blocks, "text", {"text": ""})
         docs.append(_delta(blocks, {"type": "text_delta", "text": out.text}))
@@ -99,32 +129,45 @@ def events(
         if blocks.kind:
             _close(docs, blocks)
             blocks = Opened(index=blocks.index)
-        docs.append({"type": "message_delta", "delta": {
-            "stop_reason": stop_reason(out.finish_reason, out.stop_reason, called),
-            "stop_sequence": _stop_sequence(out),
-        }, "usage": _usage(ctx, output_tokens)})  # fmt: skip
+        docs.append(
+            {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": stop_reason(out.finish_reason, out.stop_reason, called),
+                    "stop_sequence": _stop_sequence(out),
+                },
+                "usage": _usage(ctx, output_tokens),
+            }
+        )
         docs.append({"type": "message_stop"})
     return [_event(d) for d in docs], blocks
 
 
-def _open(docs: list[dict[str, Any]], blocks: Opened, kind: str, empty: dict[str, Any],
-          call: int = -1) -> Opened:  # fmt: skip
+def _open(
+    docs: list[dict[str, Any]], blocks: Opened, kind: str, empty: dict[str, Any], call: int = -1
+) -> Opened:
     """The block of `kind` (and `call`) open: the one open already, or the next one."""
     if blocks.kind == kind and blocks.call == call:
         return blocks
     if blocks.kind:
         _close(docs, blocks)
     opened = Opened(kind=kind, index=blocks.index + 1, call=call)
-    docs.append({"type": "content_block_start", "index": opened.index,
-                 "content_block": {"type": kind, **empty}})  # fmt: skip
+    docs.append(
+        {
+            "type": "content_block_start",
+            "index": opened.index,
+            "content_block": {"type": kind, **empty},
+        }
+    )
     return opened
 
 
 def _close(docs: list[dict[str, Any]], blocks: Opened) -> None:
     """The open block's stop; a thinking block's signature first, as Anthropic sends it."""
     if blocks.kind == "thinking":
-        docs.append(_delta(blocks, {"type": "signature_delta",
-                                    "signature": signature(blocks.digest)}))  # fmt: skip
+        docs.append(
+            _delta(blocks, {"type": "signature_delta", "signature": signature(blocks.digest)})
+        )
     docs.append({"type": "content_block_stop", "index": blocks.index})
 
 
@@ -135,9 +178,11 @@ def _delta(blocks: Opened, delta: dict[str, Any]) -> dict[str, Any]:
 def _tool(docs: list[dict[str, Any]], blocks: Opened, call: ToolCallDelta) -> Opened:
     function = call.function
     name = function.name if function and function.name else ""
-    blocks = _open(docs, blocks, "tool_use", {"id": call.id or "", "name": name, "input": {}},
-                   call.index)  # fmt: skip
+    blocks = _open(
+        docs, blocks, "tool_use", {"id": call.id or "", "name": name, "input": {}}, call.index
+    )
     if function is not None and function.arguments:
-        docs.append(_delta(blocks, {"type": "input_json_delta",
-                                    "partial_json": function.arguments}))  # fmt: skip
+        docs.append(
+            _delta(blocks, {"type": "input_json_delta", "partial_json": function.arguments})
+        )
     return blocks

@@ -52,24 +52,39 @@ def response(ctx: OutputContext, out: Out, output_tokens: int, reasoning_tokens:
         output.append(_reasoning_item(ctx, out.reasoning))
     if out.text or not (out.reasoning or out.tool_calls):  # as vLLM: no message without text
         text = {"type": "output_text", "text": out.text, "annotations": []}
-        output.append({"type": "message", "id": _item_id(ctx, "message"), "status": "completed",
-                       "role": "assistant", "content": [text]})  # fmt: skip
+        output.append(
+            {
+                "type": "message",
+                "id": _item_id(ctx, "message"),
+                "status": "completed",
+                "role": "assistant",
+                "content": [text],
+            }
+        )
     names = _names(ctx)
     for call in out.tool_calls:
         output.append(_call_item(ctx, names, call["id"], call["function"]))
     cut = out.finish_reason == "length"
-    return _json.encode({
-        **_echoed(ctx),
-        "id": ctx.response_id, "object": "response", "created_at": ctx.created,
-        "status": "incomplete" if cut else "completed", "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "model": ctx.model, "output": output,
-        "usage": {"input_tokens": ctx.prompt_tokens,
-                  "input_tokens_details": {"cached_tokens": ctx.cached_tokens or 0},
-                  "output_tokens": output_tokens,
-                  "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                  "total_tokens": ctx.prompt_tokens + output_tokens},
-    })  # fmt: skip
+    return _json.encode(
+        {
+            **_echoed(ctx),
+            "id": ctx.response_id,
+            "object": "response",
+            "created_at": ctx.created,
+            "status": "incomplete" if cut else "completed",
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "model": ctx.model,
+            "output": output,
+            "usage": {
+                "input_tokens": ctx.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": ctx.cached_tokens or 0},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "total_tokens": ctx.prompt_tokens + output_tokens,
+            },
+        }
+    )
 
 
 def _echoed(ctx: OutputContext) -> dict[str, Any]:
@@ -94,8 +109,12 @@ def _reasoning_item(ctx: OutputContext, text: str) -> dict[str, Any]:
     for (there is no shorter one to give, and Codex shows only summaries); `sealed` as its
     `encrypted_content` when `include` asks for that, for a stateless client to send back."""
     summary = [{"type": "summary_text", "text": text}] if _summarized(ctx) else []
-    item = {"type": "reasoning", "id": _item_id(ctx, "reasoning"), "summary": summary,
-            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+    item = {
+        "type": "reasoning",
+        "id": _item_id(ctx, "reasoning"),
+        "summary": summary,
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
     if _private(ctx).get("sealed_reasoning"):
         item["encrypted_content"] = sealed(text)
     return item
@@ -113,8 +132,12 @@ def _call_item(
     call with its input, as its tool makes them."""
     called = names.get(function["name"], CallName(function["name"]))
     kind = "custom_tool_call" if called.custom else "function_call"
-    item = {"type": kind, "id": _item_id(ctx, kind, call_id), "call_id": call_id,
-            "name": called.name}  # fmt: skip
+    item = {
+        "type": kind,
+        "id": _item_id(ctx, kind, call_id),
+        "call_id": call_id,
+        "name": called.name,
+    }
     if called.namespace:
         item["namespace"] = called.namespace
     if called.custom:
@@ -135,10 +158,18 @@ def _custom_input(arguments: str) -> str:
 
 def _shell(ctx: OutputContext, status: str) -> dict[str, Any]:
     """The response while it runs: no output, no usage yet."""
-    return {**_echoed(ctx), "id": ctx.response_id, "object": "response",
-            "created_at": ctx.created, "status": status, "error": None,
-            "incomplete_details": None, "model": ctx.model, "output": [],
-            "usage": None}  # fmt: skip
+    return {
+        **_echoed(ctx),
+        "id": ctx.response_id,
+        "object": "response",
+        "created_at": ctx.created,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "model": ctx.model,
+        "output": [],
+        "usage": None,
+    }
 
 
 class _Events:
@@ -159,15 +190,27 @@ class _Events:
         self.add("response.output_item.added", output_index=index, item=item)
         part = _PARTS.get(item["type"])
         if item["type"] == "reasoning" and self.summarized:
-            self.add("response.reasoning_summary_part.added", item_id=item["id"],
-                     output_index=index, summary_index=0, part=_SUMMARY)  # fmt: skip
+            self.add(
+                "response.reasoning_summary_part.added",
+                item_id=item["id"],
+                output_index=index,
+                summary_index=0,
+                part=_SUMMARY,
+            )
         if part is not None:
-            self.add("response.content_part.added", item_id=item["id"], output_index=index,
-                     content_index=0, part=part)  # fmt: skip
+            self.add(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
 
 
-_PARTS = {"message": {"type": "output_text", "text": "", "annotations": []},
-          "reasoning": {"type": "reasoning_text", "text": ""}}  # fmt: skip
+_PARTS = {
+    "message": {"type": "output_text", "text": "", "annotations": []},
+    "reasoning": {"type": "reasoning_text", "text": ""},
+}
 _SUMMARY = {"type": "summary_text", "text": ""}
 
 
@@ -209,22 +252,42 @@ def events(
         e.add("response.in_progress", response=_shell(ctx, "in_progress"))
     if out.reasoning:
         item = _switch(e, ctx, "reasoning")
-        e.add("response.reasoning_text.delta", item_id=item, output_index=e.opened.index,
-              content_index=0, delta=out.reasoning)  # fmt: skip
+        e.add(
+            "response.reasoning_text.delta",
+            item_id=item,
+            output_index=e.opened.index,
+            content_index=0,
+            delta=out.reasoning,
+        )
         if _summarized(ctx):
-            e.add("response.reasoning_summary_text.delta", item_id=item,
-                  output_index=e.opened.index, summary_index=0, delta=out.reasoning)  # fmt: skip
+            e.add(
+                "response.reasoning_summary_text.delta",
+                item_id=item,
+                output_index=e.opened.index,
+                summary_index=0,
+                delta=out.reasoning,
+            )
     if out.text:
         item = _switch(e, ctx, "message")
-        e.add("response.output_text.delta", item_id=item, output_index=e.opened.index,
-              content_index=0, delta=out.text, logprobs=[])  # fmt: skip
+        e.add(
+            "response.output_text.delta",
+            item_id=item,
+            output_index=e.opened.index,
+            content_index=0,
+            delta=out.text,
+            logprobs=[],
+        )
     for call in out.tool_calls:
         kind = _call_kind(ctx, e.opened, call)
         item = _switch(e, ctx, kind, call)
         # a custom tool's input is whole at its end (its deltas are of the JSON around it)
         if kind == "function_call" and call.function is not None and call.function.arguments:
-            e.add("response.function_call_arguments.delta", item_id=item,
-                  output_index=e.opened.index, delta=call.function.arguments)  # fmt: skip
+            e.add(
+                "response.function_call_arguments.delta",
+                item_id=item,
+                output_index=e.opened.index,
+                delta=call.function.arguments,
+            )
     if final is not None:
         _close(e, _decode.decode(final))
     return e.docs, e.opened
@@ -259,8 +322,12 @@ def _close(e: _Events, response: dict[str, Any]) -> None:
             e.add("response.reasoning_text.done", **ids, content_index=0, text=text)
             e.add("response.content_part.done", **ids, content_index=0, part=item["content"][0])
             for part in item["summary"]:
-                e.add("response.reasoning_summary_text.done", **ids, summary_index=0,
-                      text=part["text"])  # fmt: skip
+                e.add(
+                    "response.reasoning_summary_text.done",
+                    **ids,
+                    summary_index=0,
+                    text=part["text"],
+                )
                 e.add("response.reasoning_summary_part.done", **ids, summary_index=0, part=part)
         elif item["type"] == "message":
             text = item["content"][0]["text"]
@@ -269,8 +336,12 @@ def _close(e: _Events, response: dict[str, Any]) -> None:
         elif item["type"] == "custom_tool_call":
             e.add("response.custom_tool_call_input.done", **ids, input=item["input"])
         else:
-            e.add("response.function_call_arguments.done", **ids, name=item["name"],
-                  arguments=item["arguments"])  # fmt: skip
+            e.add(
+                "response.function_call_arguments.done",
+                **ids,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         e.add("response.output_item.done", output_index=index, item=item)
     # completed, whatever its status says (incomplete: the budget ran out), as vLLM sends it:
     # the SDK's final response comes from this event alone

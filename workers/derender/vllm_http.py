@@ -191,11 +191,15 @@ def _body(ctx: OutputContext) -> Raw:
 def stream_call(ctx: OutputContext, chunk: GenerateChunk, state: Raw | None) -> bytes:
     body = _body(ctx)
     call = StreamCall(
-        stream=True, model=ctx.model, generate_chunk=chunk, prompt_tokens=ctx.prompt_tokens,
-        prompt_token_ids=ctx.prompt_tail, stream_state=state,
+        stream=True,
+        model=ctx.model,
+        generate_chunk=chunk,
+        prompt_tokens=ctx.prompt_tokens,
+        prompt_token_ids=ctx.prompt_tail,
+        stream_state=state,
         chat_request=body if ctx.api == "chat" else None,
         completion_request=body if ctx.api == "completion" else None,
-    )  # fmt: skip
+    )
     return _json.encode(call)
 
 
@@ -321,8 +325,9 @@ class VllmDerenderClient:
                 pause = _BACKOFF * attempt
                 if attempt > self.retries or time.monotonic() + pause > give_up:
                     raise
-                log.warning("derender server failed (%s), try %d of %d", exc, attempt,
-                            self.retries + 1)  # fmt: skip
+                log.warning(
+                    "derender server failed (%s), try %d of %d", exc, attempt, self.retries + 1
+                )
                 await asyncio.sleep(pause)  # a server restarting
         raise AssertionError("unreachable")
 

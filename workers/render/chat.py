@@ -14,8 +14,17 @@ from tokenway.errors import InvalidRequest
 Chat = ChatCompletionRequest | TokenizeChatRequest
 
 # apply_chat_template's own arguments: a client may not smuggle them in as template kwargs.
-_RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
-             "continue_final_message", "chat_template", "documents", "return_dict"}  # fmt: skip
+_RESERVED = {
+    "conversation",
+    "messages",
+    "tools",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "documents",
+    "return_dict",
+}
 
 
 def _content(msg: Message, index: int) -> str | None:

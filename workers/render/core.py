@@ -160,8 +160,9 @@ class RequestBuilder:
         max_tokens = self._budget(ids, req, request.api)
         several = None
         if more:  # several prompts: each its own budget, as vLLM gives each its own
-            several = [Prompt(token_ids=p, max_tokens=self._budget(p, req, request.api))
-                       for p in prompts]  # fmt: skip
+            several = [
+                Prompt(token_ids=p, max_tokens=self._budget(p, req, request.api)) for p in prompts
+            ]
         params = sampling_params(req, max_tokens, parsed.constraint)
         if remote is not None:
             params = keep_output_fields(remote, params)
@@ -231,10 +232,13 @@ class RequestBuilder:
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens:
             asked = "max_completion_tokens"
         left = budget(
-            len(ids), requested_max_tokens(req), self.info.context_length, self.clip_budget,
+            len(ids),
+            requested_max_tokens(req),
+            self.info.context_length,
+            self.clip_budget,
             prompt_param=_param(api, "messages" if chat else "prompt"),
             budget_param=_param(api, asked),
-        )  # fmt: skip
+        )
         if req.min_tokens > left:  # vLLM's own check, on the budget its default gives too
             raise InvalidRequest(
                 f"min_tokens must be less than or equal to max_tokens={left}, "

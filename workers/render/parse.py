@@ -39,8 +39,9 @@ def check_tool_choice(req: ChatCompletionRequest) -> None:
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if not name:
-            raise InvalidRequest("tool_choice.function.name must not be empty",
-                                 param="tool_choice.function.name")  # fmt: skip
+            raise InvalidRequest(
+                "tool_choice.function.name must not be empty", param="tool_choice.function.name"
+            )
         if not any(t.function.name == name for t in req.tools or ()):
             raise InvalidRequest(
                 f"The tool {name!r} in `tool_choice` is not among the request's `tools`",

@@ -78,9 +78,16 @@ def sampling_params(
 # What derender and the scheduler act on: the engine must be asked exactly what the request's
 # OutputContext and budget say, whoever rendered the prompt.
 OUTPUT_FIELDS = (
-    "n", "max_tokens", "min_tokens", "stop", "logprobs", "prompt_logprobs",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-)  # fmt: skip
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+    "logprobs",
+    "prompt_logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
 def keep_output_fields(remote: SamplingParams, ours: SamplingParams) -> SamplingParams:

@@ -70,8 +70,9 @@ class RenderService:
         spec = bus.render_consumer(self.settings, self.model)
         # A batch job's requests (which may wait out a full schedule queue in hand) take
         # at most this many of the worker's slots: interactive ones always find some.
-        batch = Behind(bus.render_consumer(self.settings, self.model, batch=True),
-                       lambda: _BATCH_SLOTS)  # fmt: skip
+        batch = Behind(
+            bus.render_consumer(self.settings, self.model, batch=True), lambda: _BATCH_SLOTS
+        )
         log.info("render serving %s (%s backend)", self.model, self.settings.render_backend)
         try:
             async with asyncio.TaskGroup() as calls:
@@ -84,8 +85,7 @@ class RenderService:
                 sub = await nc.subscribe(subject, queue=bus.RENDER_QUEUE, cb=on_call)
                 self.started.set()
                 try:
-                    await consume(js, spec, lambda msg: self.handle(js, msg), stop,
-                                  behind=batch)  # fmt: skip
+                    await consume(js, spec, lambda msg: self.handle(js, msg), stop, behind=batch)
                 finally:
                     await sub.drain()  # takes what was received; the group awaits its answers
         finally:
@@ -120,8 +120,10 @@ class RenderService:
             if who.deadline is not None and time.time() > who.deadline:
                 raise DeadlineExceeded("the request's deadline passed before it was rendered")
             if self.settings.derender_backend == "vllm" and request.api in _OWN_SHAPES:
-                raise InvalidRequest(f"the {request.api} API is derendered by tokenway itself: "
-                                     "run derender with --derender-backend local")  # fmt: skip
+                raise InvalidRequest(
+                    f"the {request.api} API is derendered by tokenway itself: "
+                    "run derender with --derender-backend local"
+                )
             generate = await self.backend.render(request)
             if self.settings.derender_backend == "vllm":
                 generate.context = msgspec.structs.replace(
@@ -201,9 +203,13 @@ class RenderService:
         payload = _encoder.encode(generate)
         try:
             await enqueue(
-                js, "schedule", bus.sched_subject(self.model, who.batch), payload,
-                who.headers(), self.settings.bus_retry,
-            )  # fmt: skip
+                js,
+                "schedule",
+                bus.sched_subject(self.model, who.batch),
+                payload,
+                who.headers(),
+                self.settings.bus_retry,
+            )
         except MaxPayloadError as exc:
             raise InvalidRequest(
                 f"the tokenized request ({len(generate.token_ids)} tokens, {len(payload)} bytes) "

@@ -125,8 +125,9 @@ def _own(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | 
             param=param,
         )
     if not kinds:
-        raise InvalidRequest(f"structured_outputs gives no constraint: one of {_KINDS}",
-                             param="structured_outputs")  # fmt: skip
+        raise InvalidRequest(
+            f"structured_outputs gives no constraint: one of {_KINDS}", param="structured_outputs"
+        )
     return so
 
 
@@ -147,8 +148,9 @@ def _check(so: StructuredOutputs, param: str) -> None:
             param=param,
         )
     if so.regex is not None and "\x00" in so.regex:
-        raise InvalidRequest("structured_outputs.regex must not contain a NUL character",
-                             param=param)  # fmt: skip
+        raise InvalidRequest(
+            "structured_outputs.regex must not contain a NUL character", param=param
+        )
     if so.structural_tag is not None:
         try:
             json.loads(so.structural_tag)
@@ -178,19 +180,24 @@ def _from_format(fmt: ResponseFormat) -> tuple[str, Any]:
                 param="response_format",
             )
         if fmt.json_schema.schema is None:
-            raise InvalidRequest("response_format.json_schema needs its schema",
-                                 param="response_format.json_schema.schema")  # fmt: skip
+            raise InvalidRequest(
+                "response_format.json_schema needs its schema",
+                param="response_format.json_schema.schema",
+            )
         return "json", fmt.json_schema.schema
     # a structural tag travels as vLLM makes it: its JSON, as Python's json.dumps writes it
     if fmt.format is not None:
         tag: dict[str, Any] = {"type": "structural_tag", "format": fmt.format}
     elif fmt.structures is not None and fmt.triggers is not None:
-        structures = [{"begin": s.get("begin"), "schema": s.get("schema"), "end": s.get("end")}
-                      for s in fmt.structures]  # fmt: skip
+        structures = [
+            {"begin": s.get("begin"), "schema": s.get("schema"), "end": s.get("end")}
+            for s in fmt.structures
+        ]
         tag = {"type": "structural_tag", "structures": structures, "triggers": fmt.triggers}
     else:
-        raise InvalidRequest("Invalid response_format structural_tag specification.",
-                             param="response_format")  # fmt: skip
+        raise InvalidRequest(
+            "Invalid response_format structural_tag specification.", param="response_format"
+        )
     return "structural_tag", json.dumps(tag)
 
 
@@ -224,13 +231,20 @@ def _forced_tools(req: ChatCompletionRequest) -> StructuredOutputs | None:
                     f"Tool definition '{name}' has multiple schemas, which is not supported.",
                     param="tools",
                 )
-        options.append({
-            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                           "parameters": params},
-            "required": ["name", "parameters"],
-        })  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"type": "object", "anyOf": options}}  # fmt: skip
+        options.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": options},
+    }
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     if defs:

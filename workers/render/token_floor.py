@@ -30,8 +30,11 @@ _CHUNK = 1 << 18  # bytes of text per step: its arrays take a few MB
 def _byte_alphabet() -> dict[str, int]:
     """The printable stand-ins byte-level BPE spells its vocabulary with, to their bytes
     (GPT-2's table: printable Latin-1 bytes stand for themselves, the others shift past 255)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    kept = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     alphabet = {chr(b): b for b in kept}
     shifted = (b for b in range(256) if b not in alphabet.values())
     alphabet.update((chr(256 + i), b) for i, b in enumerate(shifted))

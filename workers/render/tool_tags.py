@@ -82,8 +82,14 @@ def _arguments(tool: Tool, pinned: bool) -> dict[str, Any] | bool:
 
 
 def _schema(schema: object) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": schema, "style": "json", "any_order": False,
-            "max_whitespace_cnt": None, "excludes": []}  # fmt: skip
+    return {
+        "type": "json_schema",
+        "json_schema": schema,
+        "style": "json",
+        "any_order": False,
+        "max_whitespace_cnt": None,
+        "excludes": [],
+    }
 
 
 def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
@@ -91,13 +97,24 @@ def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
 
 
 def _calls(tags: list[dict[str, Any]], stop_after_first: bool = False) -> dict[str, Any]:
-    return {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
-            "stop_after_first": stop_after_first}  # fmt: skip
+    return {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "",
+        "at_least_one": True,
+        "stop_after_first": stop_after_first,
+    }
 
 
 def _triggered(trigger: str, tags: list[dict[str, Any]], excludes: list[str]) -> dict[str, Any]:
-    return {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
-            "at_least_one": False, "stop_after_first": False, "excludes": excludes}  # fmt: skip
+    return {
+        "type": "triggered_tags",
+        "triggers": [trigger],
+        "tags": tags,
+        "at_least_one": False,
+        "stop_after_first": False,
+        "excludes": excludes,
+    }
 
 
 def _deepseek(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
@@ -112,10 +129,15 @@ def _deepseek(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]
 
 def _hermes(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
     # a call on lines of its own, or on one line: both are what Hermes models write
-    shapes = ((HERMES_BEGIN + '\n{"name": "', "}\n" + HERMES_END),
-              (HERMES_BEGIN + '{"name": "', "}" + HERMES_END))  # fmt: skip
-    tags = [_tag(begin + name + '", "arguments": ', _schema(args), end)
-            for name, args in calls for begin, end in shapes]  # fmt: skip
+    shapes = (
+        (HERMES_BEGIN + '\n{"name": "', "}\n" + HERMES_END),
+        (HERMES_BEGIN + '{"name": "', "}" + HERMES_END),
+    )
+    tags = [
+        _tag(begin + name + '", "arguments": ', _schema(args), end)
+        for name, args in calls
+        for begin, end in shapes
+    ]
     if mode == "auto":
         return _triggered(HERMES_BEGIN, tags, [])
     return _calls(tags, stop_after_first=mode == "forced")
@@ -146,7 +168,13 @@ def _format_of(so: StructuredOutputs) -> dict[str, Any] | None:
         tag = json.loads(so.structural_tag)
         if "structures" in tag:  # the older form: triggers and begin/schema/end structures
             tags = [_tag(s["begin"], _schema(s["schema"]), s["end"]) for s in tag["structures"]]
-            return {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags,
-                    "at_least_one": False, "stop_after_first": False, "excludes": []}  # fmt: skip
+            return {
+                "type": "triggered_tags",
+                "triggers": tag["triggers"],
+                "tags": tags,
+                "at_least_one": False,
+                "stop_after_first": False,
+                "excludes": [],
+            }
         return tag["format"]
     return None

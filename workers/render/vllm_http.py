@@ -23,8 +23,12 @@ from tokenway.wire import Api, SamplingParams
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETION_PATH = "/v1/completions/render"
 # each API's render route: one prompt each, but completions' (a list of them)
-PATHS = {"chat": CHAT_PATH, "completion": COMPLETION_PATH, "messages": "/v1/messages/render",
-         "responses": "/v1/responses/render"}  # fmt: skip
+PATHS = {
+    "chat": CHAT_PATH,
+    "completion": COMPLETION_PATH,
+    "messages": "/v1/messages/render",
+    "responses": "/v1/responses/render",
+}
 _HEADERS = {"content-type": "application/json"}
 
 

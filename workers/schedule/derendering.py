@@ -62,13 +62,15 @@ class Pool:
         for attempt in range(1, tries + 1):
             try:
                 msg = await self.nc.request(
-                    self.subject, payload,
+                    self.subject,
+                    payload,
                     timeout=self.settings.derender_timeout,
-                )  # fmt: skip
+                )
                 break
             except (NatsTimeout, NoRespondersError) as exc:
-                log.warning("derender call failed (%s), try %d of %d", type(exc).__name__,
-                            attempt, tries)  # fmt: skip
+                log.warning(
+                    "derender call failed (%s), try %d of %d", type(exc).__name__, attempt, tries
+                )
                 if attempt == tries:
                     if isinstance(exc, NoRespondersError):
                         raise StageUnavailable("no derender worker is running") from exc

@@ -49,13 +49,24 @@ def completed(
         raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="token_ids")
 
     def left(ids: list[int], asked: int | None) -> int:
-        return budget(len(ids), asked, info.context_length, clip, prompt_param="token_ids",
-                      budget_param="sampling_params.max_tokens")  # fmt: skip
+        return budget(
+            len(ids),
+            asked,
+            info.context_length,
+            clip,
+            prompt_param="token_ids",
+            budget_param="sampling_params.max_tokens",
+        )
 
     several = None
     if request.prompts:  # token_ids is the first prompt's, as render sends them
-        several = [Prompt(token_ids=p.token_ids, max_tokens=left(p.token_ids,
-                   p.max_tokens or params.max_tokens)) for p in request.prompts]  # fmt: skip
+        several = [
+            Prompt(
+                token_ids=p.token_ids,
+                max_tokens=left(p.token_ids, p.max_tokens or params.max_tokens),
+            )
+            for p in request.prompts
+        ]
     params = msgspec.structs.replace(params, max_tokens=left(request.token_ids, params.max_tokens))
     if params.min_tokens > (params.max_tokens or 0):
         raise InvalidRequest(

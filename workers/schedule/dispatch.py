@@ -380,9 +380,17 @@ class Dispatcher:
         role: Role,
     ) -> affinity.Choice | None:
         return affinity.choose(
-            engines, self.seqs, hashes, self.index, now, self.settings.prefill_scale,
-            tokens=self.tokens, need=need, n=n, role=role,
-        )  # fmt: skip
+            engines,
+            self.seqs,
+            hashes,
+            self.index,
+            now,
+            self.settings.prefill_scale,
+            tokens=self.tokens,
+            need=need,
+            n=n,
+            role=role,
+        )
 
     async def _run_prefill(self, r: Owned, plan: Plan, tried: set[str]) -> None:
         """P/D's first leg: the prompt on the prefill engine, asking it to hand the KV over."""
@@ -455,9 +463,10 @@ class Dispatcher:
         )
         try:
             msg = await self.nc.request(
-                bus.engine_subject(engine.id, "generate"), _encoder.encode(work),
+                bus.engine_subject(engine.id, "generate"),
+                _encoder.encode(work),
                 timeout=self.settings.engine_timeout,
-            )  # fmt: skip
+            )
             reply = _reply_decoder.decode(msg.data)
         except (NatsTimeout, NoRespondersError, msgspec.DecodeError) as exc:
             log.warning("engine %s did not take %s: %r", engine.id, r.rid, exc)

@@ -134,8 +134,12 @@ class FanOut:
             if p.out_seq or last or not retryable(error):
                 p.fail(error)
                 return
-            log.warning("multi-prompt request %s failed before output (%s); attempt %d",
-                        p.rid, error.message, attempt + 1)  # fmt: skip
+            log.warning(
+                "multi-prompt request %s failed before output (%s); attempt %d",
+                p.rid,
+                error.message,
+                attempt + 1,
+            )
 
     async def _attempt(self, p: Parent, attempt: int) -> ErrorInfo | None:
         """Run every prompt once and merge their output: None when the request ended (or
@@ -180,8 +184,14 @@ class FanOut:
         return merge.error
 
     async def _publish(self, p: Parent, sub: GenerateRequest) -> int:
-        sub_of = ledger.Identity(sub.request_id, self.router.ingress_id, p.deadline, p.tenant,
-                                 trace=p.trace, batch=p.batch)  # fmt: skip
+        sub_of = ledger.Identity(
+            sub.request_id,
+            self.router.ingress_id,
+            p.deadline,
+            p.tenant,
+            trace=p.trace,
+            batch=p.batch,
+        )
         headers = sub_of.headers()
         try:
             ack = await self.js.publish(
@@ -221,8 +231,9 @@ class FanOut:
                 except NotFoundError:
                     del live[rid]
             if live and time.monotonic() > give_up:
-                log.warning("sub-requests %s still held after %.0fs", sorted(live),
-                            _RELEASE_TIMEOUT)  # fmt: skip
+                log.warning(
+                    "sub-requests %s still held after %.0fs", sorted(live), _RELEASE_TIMEOUT
+                )
                 return
 
     async def _may_start_over(self, p: Parent) -> bool:

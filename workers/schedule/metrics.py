@@ -11,34 +11,40 @@ from tokenway.metrics import ENGINE_FIRST_TOKEN
 from workers.schedule.owned import Cancelled, Owned
 
 # vLLM's own buckets for these families, so dashboards built for it read the same.
+# fmt: off
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-         7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+         7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-        10.0, 20.0, 40.0, 80.0)  # fmt: skip
+        10.0, 20.0, 40.0, 80.0)
 _LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
 _MODEL = ["model_name"]
 
 TTFT = Histogram(
     "tokenway:time_to_first_token_seconds",
     "From the request's arrival at the schedulers to its engine's first output token",
-    _MODEL, buckets=_TTFT,
-)  # fmt: skip
+    _MODEL,
+    buckets=_TTFT,
+)
 ITL = Histogram(
     "tokenway:inter_token_latency_seconds",
     "Between two engine steps of one request's output",
-    _MODEL, buckets=_ITL,
-)  # fmt: skip
+    _MODEL,
+    buckets=_ITL,
+)
 E2E = Histogram(
     "tokenway:e2e_request_latency_seconds",
     "From the request's arrival at the schedulers to its end",
-    _MODEL, buckets=_LATENCY,
-)  # fmt: skip
+    _MODEL,
+    buckets=_LATENCY,
+)
 QUEUE = Histogram(
     "tokenway:request_queue_time_seconds",
     "From the request's arrival at the schedulers to its hand-off to an engine",
-    _MODEL, buckets=_LATENCY,
-)  # fmt: skip
+    _MODEL,
+    buckets=_LATENCY,
+)
 PROMPT_TOKENS = Counter("tokenway:prompt_tokens", "Prompt tokens of requests started", _MODEL)
 GENERATION_TOKENS = Counter(
     "tokenway:generation_tokens", "Output tokens committed to clients", _MODEL

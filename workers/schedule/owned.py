@@ -281,8 +281,10 @@ class Owned(Held):
         if len(self.choices) > 1:
             why = f"a request with n={len(self.choices)} cannot be {how} after output was sent"
         elif self.request.sampling_params.structured_outputs is not None:
-            why = (f"a request with structured outputs cannot be {how} after output was sent: "
-                   "the engine would start its grammar over mid-document")  # fmt: skip
+            why = (
+                f"a request with structured outputs cannot be {how} after output was sent: "
+                "the engine would start its grammar over mid-document"
+            )
         else:
             return
         raise RelayRefused(f"{what_failed}; {why}")
@@ -310,8 +312,11 @@ class Owned(Held):
         if self.ended.is_set() or delta.attempt != self.attempt or self.broken is not None:
             return False  # stale: an old or failed attempt, or after the end
         if not 0 <= delta.index < len(self.choices):
-            self.fail(EngineFailed(f"engine sent choice {delta.index} of a request with "
-                                   f"n={len(self.choices)}").info())  # fmt: skip
+            self.fail(
+                EngineFailed(
+                    f"engine sent choice {delta.index} of a request with n={len(self.choices)}"
+                ).info()
+            )
             return False
         choice = self.choices[delta.index]
         if choice.engine_done or choice.done:

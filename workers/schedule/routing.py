@@ -32,10 +32,13 @@ def leaving(engines: Iterable[EngineInfo], headroom: float) -> list[EngineInfo]:
     their sequences and tokens, which interactive requests keep (an engine of one sequence
     keeps none)."""
     return [
-        msgspec.structs.replace(e, max_seqs=e.max_seqs - round(e.max_seqs * headroom),
-                                max_tokens=e.max_tokens - round(e.max_tokens * headroom))
+        msgspec.structs.replace(
+            e,
+            max_seqs=e.max_seqs - round(e.max_seqs * headroom),
+            max_tokens=e.max_tokens - round(e.max_tokens * headroom),
+        )
         for e in engines
-    ]  # fmt: skip
+    ]
 
 
 def free_slots(
@@ -76,5 +79,7 @@ def never_fits(engines: Iterable[EngineInfo], cost: int, n: int) -> str | None:
     if not out or any(cost <= e.max_tokens and n <= e.max_seqs for e in out):
         return None
     tokens, seqs = max(e.max_tokens for e in out), max(e.max_seqs for e in out)
-    return (f"the request needs {cost} tokens of engine budget for {n} sequences; the "
-            f"largest engine holds {tokens} tokens and {seqs} sequences")  # fmt: skip
+    return (
+        f"the request needs {cost} tokens of engine budget for {n} sequences; the "
+        f"largest engine holds {tokens} tokens and {seqs} sequences"
+    )

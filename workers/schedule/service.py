@@ -176,11 +176,17 @@ class ScheduleService:
             log.info("schedule %s owning %s", self.owner_id, self.model)
             self.started.set()
             await consume(
-                js, bus.sched_consumer(self.settings, self.model), self._on_request, stop,
-                batch=self._capacity, freed=self.dispatcher.freed,
-                behind=Behind(bus.sched_consumer(self.settings, self.model, batch=True),
-                              partial(self.dispatcher.may_pull, batch=True)),
-            )  # fmt: skip
+                js,
+                bus.sched_consumer(self.settings, self.model),
+                self._on_request,
+                stop,
+                batch=self._capacity,
+                freed=self.dispatcher.freed,
+                behind=Behind(
+                    bus.sched_consumer(self.settings, self.model, batch=True),
+                    partial(self.dispatcher.may_pull, batch=True),
+                ),
+            )
             handed = await self._shutdown(grace(stop, self.settings.drain_timeout))
             drained.set()
             rounds.cancel()
@@ -205,9 +211,15 @@ class ScheduleService:
             for r in handed:
                 r.hand_over()
             await self.empty.wait()
-        log.info("schedule %s handed %s back to %s after a %gs drain: the other schedule "
-                 "workers of %s continue them from the ledger", self.owner_id,
-                 _requests(len(handed)), bus.SCHED_STREAM, within, self.model)  # fmt: skip
+        log.info(
+            "schedule %s handed %s back to %s after a %gs drain: the other schedule "
+            "workers of %s continue them from the ledger",
+            self.owner_id,
+            _requests(len(handed)),
+            bus.SCHED_STREAM,
+            within,
+            self.model,
+        )
         return len(handed)
 
     def _capacity(self) -> int:
@@ -237,12 +249,16 @@ class ScheduleService:
         """What it owns now, for `tokenway status`."""
         line = self.dispatcher.line if self.dispatcher is not None else None
         return OwnerInfo(
-            id=self.owner_id, model=self.model, owned=len(self.requests),
-            running=sum(isinstance(r, Owned) and r.engine is not None
-                        for r in self.requests.values()),
+            id=self.owner_id,
+            model=self.model,
+            owned=len(self.requests),
+            running=sum(
+                isinstance(r, Owned) and r.engine is not None for r in self.requests.values()
+            ),
             waiting=len(line) if line is not None else 0,
-            tenants=dict(line.running) if line is not None else {}, draining=self._draining,
-        )  # fmt: skip
+            tenants=dict(line.running) if line is not None else {},
+            draining=self._draining,
+        )
 
     async def _on_owners(self, msg: Msg) -> None:
         try:
@@ -278,10 +294,12 @@ class ScheduleService:
         refused = None
         try:
             if direct.is_direct(request):  # vLLM's token-only body: no output context yet
-                request = direct.completed(request, self.model, self.model_info, self._clip,
-                                           self._limits)  # fmt: skip
-            isolation.check_kv_transfer(request.kv_transfer_params, who.tenant,
-                                        self.settings.trust_client_kv_transfer)  # fmt: skip
+                request = direct.completed(
+                    request, self.model, self.model_info, self._clip, self._limits
+                )
+            isolation.check_kv_transfer(
+                request.kv_transfer_params, who.tenant, self.settings.trust_client_kv_transfer
+            )
             isolation.check_salt(request.cache_salt)
         except (InvalidRequest, ModelNotFound) as exc:
             refused = exc.info()
@@ -292,30 +310,56 @@ class ScheduleService:
             self._fan_out(msg, who, deadline, request)
             return
         if refused is None:  # tenants' prompts cached apart (a multi-prompt one's: per prompt)
-            salt = isolation.cache_salt(who.tenant, request.cache_salt,
-                                        self.settings.share_prefix_cache)  # fmt: skip
+            salt = isolation.cache_salt(
+                who.tenant, request.cache_salt, self.settings.share_prefix_cache
+            )
             request = msgspec.structs.replace(request, cache_salt=salt)
-        span = spans.start("schedule", who.trace or None, request_id=rid, model=self.model,
-                           owner=self.owner_id)  # fmt: skip
-        r = Owned(rid=rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                  tenant=who.tenant, key=key, leased=bool(who.limits), batch=who.batch,
-                  arrived=msg.metadata.timestamp.timestamp(),
-                  trace=span.traceparent() or who.trace, span=span)  # fmt: skip
+        span = spans.start(
+            "schedule", who.trace or None, request_id=rid, model=self.model, owner=self.owner_id
+        )
+        r = Owned(
+            rid=rid,
+            reply=who.reply,
+            request=request,
+            deadline=deadline,
+            msg=msg,
+            tenant=who.tenant,
+            key=key,
+            leased=bool(who.limits),
+            batch=who.batch,
+            arrived=msg.metadata.timestamp.timestamp(),
+            trace=span.traceparent() or who.trace,
+            span=span,
+        )
         if refused is not None:  # its error event goes out on the way out, nothing runs
             r.fail(refused)
         self._hold(r)
         self._group.create_task(self._own(r))
 
-    def _fan_out(self, msg: Msg, who: ledger.Identity, deadline: float,
-                 request: GenerateRequest) -> None:  # fmt: skip
+    def _fan_out(
+        self, msg: Msg, who: ledger.Identity, deadline: float, request: GenerateRequest
+    ) -> None:
         assert self._group is not None
-        p = Parent(rid=who.rid, reply=who.reply, request=request, deadline=deadline, msg=msg,
-                   tenant=who.tenant, key=who.key, leased=bool(who.limits), batch=who.batch,
-                   trace=who.trace)  # fmt: skip
+        p = Parent(
+            rid=who.rid,
+            reply=who.reply,
+            request=request,
+            deadline=deadline,
+            msg=msg,
+            tenant=who.tenant,
+            key=who.key,
+            leased=bool(who.limits),
+            batch=who.batch,
+            trace=who.trace,
+        )
         if self._parents >= self.settings.max_fanout:  # its error goes out on the way out
-            p.fail(Overloaded(f"this worker owns {self.settings.max_fanout} multi-prompt "
-                              "requests (--max-fanout); retry later",
-                              code="queue_full").info())  # fmt: skip
+            p.fail(
+                Overloaded(
+                    f"this worker owns {self.settings.max_fanout} multi-prompt "
+                    "requests (--max-fanout); retry later",
+                    code="queue_full",
+                ).info()
+            )
         self._hold(p)
         self._parents += 1
         self._group.create_task(self._own(p))
@@ -334,9 +378,11 @@ class ScheduleService:
             else:
                 await self._run(r)
         except TimeoutError:
-            r.fail(DeadlineExceeded(
-                f"request {r.rid} passed its deadline after {r.out_seq} chunks"
-            ).info())  # fmt: skip
+            r.fail(
+                DeadlineExceeded(
+                    f"request {r.rid} passed its deadline after {r.out_seq} chunks"
+                ).info()
+            )
         except (
             EngineFailed,
             StageUnavailable,
@@ -378,8 +424,13 @@ class ScheduleService:
             await self.dispatcher.abort(r.engine, r.key, r.attempt)
         self.dispatcher.release(r)
         self.observed.relays.inc()
-        log.warning("request %s: %s; relaying after %d committed chunks (relay %d)",
-                    r.rid, r.broken.message, r.out_seq, r.relays + 1)  # fmt: skip
+        log.warning(
+            "request %s: %s; relaying after %d committed chunks (relay %d)",
+            r.rid,
+            r.broken.message,
+            r.out_seq,
+            r.relays + 1,
+        )
         if not r.relay():  # the budget is spent: only the end is left to derender
             self._kick([r])
             return False
@@ -395,13 +446,18 @@ class ScheduleService:
         failure.
         """
         assert self._js is not None and self._nc is not None
-        await self._nc.publish(bus.orphan_subject(r.key), _encoder.encode(
-            EngineAbort(rid=r.key, attempt=0, owner=self.owner_id)
-        ))  # fmt: skip
+        await self._nc.publish(
+            bus.orphan_subject(r.key),
+            _encoder.encode(EngineAbort(rid=r.key, attempt=0, owner=self.owner_id)),
+        )
         found = await self._handed_over(r)
         if found is not None:
-            log.warning("request %s: taken over as its last owner handed it over, after %d "
-                        "committed chunks", r.rid, found.seq)  # fmt: skip
+            log.warning(
+                "request %s: taken over as its last owner handed it over, after %d "
+                "committed chunks",
+                r.rid,
+                found.seq,
+            )
         else:
             found = await ledger.read_back(self._js, r.reply, r.rid)
         if found is None:
@@ -435,9 +491,14 @@ class ScheduleService:
             return
         self._forget_handover(handed.key)
         self._handovers[handed.key] = ledger.Committed(
-            seq=handed.out_seq, stream_seq=handed.ledger_seq, attempt=handed.attempt,
-            ended=False, state=handed.state, tokens=array("i", handed.tokens), last=None,
-        )  # fmt: skip
+            seq=handed.out_seq,
+            stream_seq=handed.ledger_seq,
+            attempt=handed.attempt,
+            ended=False,
+            state=handed.state,
+            tokens=array("i", handed.tokens),
+            last=None,
+        )
         self._handover_tokens += len(handed.tokens)
         while self._handover_tokens > _HANDOVER_TOKENS:  # the oldest go: read back instead
             self._forget_handover(next(iter(self._handovers)))
@@ -471,9 +532,14 @@ class ScheduleService:
             return  # nothing committed: a peer starts it afresh anyway
         assert self._nc is not None
         choice = r.choices[0]
-        handed = HandOver(key=r.key, ledger_seq=r.ledger_seq, out_seq=r.out_seq,
-                          attempt=r.attempt, state=choice.state,
-                          tokens=choice.committed.tolist())  # fmt: skip
+        handed = HandOver(
+            key=r.key,
+            ledger_seq=r.ledger_seq,
+            out_seq=r.out_seq,
+            attempt=r.attempt,
+            state=choice.state,
+            tokens=choice.committed.tolist(),
+        )
         try:
             await self._nc.publish(bus.handover_subject(self.model), _encoder.encode(handed))
         except nats.errors.Error as exc:  # the peer reads the ledger back instead
@@ -525,8 +591,9 @@ class ScheduleService:
         assert self._nc is not None and r.error is not None  # owned once connected
         after = r.ledger_seq if isinstance(r, Owned) else None
         try:
-            await ledger.publish_error(self._nc, r.reply, r.rid, r.out_seq + 1, r.error,
-                                       after=after, tenant=r.tenant)  # fmt: skip
+            await ledger.publish_error(
+                self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=after, tenant=r.tenant
+            )
         except APIError as exc:
             if not ledger.superseded(exc):
                 log.exception("could not deliver the error of %s", r.rid)
@@ -543,9 +610,13 @@ class ScheduleService:
             self.observed.ended(r, now)
             if log.isEnabledFor(logging.INFO):
                 log.info("%s", r.summary(now))
-        r.span.set(engine=r.engine or "", prompt_tokens=len(r.request.token_ids),
-                   output_tokens=r.output_tokens, relays=r.relays,
-                   handed_over=isinstance(r.end, HandedOver))  # fmt: skip
+        r.span.set(
+            engine=r.engine or "",
+            prompt_tokens=len(r.request.token_ids),
+            output_tokens=r.output_tokens,
+            relays=r.relays,
+            handed_over=isinstance(r.end, HandedOver),
+        )
         r.span.end(None if r.error is None else r.error.message)
         self.dispatcher.release(r)
 
@@ -680,8 +751,10 @@ class ScheduleService:
             for r, _, _ in items:
                 r.fail(exc.info())
         except Exception:  # a bug fails these requests, never the worker
-            log.exception("derendering or committing failed for %s",
-                          ", ".join(sorted({r.rid for r, _, _ in items})))  # fmt: skip
+            log.exception(
+                "derendering or committing failed for %s",
+                ", ".join(sorted({r.rid for r, _, _ in items})),
+            )
             for r, _, _ in items:
                 r.fail(internal(r.rid))
         finally:
@@ -709,8 +782,9 @@ class ScheduleService:
             publish = self._publication(r, choice, entry, res)
             if publish is not None:
                 queues.setdefault(r.key, (r, deque()))[1].append((choice, res, *publish))
-        while round_ := [(r, pubs.popleft()) for r, pubs in queues.values()
-                         if pubs and not r.ended.is_set()]:  # fmt: skip
+        while round_ := [
+            (r, pubs.popleft()) for r, pubs in queues.values() if pubs and not r.ended.is_set()
+        ]:
             entries = [self._ledger_entry(r, pub) for r, pub in round_]
             assert self._writer is not None and self._nc is not None
             outcomes = await self._writer.store(entries)
@@ -726,9 +800,16 @@ class ScheduleService:
     def _ledger_entry(r: Owned, pub: Publication) -> ledger_writer.Entry:
         _, res, kind, payload, tokens = pub
         hdrs = ledger.out_headers(
-            r.rid, r.out_seq + 1, kind, attempt=r.attempt, state=res.state, tokens=tokens,
-            after=r.ledger_seq, tenant=r.tenant, reply=r.reply,
-        )  # fmt: skip
+            r.rid,
+            r.out_seq + 1,
+            kind,
+            attempt=r.attempt,
+            state=res.state,
+            tokens=tokens,
+            after=r.ledger_seq,
+            tenant=r.tenant,
+            reply=r.reply,
+        )
         return bus.out_subject(r.reply, r.rid), payload, hdrs
 
     def _committed(
@@ -754,8 +835,9 @@ class ScheduleService:
             choice.committed.extend(tokens)
         if kind in (h.KIND_END, h.KIND_RESPONSE):
             r.end_as(DONE)
-        return OUTPUTS[kind](rid=r.rid, seq=r.out_seq, stream_seq=outcome, payload=payload,
-                             tokens=len(tokens))  # fmt: skip
+        return OUTPUTS[kind](
+            rid=r.rid, seq=r.out_seq, stream_seq=outcome, payload=payload, tokens=len(tokens)
+        )
 
     @staticmethod
     def _publication(
