@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import nats
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -22,11 +23,14 @@ from engines.bridge import Bridge
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from tests.conftest import make_settings, resolve_model, start_stack, wait_engines
 from tests.fakes.vllm_engine import FakeVllm, Knobs
-from tests.stages import stage_processes
+from tests.stages import ITL, stage_processes
 from tests.streams import Streamed, post, until
 from tests.test_cli import logged
 from tests.test_scheduling import model, pipeline, sim
+from tokenway import bus, ledger
+from tokenway import headers as h
 from tokenway.aio import Signal
+from workers.schedule.owned import first_attempt
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -49,6 +53,17 @@ def body(model: str, max_tokens: int) -> dict:
     return {"model": model, "prompt": "Tell the long story of a token.", "stream": True,
             "max_tokens": max_tokens, "ignore_eos": True, "seed": 11,
             "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+async def ledger_of(nats_url: str, reply: str, rid: str) -> list[tuple[int, int]]:
+    """(Tw-Seq, Tw-Attempt) of each message of a request's ledger, in stored order."""
+    nc = await nats.connect(nats_url)
+    try:
+        subject = bus.out_subject(reply, rid)
+        return [(int(m.headers[h.SEQ]), int(m.headers.get(h.ATTEMPT, 0)))
+                async for m in ledger.stored(nc.jetstream(), subject) if m.headers]  # fmt: skip
+    finally:
+        await nc.close()
 
 
 def assert_same_stream(got: Streamed, expected: Streamed, max_tokens: int) -> None:
@@ -167,8 +182,9 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
     nats_url: str, tmp_path: Path
 ) -> None:
     """SIGSTOP the owner: its request moves to another worker, which takes it over and
-    commits. Woken up, the stale owner still holds tokens to commit; the ledger refuses them
-    (they expect a last message that is no longer the last), so it lets the request go and
+    commits. Woken up, the stale owner finds the request's ledger written by another (before
+    it would relay, since the engine dropped its attempt for the new owner), or has a write
+    of tokens in hand refused by the ledger's fence; either way it lets the request go and
     the client's stream stays exactly the fault-free one."""
     async with stage_processes(nats_url, tmp_path, "schedule", processes=1) as c:
         model, (stale,) = c.stack.model, c.procs
@@ -183,9 +199,53 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
             frozen_at = len(got.times)
             await until(progress, lambda: len(got.times) > frozen_at + 3)  # the new owner's
             stale.send_signal(signal.SIGCONT)
-            await logged(stale, b"owned elsewhere")
+            await logged(stale, b"letting it go")
             await reading
         assert_same_stream(got, expected, 400)
+        # Nothing of the stale owner's was stored (what deduplication and the ingress's
+        # repeated-Tw-Seq drop would hide from the client): every Tw-Seq once, and the
+        # attempts, whose high bits are the ownership epoch, never going back.
+        stored = await ledger_of(nats_url, c.stack.ingress.ingress_id, got.rid)
+        seqs, attempts = [s for s, _ in stored], [a for _, a in stored]
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert attempts == sorted(attempts) and attempts[-1] >= first_attempt(2)
+
+
+async def test_an_owner_woken_after_a_takeover_leaves_the_engine_to_the_new_one(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """Issue 34: the owner of eight streams is frozen for three times its hold, its peer
+    takes them over, then it wakes. It must learn what it lost before it touches the engine,
+    and its attempts must never share a name with the new owner's (the engine knows work by
+    request and attempt): once the clients leave, the engine ends every sequence, none left
+    running for an owner that no longer has the request."""
+    async with stage_processes(nats_url, tmp_path, "schedule", processes=1) as c:
+        model, (stale,) = c.stack.model, c.procs
+        (sim,) = c.stack.by_name["engine"]
+        long = body(model, 100_000)
+        streams, progress = [Streamed() for _ in range(8)], Signal()
+        async with httpx.AsyncClient(timeout=60) as http:
+            reading = [asyncio.create_task(post(http, c.url, long, s, progress)) for s in streams]
+            await until(progress, lambda: all(len(s.times) >= 5 for s in streams))
+            second = await c.spawn("schedule")
+            stale.send_signal(signal.SIGSTOP)
+            for _ in streams:
+                await logged(second, b"taken over")
+            # Frozen on: three holds, counted in the new owner's output (at one token per
+            # ITL), past any engine TTL and registry horizon the stale owner kept.
+            holds = round(3 * c.stack.settings.owner_ack_wait / ITL)
+            due = {id(s): len(s.times) + holds for s in streams}
+            await until(progress, lambda: all(len(s.times) >= due[id(s)] for s in streams))
+            stale.send_signal(signal.SIGCONT)
+            for _ in streams:  # refused by the ledger's fence, or found so before relaying
+                await logged(stale, b"letting it go")
+            for task in reading:  # the clients leave
+                task.cancel()
+            await asyncio.gather(*reading, return_exceptions=True)
+        async with asyncio.timeout(15):
+            await sim.idle.wait()
+        assert sim.engine.info().running == 0
+        assert not any(s.cut for s in streams)
 
 
 async def test_a_pd_decode_leg_failing_mid_stream_relays_both_legs_on_the_replay_prompt(

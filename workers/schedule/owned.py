@@ -34,6 +34,17 @@ class RelayRefused(EngineFailed):
     """An attempt failed after output that a new attempt could not continue faithfully."""
 
 
+# An attempt's number carries the request's TW_SCHED delivery in its high bits: the owner that
+# takes a request over counts from a base no earlier owner reaches, so two owners never name
+# an attempt alike at an engine (which knows work by request key and attempt).
+_ATTEMPTS_PER_OWNER = 1 << 16
+
+
+def first_attempt(delivery: int) -> int:
+    """Where the attempts of the owner of a request's `delivery`-th delivery start."""
+    return delivery * _ATTEMPTS_PER_OWNER
+
+
 def refusal(delta: TokenDelta) -> bool:
     """The delta ends its attempt with the engine's refusal of the request itself (a 4xx):
     the request's fault, which no other engine would answer otherwise."""
@@ -171,7 +182,7 @@ class Owned(Held):
     """A request run on an engine: its attempts, choices and what of them is committed."""
 
     engine: str | None = None
-    attempt: int = 0
+    attempt: int = 0  # the live attempt's number (`first_attempt`), counted up from there
     next_delta: int = 0  # the per-attempt seq expected next from the engine
     choices: list[Choice] = field(default_factory=list)
     # What the live attempt runs: the request's own, or a relay's (prompt + committed output)

@@ -71,7 +71,15 @@ from workers.schedule import direct, isolation, metrics
 from workers.schedule.derendering import Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut, Parent
-from workers.schedule.owned import DONE, Choice, HandedOver, Owned, Superseded, refusal
+from workers.schedule.owned import (
+    DONE,
+    Choice,
+    HandedOver,
+    Owned,
+    Superseded,
+    first_attempt,
+    refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +336,7 @@ class ScheduleService:
             leased=bool(who.limits),
             batch=who.batch,
             arrived=msg.metadata.timestamp.timestamp(),
+            attempt=first_attempt(msg.metadata.num_delivered),
             trace=span.traceparent() or who.trace,
             span=span,
         )
@@ -423,6 +432,10 @@ class ScheduleService:
             r.avoid.add(r.engine)
             await self.dispatcher.abort(r.engine, r.key, r.attempt)
         self.dispatcher.release(r)
+        if not await self._still_ours(r):  # learnt before the engine is asked again
+            log.warning("request %s: another owner wrote its ledger since; letting it go", r.rid)
+            r.supersede()
+            return False
         self.observed.relays.inc()
         log.warning(
             "request %s: %s; relaying after %d committed chunks (relay %d)",
@@ -436,6 +449,21 @@ class ScheduleService:
             return False
         await wait_any(r.ended, timeout=self.settings.relay_backoff * (r.relays - 1))
         return not r.ended.is_set()
+
+    async def _still_ours(self, r: Owned) -> bool:
+        """Whether the request's ledger still ends where this owner left it. A peer that took
+        the request over while this worker stalled past its hold has written there since;
+        one read, where a relay would otherwise start engine work for nobody. Unanswered:
+        taken as ours, since the ledger's fence refuses a stale owner's next write anyway."""
+        assert self._js is not None
+        try:
+            last = await self._js.get_last_msg(bus.OUT_STREAM, bus.out_subject(r.reply, r.rid))
+        except NotFoundError:
+            return r.ledger_seq == 0
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("request %s: its ledger unread before relaying (%r)", r.rid, exc)
+            return True
+        return last.seq == r.ledger_seq
 
     async def _read_back(self, r: Owned) -> bool:
         """A new owner after the last one died or stopped: pick the request up where its
@@ -471,7 +499,8 @@ class ScheduleService:
             r.end_as(DONE)
             return False
         r.refuse_continuing(f"the owner of request {r.rid} stopped", "resumed")
-        r.out_seq, r.attempt, r.ledger_seq = found.seq, found.attempt, found.stream_seq
+        r.out_seq, r.ledger_seq = found.seq, found.stream_seq
+        r.attempt = max(r.attempt, found.attempt)  # (its own count starts past the old one's)
         choice = r.choices[0]
         choice.state, choice.committed = found.state, found.tokens
         # Relayed like an engine failure (and counted as one relay).
