@@ -64,6 +64,7 @@ class BenchConfig:
     itl: float = 0.01  # seconds per token (the simulated engine's step is itl * chunk_size)
     ttft: float = 0.02  # simulated prefill, seconds
     chunk_size: int = 1  # tokens per sequence per engine step
+    stream_interval: int = 1  # the schedule stage's --stream-interval: tokens per chunk, at least
     idle_seconds: float = 2.0  # idle window for idle RSS and background NATS traffic
     warmup: int = 8  # streams sent (and finished) before anything is measured
     ready_timeout: float = 60.0
@@ -408,8 +409,9 @@ class Pipeline:
                   "warning", *self.model]  # fmt: skip
         tokenway = [sys.executable, "-m", "program.cli"]
         self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
-        for stage in ("render", "schedule"):
-            self._spawn(stage, [*tokenway, stage, *common])
+        self._spawn("render", [*tokenway, "render", *common])
+        interval = ["--stream-interval", str(self.cfg.stream_interval)]
+        self._spawn("schedule", [*tokenway, "schedule", *common, *interval])
         self._spawn("engine", [*tokenway, "engine", *self.engine[:1], *common, *self.engine[1:]])
         self.url = f"http://127.0.0.1:{http_port}"
         await self._wait_http(http, f"{self.url}/ready")
@@ -724,6 +726,8 @@ def arg_parser(description: str, d: BenchConfig) -> argparse.ArgumentParser:
     p.add_argument("--itl", type=float, default=d.itl, help="engine seconds per token")
     p.add_argument("--ttft", type=float, default=d.ttft, help="engine seconds to first token")
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="tokens per engine step")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="the schedule stage's tokens per chunk, at least")  # fmt: skip
     p.add_argument("--idle-seconds", type=float, default=d.idle_seconds)
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up streams")
     p.add_argument("--sample-interval", type=float, default=d.sample_interval,
@@ -736,7 +740,7 @@ def bench_config(a: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         concurrency=a.concurrency, max_tokens=a.max_tokens, itl=a.itl, ttft=a.ttft,
         chunk_size=a.chunk_size, idle_seconds=a.idle_seconds, warmup=a.warmup,
-        sample_interval=a.sample_interval,
+        sample_interval=a.sample_interval, stream_interval=a.stream_interval,
     )  # fmt: skip
 
 

@@ -162,6 +162,12 @@ def scheduling(p: argparse.ArgumentParser) -> None:
         type=int,
         help="times a request continues on another engine after one fails it (3)",
     )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        help="tokens a streamed chunk carries at least, as vLLM's (1); a request's "
+        "stream_interval may raise it; a stream's first and last chunks go at once",
+    )
     g.add_argument("--queue-max-msgs", type=int, help="queued requests per stage (10000)")
     g.add_argument(
         "--max-fanout", type=int, help="multi-prompt requests one schedule worker owns (64)"

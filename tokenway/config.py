@@ -206,6 +206,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     engine_timeout: PositiveFloat = 10.0  # bridge accept / abort replies
     # after an engine fails an attempt, continue from the committed output this many times
     relay_attempts: Annotated[int, Meta(ge=0)] = 3
+    stream_interval: Annotated[int, Meta(ge=1)] = 1  # tokens per streamed chunk, at least
     relay_backoff: Annotated[float, Meta(ge=0)] = 0.05  # seconds, times the relay's number
     ack_wait: PositiveFloat = 30.0  # render, dead-letter mover: work without progress acks
     # How long a request stays with a schedule worker that stopped acknowledging progress:

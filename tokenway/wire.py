@@ -122,6 +122,8 @@ class OutputContext(Struct, frozen=True, kw_only=True, omit_defaults=True):
     # leading space and multi-byte joins come out as a full decode would.
     prompt_tail: list[TokenId] = []
     stream: bool = False
+    # the request's tokens per streamed chunk; the owner's `--stream-interval` may raise it
+    stream_interval: int = 1
     include_usage: bool = False
     continuous_usage_stats: bool = False
     echo: bool = False  # completions: the prompt text leads the output

@@ -137,6 +137,8 @@ class _Common(Sampling, kw_only=True):
     user: str | None = None
     # vLLM extras
     min_tokens: NonNegInt = 0
+    # tokens per streamed chunk (at least the server's `--stream-interval`)
+    stream_interval: Annotated[int, Meta(ge=1)] | None = None
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None
     request_id: str | None = None

@@ -180,6 +180,7 @@ class RequestBuilder:
             prompt_tokens=len(ids),
             prompt_tail=ids[-SEED_TOKENS:],
             stream=bool(req.stream),
+            stream_interval=req.stream_interval or 1,
             include_usage=bool(opts and opts.include_usage),
             continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
             echo=isinstance(req, CompletionRequest) and bool(req.echo),

@@ -359,8 +359,10 @@ class Owned(Held):
             choice.stop_reason = delta.stop_reason
         return True
 
-    def take_ready(self) -> list[tuple[Choice, DerenderEntry]]:
-        """Entries to derender now: streams chunk by chunk, non-stream all at the very end."""
+    def take_ready(self, interval: int = 1) -> list[tuple[Choice, DerenderEntry]]:
+        """Entries to derender now: streams chunk by chunk, non-stream all at the very end.
+        A stream's chunk waits for `interval` tokens (or the request's own, if more), as
+        vLLM's `--stream-interval`: its first chunk and its end go at once."""
         if self.ended.is_set() or self.broken is not None:
             return []
         # One derender + commit at a time per request: its publications are fenced one on
@@ -372,10 +374,12 @@ class Owned(Held):
             if not all(c.finish for c in self.choices):
                 return []
             return [(c, c.take(self.ctx, prompt)) for c in self.choices if not c.done]
+        least = max(interval, self.ctx.stream_interval)
         return [
             (c, c.take(self.ctx, prompt))
             for c in self.choices
-            if not c.done and (c.pending or c.finish is not None)
+            if not c.done
+            and (c.finish is not None or len(c.pending) >= (least if c.state is not None else 1))
         ]
 
     def needs_usage_chunk(self) -> bool:

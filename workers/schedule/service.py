@@ -751,7 +751,10 @@ class ScheduleService:
             ready, self._ready = self._ready, {}
             light: list[Work] = []
             for r in ready.values():
-                items: list[Work] = [(r, choice, entry) for choice, entry in r.take_ready()]
+                items: list[Work] = [
+                    (r, choice, entry)
+                    for choice, entry in r.take_ready(self.settings.stream_interval)
+                ]
                 if r.needs_usage_chunk():
                     items.append((r, None, r.usage_entry()))
                 if not items:
