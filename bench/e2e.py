@@ -371,6 +371,7 @@ class Pipeline:
         self.procs: list[Proc] = []
         self.nats_url = ""
         self.monitor_url = ""
+        self.metrics_url = ""  # the schedule stage's metrics page
         self.url = ""
 
     def _spawn(self, name: str, cmd: list[str]) -> Proc:
@@ -410,8 +411,11 @@ class Pipeline:
         tokenway = [sys.executable, "-m", "program.cli"]
         self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
         self._spawn("render", [*tokenway, "render", *common])
-        interval = ["--stream-interval", str(self.cfg.stream_interval)]
-        self._spawn("schedule", [*tokenway, "schedule", *common, *interval])
+        metrics = free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        owner = ["--stream-interval", str(self.cfg.stream_interval),
+                 "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics)]  # fmt: skip
+        self._spawn("schedule", [*tokenway, "schedule", *common, *owner])
         self._spawn("engine", [*tokenway, "engine", *self.engine[:1], *common, *self.engine[1:]])
         self.url = f"http://127.0.0.1:{http_port}"
         await self._wait_http(http, f"{self.url}/ready")
@@ -449,6 +453,17 @@ class Pipeline:
 
     def cpu(self) -> dict[str, float]:
         return {p.name: cpu_seconds(p.popen.pid) for p in self.procs}
+
+    async def ledger_rounds(self, http: httpx.AsyncClient) -> tuple[float, float]:
+        """The schedule stage's commit rounds so far and the ledger messages they stored."""
+        page = (await http.get(self.metrics_url, timeout=5.0)).text
+        found = dict.fromkeys(("_count", "_sum"), 0.0)
+        for line in page.splitlines():
+            name, _, value = line.partition(" ")
+            for suffix in found:
+                if name == f"tokenway_ledger_round_records{suffix}":
+                    found[suffix] = float(value)
+        return found["_count"], found["_sum"]
 
     async def varz(self, http: httpx.AsyncClient) -> dict[str, int]:
         v = (await http.get(f"{self.monitor_url}/varz", timeout=5.0)).json()
@@ -621,9 +636,9 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
 
             # The pipeline, N streams at once; RSS sampled throughout, the peak kept.
             cpu0, client0 = pipeline.cpu(), time.process_time()
-            varz0 = await pipeline.varz(http)
+            varz0, rounds0 = await pipeline.varz(http), await pipeline.ledger_rounds(http)
             load = await run_load(cfg, pipeline, clients)
-            varz1 = await pipeline.varz(http)
+            varz1, rounds1 = await pipeline.varz(http), await pipeline.ledger_rounds(http)
             cpu1, client1 = pipeline.cpu(), time.process_time()
 
     pipe = summarize(load.traces) | {"peak_open_streams": load.streams.peak}
@@ -637,6 +652,7 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
         "overhead": overhead(pipe, direct),
         "memory": memory_report(idle_rss, peak_rss(load.samples), cfg.concurrency),
         "nats": bus_report(varz0, varz1, background, pipe),
+        "ledger": ledger_report(rounds0, rounds1),
         "cpu": {
             name: {
                 "seconds": seconds,
@@ -645,6 +661,12 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
             for name, seconds in cpu.items()
         },
     }
+
+
+def ledger_report(before: tuple[float, float], after: tuple[float, float]) -> dict[str, float]:
+    """The owner's commit rounds during the load and the ledger messages each stored."""
+    rounds, records = after[0] - before[0], after[1] - before[1]
+    return {"rounds": rounds, "records": records, "records_per_round": records / max(rounds, 1)}
 
 
 def bus_report(
@@ -701,7 +723,7 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{name:18}{mem['idle_kb']:12d}{mem['loaded_kb']:12d}{mem['per_stream_kb']:12.1f}"
         )
-    n = report["nats"]
+    n, led = report["nats"], report["ledger"]
     bg = n["background_msgs_per_s"]
     lines += [
         "",
@@ -710,6 +732,8 @@ def render_table(report: dict[str, Any]) -> str:
         f"  per SSE chunk: {n['in_msgs_per_chunk']:.2f} in, {n['out_msgs_per_chunk']:.2f} out;"
         f"  per token: {n['in_msgs_per_token']:.2f} in, {n['out_msgs_per_token']:.2f} out",
         f"  background when idle: {bg['in_msgs']:.1f} in/s, {bg['out_msgs']:.1f} out/s",
+        f"ledger: {led['records']:.0f} messages in {led['rounds']:.0f} commit rounds, "
+        f"{led['records_per_round']:.1f} per round",
         "",
         f"{'CPU during load':18}{'seconds':>12}{'µs/token':>12}",
     ]

@@ -33,6 +33,7 @@ async def test_tiny_benchmark_reports_every_figure() -> None:
         "overhead",
         "memory",
         "nats",
+        "ledger",
         "cpu",
     }
     for path in ("direct", "pipeline"):
@@ -56,6 +57,10 @@ async def test_tiny_benchmark_reports_every_figure() -> None:
     for key in ("in_msgs", "out_msgs", "in_msgs_per_chunk", "out_msgs_per_token"):
         assert nats[key] > 0, key
     assert set(report["cpu"]) == {*e2e.PROCESSES, "bench client"}
+    # Every stream commits; a round stores at most one message per request.
+    ledger = report["ledger"]
+    assert ledger["records"] >= CONCURRENCY and ledger["rounds"] > 0
+    assert 1 <= ledger["records_per_round"] <= CONCURRENCY
 
     assert "TTFT p50" in e2e.render_table(report)
 

@@ -34,6 +34,7 @@ from nats.js.errors import APIError
 from nats.protocol.command import hpub_cmd
 
 from tokenway import bus, ledger
+from tokenway.metrics import LEDGER_ROUND
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class LedgerWriter:
 
     async def store(self, entries: Sequence[Entry]) -> list[Outcome]:
         """Publish every entry, side by side, and wait for their acks together."""
+        LEDGER_ROUND.observe(len(entries))
         round_ = _Round(len(entries), asyncio.get_running_loop().create_future())
         first = self._next + 1
         for index, (subject, payload, headers) in enumerate(entries):

@@ -17,6 +17,12 @@ STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=_BUCKETS,
 )
+LEDGER_ROUND = Histogram(
+    "tokenway_ledger_round_records",
+    "Ledger messages an owner's commit round stores together (one per request with output "
+    "in it): the larger, the less each costs the server",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+)
 RENDER = STAGE_SECONDS.labels("render")
 ENGINE_FIRST_TOKEN = STAGE_SECONDS.labels("engine_first_token")
 DERENDER = STAGE_SECONDS.labels("derender")
