@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import nats
 import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
 
 from tests.conftest import make_settings
 from tokenway import bus, ledger
@@ -22,15 +25,26 @@ from tokenway.output_router import OutputRouter
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def test_output_missed_while_unsubscribed_is_read_back_in_order(
-    nats_url: str, tmp_path: Path
-) -> None:
+@pytest_asyncio.fixture(loop_scope="session")
+async def routed(nats_url: str, tmp_path: Path) -> AsyncIterator[tuple[NATS, str, OutputRouter]]:
+    """A connection, an ingress id of its own and its router, started (stopped after)."""
     nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    await bus.provision_streams(js, make_settings(tmp_path))
-    ingress, rid = f"i{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    await bus.provision_streams(nc.jetstream(), make_settings(tmp_path))
+    ingress = f"i{uuid.uuid4().hex[:8]}"
     router = OutputRouter(nc, ingress)
     await router.start()
+    try:
+        yield nc, ingress, router
+    finally:
+        await router.stop()
+        await nc.close()
+
+
+async def test_output_missed_while_unsubscribed_is_read_back_in_order(
+    routed: tuple[NATS, str, OutputRouter],
+) -> None:
+    nc, ingress, router = routed
+    rid = uuid.uuid4().hex
     slot = router.open(rid)
 
     async def commit(seq: int, kind: str = h.KIND_CHUNK) -> None:
@@ -63,8 +77,6 @@ async def test_output_missed_while_unsubscribed_is_read_back_in_order(
         assert (end.seq, end.kind, end.payload) == (5, h.KIND_END, b"chunk 5")
     finally:
         router.close(rid)
-        await router.stop()
-        await nc.close()
 
 
 async def test_a_slow_readers_slot_holds_its_limit_and_reads_the_rest_back(
@@ -110,17 +122,13 @@ async def test_a_slow_readers_slot_holds_its_limit_and_reads_the_rest_back(
 
 
 async def test_a_delivery_in_an_older_shape_is_read_back_from_the_ledger(
-    nats_url: str, tmp_path: Path
+    routed: tuple[NATS, str, OutputRouter],
 ) -> None:
     """During an upgrade, a schedule worker of the version before the variants delivers
     chunks without their kind, which this router cannot decode: the requests it names read
     their ledgers back, so the client still gets every event, in order, with its end."""
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    await bus.provision_streams(js, make_settings(tmp_path))
-    ingress, rid = f"i{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    router = OutputRouter(nc, ingress)
-    await router.start()
+    nc, ingress, router = routed
+    js, rid = nc.jetstream(), uuid.uuid4().hex
     slot = router.open(rid)
     try:
         old_events: list[dict[str, object]] = []
@@ -145,5 +153,3 @@ async def test_a_delivery_in_an_older_shape_is_read_back_from_the_ledger(
         ]
     finally:
         router.close(rid)
-        await router.stop()
-        await nc.close()
