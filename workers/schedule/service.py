@@ -370,11 +370,12 @@ class ScheduleService:
                 ).info()
             )
         self._hold(p)
-        self._parents += 1
         self._group.create_task(self._own(p))
 
     def _hold(self, r: Owned | Parent) -> None:
+        """In the one table until `_finish` takes it out."""
         self.requests[r.key] = r
+        self._parents += isinstance(r, Parent)
         self.empty.clear()
 
     async def _own(self, r: Owned | Parent) -> None:
@@ -624,10 +625,10 @@ class ScheduleService:
                 self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=after, tenant=r.tenant
             )
         except APIError as exc:
-            if not ledger.superseded(exc):
-                log.exception("could not deliver the error of %s", r.rid)
-            else:
+            if ledger.superseded(exc):
                 log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
+            else:
+                log.exception("could not deliver the error of %s", r.rid)
         except Exception:
             log.exception("could not deliver the error of %s", r.rid)
 
