@@ -91,6 +91,20 @@ class Cluster:
             if node.proc is not None:
                 await self.healthy(node)
 
+    async def formed(self, timeout: float = 30.0) -> None:
+        """Until every node advertises every node's client URL, as a client connecting
+        anywhere reads the cluster's size: a node is healthy once the meta leader's quorum
+        knows it, which may be before it is routed to the third node."""
+        async with asyncio.timeout(timeout):
+            for node in self.nodes:
+                while True:
+                    nc = await nats.connect(servers=[node.url], allow_reconnect=False)
+                    advertised = set(nc._server_info.get("connect_urls") or ())
+                    await nc.close()
+                    if len(advertised) == len(self.nodes):
+                        break
+                    await asyncio.sleep(0.05)  # another process: nothing to wait on but polls
+
     async def listing(
         self, expected: set[str], names: Callable[[], Awaitable[set[str]]], timeout: float = 30
     ) -> None:
@@ -157,6 +171,7 @@ async def running_cluster(tmp: Path, size: int = 3) -> AsyncIterator[Cluster]:
         for node in nodes:
             cluster.start(node)
         await cluster.all_healthy()
+        await cluster.formed()
         yield cluster
     finally:
         await cluster.close()
