@@ -51,6 +51,15 @@ ROOT = Path(__file__).resolve().parent.parent  # the stages run from the project
 
 # Every process of the pipeline, as named in the report.
 PROCESSES = ("nats-server", "ingress", "render", "schedule", "engine")
+
+
+def processes(cfg: BenchConfig) -> tuple[str, ...]:
+    """The pipeline's processes: render is the ingress's own with `--render-placement
+    ingress`."""
+    beside = cfg.render_placement == "ingress"
+    return tuple(p for p in PROCESSES if not (beside and p == "render"))
+
+
 PROMPT = "Request {i}: explain, step by step, how tokens stream from an engine to a client."
 PROMPT_ALLOWANCE = 256  # tokens: more than PROMPT takes, chat template included
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -65,6 +74,7 @@ class BenchConfig:
     ttft: float = 0.02  # simulated prefill, seconds
     chunk_size: int = 1  # tokens per sequence per engine step
     stream_interval: int = 1  # the schedule stage's --stream-interval: tokens per chunk, at least
+    render_placement: str = "ingress"  # the ingress's --render-placement (as under `up`)
     idle_seconds: float = 2.0  # idle window for idle RSS and background NATS traffic
     warmup: int = 8  # streams sent (and finished) before anything is measured
     ready_timeout: float = 60.0
@@ -409,8 +419,11 @@ class Pipeline:
         common = ["--nats", self.nats_url, "--data-dir", str(self.data_dir), "--log-level",
                   "warning", *self.model]  # fmt: skip
         tokenway = [sys.executable, "-m", "program.cli"]
-        self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port), *common])
-        self._spawn("render", [*tokenway, "render", *common])
+        placement = self.cfg.render_placement
+        self._spawn("ingress", [*tokenway, "ingress", "--port", str(http_port),
+                                "--render-placement", placement, *common])  # fmt: skip
+        if placement == "pool":
+            self._spawn("render", [*tokenway, "render", *common])
         metrics = free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
         owner = ["--stream-interval", str(self.cfg.stream_interval),
@@ -752,6 +765,8 @@ def arg_parser(description: str, d: BenchConfig) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="tokens per engine step")
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="the schedule stage's tokens per chunk, at least")  # fmt: skip
+    p.add_argument("--render-placement", choices=["ingress", "pool"], default=d.render_placement,
+                   help="where the ingress's requests are rendered")  # fmt: skip
     p.add_argument("--idle-seconds", type=float, default=d.idle_seconds)
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up streams")
     p.add_argument("--sample-interval", type=float, default=d.sample_interval,
@@ -765,6 +780,7 @@ def bench_config(a: argparse.Namespace) -> BenchConfig:
         concurrency=a.concurrency, max_tokens=a.max_tokens, itl=a.itl, ttft=a.ttft,
         chunk_size=a.chunk_size, idle_seconds=a.idle_seconds, warmup=a.warmup,
         sample_interval=a.sample_interval, stream_interval=a.stream_interval,
+        render_placement=a.render_placement,
     )  # fmt: skip
 
 

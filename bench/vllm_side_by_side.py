@@ -29,10 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench import vllm_serve
 from bench.e2e import (
     BenchConfig,
+    Pipeline,
     cpu_seconds,
+    ledger_report,
     machine_load,
     run_async,
     running_pipeline,
@@ -65,6 +69,7 @@ class SideBySide:
     input_len: int = 256
     output_len: int = 128
     rounds: int = 1
+    render_placement: str = "ingress"  # tokenway's ingress: as `up` runs it
 
 
 def descendants(pid: int) -> list[int]:
@@ -100,16 +105,24 @@ def children_cpu() -> float:
 
 
 async def one_side(
-    cfg: SideBySide, base_url: str, concurrency: int, pids: dict[str, int]
+    cfg: SideBySide,
+    base_url: str,
+    concurrency: int,
+    pids: dict[str, int],
+    pipeline: Pipeline | None = None,
 ) -> dict[str, Any]:
-    """One `vllm bench serve` run, with every process's CPU over it."""
+    """One `vllm bench serve` run, with every process's CPU over it, and for tokenway's side
+    (`pipeline`) the ledger's commit rounds and the messages they stored."""
     load = vllm_serve.Load(
         backend="openai-chat", num_prompts=cfg.num_prompts, concurrency=concurrency,
         input_len=cfg.input_len, output_len=cfg.output_len,
     )  # fmt: skip
-    before, client = {n: cpu_seconds(p) for n, p in pids.items()}, children_cpu()
-    result = await vllm_serve.run(cfg.vllm_python, base_url, SERVED, cfg.model_dir, load)
-    cpu = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
+    async with httpx.AsyncClient() as http:
+        rounds = await pipeline.ledger_rounds(http) if pipeline else (0.0, 0.0)
+        before, client = {n: cpu_seconds(p) for n, p in pids.items()}, children_cpu()
+        result = await vllm_serve.run(cfg.vllm_python, base_url, SERVED, cfg.model_dir, load)
+        cpu = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
+        ledger = ledger_report(rounds, await pipeline.ledger_rounds(http) if pipeline else rounds)
     cpu["load generator"] = children_cpu() - client
     if result["failed"]:
         errors = [e for e in result["errors"] if e][:3]
@@ -119,6 +132,11 @@ async def one_side(
         "figures": {key: result[key] for _, key in FIGURES},
         "output_tokens": result["total_output_tokens"],
         "cpu_s_per_1k_tokens": {n: s * 1000 / tokens for n, s in cpu.items()},
+        "ledger_per_token": {
+            "records": ledger["records"] / tokens,
+            "rounds": ledger["rounds"] / tokens,
+            "records_per_round": ledger["records_per_round"],
+        },
     }
 
 
@@ -126,7 +144,7 @@ def mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Figures and CPU averaged over the rounds."""
     return {
         part: {k: sum(r[part][k] for r in runs) / len(runs) for k in runs[0][part]}
-        for part in ("figures", "cpu_s_per_1k_tokens")
+        for part in ("figures", "cpu_s_per_1k_tokens", "ledger_per_token")
     }
 
 
@@ -141,7 +159,7 @@ async def run(cfg: SideBySide) -> dict[str, Any]:
         with vllm_serve.launched(command, port, cfg.model_dir, workdir / "vllm.log") as server:
             engine = ["vllm", "--vllm-url", server.url, "--engine-max-seqs", "256"]
             model = ["--model-dir", str(cfg.model_dir), "--served-model-name", SERVED]
-            pipe_cfg = BenchConfig(ready_timeout=120.0)
+            pipe_cfg = BenchConfig(ready_timeout=120.0, render_placement=cfg.render_placement)
             async with running_pipeline(pipe_cfg, workdir, engine, model) as pipeline:
                 pids = vllm_processes(server) | {p.name: p.popen.pid for p in pipeline.procs}
                 urls = {"vllm": server.url, "tokenway": pipeline.url}
@@ -153,7 +171,10 @@ async def run(cfg: SideBySide) -> dict[str, Any]:
                     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
                     for r in range(cfg.rounds):
                         for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                            runs[side].append(await one_side(cfg, urls[side], concurrency, pids))
+                            runs[side].append(await one_side(
+                                cfg, urls[side], concurrency, pids,
+                                pipeline if side == "tokenway" else None,
+                            ))  # fmt: skip
                     report[str(concurrency)] = {s: mean(runs[s]) for s in SIDES}
     return {"config": {k: str(v) for k, v in asdict(cfg).items()}, "machine": machine,
             "runs": report}  # fmt: skip
@@ -188,6 +209,13 @@ def render_table(report: dict[str, Any]) -> str:
         share = tokenway_share(front)
         ratio = f"{share / api:.2f}×" if api else "-"
         lines.append(f"  {'tokenway + nats':22}{'':12}{share:12.3f}{ratio:>9} of vLLM's API server")
+        led = front["ledger_per_token"]
+        nats = front["cpu_s_per_1k_tokens"].get("nats-server", 0.0)
+        lines.append(
+            f"ledger: {led['records']:.2f} messages and {led['rounds']:.3f} commit rounds per "
+            f"output token ({led['records_per_round']:.1f} per round); nats-server "
+            f"{nats * 1000 / max(led['records'], 1e-9):.0f} µs per ledger message"
+        )
     return "\n".join(lines)
 
 
@@ -208,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="runs per side and concurrency")
+    p.add_argument("--render-placement", choices=["ingress", "pool"], default="ingress",
+                   help="where tokenway's ingress has its requests rendered")  # fmt: skip
     p.add_argument("--json", help="also write the report to this file")
     a = p.parse_args(argv)
     if a.model_dir is None or not a.vllm_python.exists():
@@ -215,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = SideBySide(
         vllm_python=a.vllm_python, model_dir=a.model_dir, concurrency=tuple(a.concurrency),
         num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
-        rounds=a.rounds,
+        rounds=a.rounds, render_placement=a.render_placement,
     )  # fmt: skip
     stop_on_sigterm()  # a killed run stops vLLM, the stages and nats-server on its way out
     report = run_async(run(cfg))

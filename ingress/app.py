@@ -7,7 +7,7 @@ import asyncio
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
@@ -33,6 +33,7 @@ from ingress.completions import (
     STREAM_ID_HEADER,
     Completions,
     Receive,
+    RenderBeside,
     Scope,
     Send,
     event_ids,
@@ -85,6 +86,8 @@ class IngressContext:
     request_limits: RequestLimits = DEFAULT_LIMITS  # what one request may make us build
     ledger_room: LedgerRoom | None = None  # admits new requests while TW_OUT has room
     body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))  # each client's pace
+    # model → the render stage in this process, where the program put one beside
+    render_beside: Mapping[str, RenderBeside] = field(default_factory=dict)
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -124,6 +127,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         quota=ctx.keys.quota,
         ledger_room=ctx.ledger_room,
         body_rate=ctx.body_rate,
+        render_beside=ctx.render_beside,
     )
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 

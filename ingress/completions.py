@@ -17,9 +17,9 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -197,6 +197,17 @@ def header(scope: Scope, name: bytes) -> bytes:
     return b""
 
 
+class RenderBeside(Protocol):
+    """A render stage in the ingress's process (`workers.render`'s, put beside it by the
+    program): what a render worker does with a request on `tw.render.*`, called directly."""
+
+    async def submit(self, who: ledger.Identity, request: RenderRequest) -> None:
+        """Rendered, admitted and queued for an owner; TokenwayError when refused."""
+
+    async def tokenize(self, data: bytes) -> TokenizeAnswer:
+        """A `TokenizeCall`'s answer."""
+
+
 @dataclass
 class Completions:
     nc: NATS
@@ -217,6 +228,9 @@ class Completions:
     running: Counter[str] = field(default_factory=Counter)
     request_limits: RequestLimits = DEFAULT_LIMITS  # what one request may make us build
     body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))  # each client's pace
+    # model → the render stage in this process (`--render-placement ingress`); other models'
+    # requests go to the render workers over the bus
+    render_beside: Mapping[str, RenderBeside] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -362,7 +376,20 @@ class Completions:
                 body = talk.body
             model, stream = self._decode(api, body)
             previous = talk.previous if talk else None
-            await self._submit(api, model, body, rid, tenant, client_id, trace, previous)
+            try:
+                await self._submit(api, model, body, rid, tenant, client_id, trace, previous)
+            except TokenwayError as exc:  # refused before it was queued: nothing to cancel
+                info = exc.info()
+                body = error_body(info)
+                first = Failed(
+                    rid=rid,
+                    seq=1,
+                    stream_seq=0,
+                    payload=body,
+                    status=info.status,
+                    retry_after=info.retry_after,
+                )
+                return Reply.error(info), first
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
@@ -412,6 +439,10 @@ class Completions:
             self.limits.get(tenant),
             trace,
         )
+        beside = self.render_beside.get(model)
+        if beside is not None:  # rendered, admitted and queued for an owner in process
+            await beside.submit(who, request)
+            return
         try:
             await enqueue(
                 self.js,
@@ -454,23 +485,30 @@ class Completions:
             return Reply.error(exc.info())
         call = _encoder.encode(TokenizeCall(route=route, body=body, rid=rid))
         try:
+            answer = await self._ask_render(model, call, body)
+        except TokenwayError as exc:
+            return Reply.error(exc.info())
+        if answer.status != 200:
+            return Reply.failed(answer.status, answer.body)
+        return Reply(200, answer.body)
+
+    async def _ask_render(self, model: str, call: bytes, body: bytes) -> TokenizeAnswer:
+        """The render stage beside, or a render worker over the bus, answers `call`."""
+        if (beside := self.render_beside.get(model)) is not None:
+            return await beside.tokenize(call)
+        try:
             msg = await self.nc.request(
                 bus.tokenize_subject(model), call, timeout=self.request_timeout
             )
         except NoRespondersError:
-            failed: TokenwayError = Unavailable(f"no render worker serves {model} now")
+            raise Unavailable(f"no render worker serves {model} now") from None
         except TimeoutError:
-            failed = DeadlineExceeded(f"no answer within {self.request_timeout:.0f}s")
+            raise DeadlineExceeded(f"no answer within {self.request_timeout:.0f}s") from None
         except MaxPayloadError:
-            failed = self._over_the_bus(body)
+            raise self._over_the_bus(body) from None
         except NatsError as exc:
-            failed = StageUnavailable(f"could not ask render: {exc!r}")
-        else:
-            answer = _answers.decode(msg.data)
-            if answer.status != 200:
-                return Reply.failed(answer.status, answer.body)
-            return Reply(200, answer.body)
-        return Reply.error(failed.info())
+            raise StageUnavailable(f"could not ask render: {exc!r}") from exc
+        return _answers.decode(msg.data)
 
     def _over_the_bus(self, body: bytes) -> InvalidRequest:
         return InvalidRequest(

@@ -14,6 +14,7 @@ import uvicorn
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
 from ingress.body_rate import BodyRate
+from ingress.completions import RenderBeside
 from ingress.connections import Guard, GuardedProtocol
 from ingress.cors import Cors
 from ingress.ledger_read import LedgerReader
@@ -92,6 +93,9 @@ class IngressService:
         self.router: OutputRouter | None = None
         self.registry: EngineRegistry | None = None
         self.ledger_room: LedgerRoom | None = None
+        # model → a render stage the program runs in this process (`--render-placement
+        # ingress`): its requests skip the render queue
+        self.render_beside: dict[str, RenderBeside] = {}
 
     @property
     def url(self) -> str:
@@ -137,6 +141,7 @@ class IngressService:
             request_limits=RequestLimits.of(self.settings),
             ledger_room=ledger_room,
             body_rate=self.body_rate,
+            render_beside=self.render_beside,
         )
         config = uvicorn.Config(
             create_app(ctx),

@@ -252,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
         add(up)
     for add in (flags.sim, flags.vllm, flags.obfuscation):
         add(up)
+    flags.render_placement(up, "ingress")
     for name, text in [
         ("ingress", "the OpenAI HTTP API"),
         ("render", "chat template + tokenization workers"),
@@ -262,13 +263,14 @@ def parser() -> argparse.ArgumentParser:
         flags.common(p)
         if name == "ingress":
             flags.http(p)
+            flags.render_placement(p, "pool")
         if name in ("ingress", "render"):
             flags.limits(p)
-        if name in ("render", "derender"):
+        if name in ("ingress", "render", "derender"):  # an ingress may render beside itself
             flags.parsers(p)
-        if name == "render":
+        if name in ("ingress", "render"):
             flags.render(p)
-        if name in ("render", "schedule", "derender"):
+        if name in ("ingress", "render", "schedule", "derender"):
             flags.derender(p)
         if name == "schedule":
             flags.scheduling(p)
@@ -397,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(flags)
     if (role := _role(args)) is not None:
         settings = _as_role(settings, role, flags)
+    if args.command == "up" and not given("render_placement", flags):
+        settings = msgspec.structs.replace(settings, render_placement="ingress")
     if args.command == "model-dir":
         print(default_model_dir(settings.data_path))
         return
@@ -447,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         run(settings, up_stages(settings), announce=True)
     elif args.command == "engine":
         run(settings, [args.kind])
+    elif args.command == "ingress" and settings.render_placement == "ingress":
+        run(settings, ["ingress", "render"])
     else:
         run(settings, [args.command])
 

@@ -247,6 +247,17 @@ def render(p: argparse.ArgumentParser) -> None:
     g.add_argument("--render-timeout", type=float, help="seconds for its whole reply (default 10)")
 
 
+def render_placement(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--render-placement",
+        choices=["ingress", "pool"],
+        help="ingress: the ingress process renders and tokenizes its requests and queues them "
+        "for an owner itself (one stored hop less); pool: it queues them for the render "
+        f"workers (`tokenway render`), which scale apart (default {default}). Render workers "
+        "take what is published on tw.render.* either way",
+    )
+
+
 def limits(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "request limits (ingress and render: past one, a 400 before anything is templated, "

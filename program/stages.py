@@ -58,7 +58,22 @@ def build_stages(
             stages.extend(_stages(s, name, models, obf))
         except ValueError as exc:
             raise SystemExit(f"tokenway: {exc}") from exc
+    if base.render_placement == "ingress" and {"ingress", "render"} <= set(which):
+        _render_beside_ingress(stages)
     return stages
+
+
+def _render_beside_ingress(stages: list[Stage]) -> None:
+    """The ingress hands its requests to the render stages of its process, which queue them
+    for an owner over their own connections (as the render role, under `up`'s users)."""
+    from ingress.service import IngressService
+    from workers.render.service import RenderService
+
+    renders = {st.model: st for st in stages if isinstance(st, RenderService)}
+    for stage in stages:
+        if isinstance(stage, IngressService):
+            stage.render_beside.update(renders)
+    log.info("the ingress renders its requests in its process (--render-placement ingress)")
 
 
 def _stages(

@@ -47,8 +47,8 @@ async def test_tiny_benchmark_reports_every_figure() -> None:
     assert report["overhead"]["tokens_per_s_ratio"] > 0
 
     memory = report["memory"]
-    assert set(memory) == {*e2e.PROCESSES, "total"}
-    for name in e2e.PROCESSES:
+    assert set(memory) == {*e2e.processes(cfg), "total"}
+    for name in e2e.processes(cfg):
         assert memory[name]["idle_kb"] > 0 and memory[name]["loaded_kb"] > 0, name
         assert isinstance(memory[name]["per_stream_kb"], float)
 
@@ -56,7 +56,7 @@ async def test_tiny_benchmark_reports_every_figure() -> None:
     assert nats["sse_chunks"] >= CONCURRENCY * 2  # at least content + usage per stream
     for key in ("in_msgs", "out_msgs", "in_msgs_per_chunk", "out_msgs_per_token"):
         assert nats[key] > 0, key
-    assert set(report["cpu"]) == {*e2e.PROCESSES, "bench client"}
+    assert set(report["cpu"]) == {*e2e.processes(cfg), "bench client"}
     # Every stream commits; a round stores at most one message per request.
     ledger = report["ledger"]
     assert ledger["records"] >= CONCURRENCY and ledger["rounds"] > 0
@@ -91,7 +91,7 @@ async def test_tiny_owner_memory_benchmark_reports_every_process() -> None:
     assert streams["errors"] == 0, streams["first_error"]
     assert streams["output_tokens"] == 3 * 40
     memory = report["pipeline"]["memory"]
-    assert set(memory) == set(e2e.PROCESSES)
+    assert set(memory) == set(e2e.processes(cfg))
     for name, row in memory.items():
         assert 0 < row["idle_kb"] <= row["peak_kb"], name
         assert row["at_100pct_kb"] > 0, name  # the clients counted every token as it came

@@ -19,6 +19,8 @@ import pytest_asyncio
 from program.stages import serve
 from tests.conftest import Logged, make_settings, nats_server, start_stack
 from tests.test_cli import spawn
+from tokenway import bus
+from tokenway.config import Settings
 from tokenway.nats_users import NatsUsers
 from tokenway.natsd import server_binary
 from tokenway.roles import roles
@@ -135,15 +137,37 @@ async def test_an_unauthenticated_connection_is_refused(guarded: str) -> None:
         await nats.connect(guarded, allow_reconnect=False, max_reconnect_attempts=0)
 
 
+async def render_queue_taken(url: str, users: NatsUsers, settings: Settings) -> int:
+    """How many requests the render workers took from the interactive render queue, read
+    as the ops role reads the bus."""
+    nc = await bus.connect(url, "test-ops", users.settings(settings, "ops"))
+    try:
+        spec = bus.render_consumer(settings, "deepseek-v4")
+        listed = await nc.jetstream().consumers_info(spec.stream)  # what ops may read
+        (info,) = [c for c in listed if c.name == spec.durable]
+        return info.delivered.consumer_seq or 0
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("placement", ["pool", "ingress"])
 async def test_every_stage_runs_end_to_end_as_its_own_role(
-    guarded: str, users: NatsUsers, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    guarded: str,
+    users: NatsUsers,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    placement: str,
 ) -> None:
+    """With the render stage beside the ingress (`--render-placement ingress`, as `up`
+    runs it) it still renders, admits and queues as the render role, over its own
+    connection: the ingress's user never gained a right, and no request took the render
+    queue's stored hop."""
     caplog.set_level(logging.WARNING)
     # A limited tenant: render admits by the tenants' bucket, the owners release in it.
     key = "sk-limited-0123456789abcdef"
     settings = make_settings(
         tmp_path, derender_placement="pool", api_key=key, tenant_concurrency=4,
-        tenant_tokens_per_minute=10**6,
+        tenant_tokens_per_minute=10**6, render_placement=placement,
     )  # fmt: skip
     names = ["ingress", "render", "schedule", "derender", "dlq", "sim"]
     stack = await start_stack(guarded, settings, names, users)
@@ -181,6 +205,8 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
         assert seen["engines"] and not seen["missing"]
         queues = {c["name"] for s in seen["streams"] for c in s["consumers"]}
         assert queues >= {"render-deepseek-v4", "schedule-deepseek-v4"}
+        taken = await render_queue_taken(guarded, users, stack.settings)
+        assert taken == 0 if placement == "ingress" else taken >= 4, taken
     finally:
         await stack.close()
     proc = await spawn("dlq", "ls", "--nats", guarded, env=ops)

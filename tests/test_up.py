@@ -28,6 +28,8 @@ import pytest_asyncio
 from tests.conftest import env_file
 from tests.test_cli import ENV, TOKENWAY, stop
 from tokenway import bus
+from tokenway.client import Client
+from tokenway.config import load_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -162,6 +164,41 @@ async def test_messages_and_count_tokens(up: Up) -> None:
             model=MODEL, messages=[{"role": "user", "content": "Hello!"}]
         )
         assert counted.input_tokens > 0
+
+
+async def render_taken(up: Up, batch: bool = False) -> int:
+    """Requests the render workers took from their queue (`batch`: the jobs' lanes), as
+    the ops role reads it."""
+    s = load_settings(env=up.env("ops"))
+    nc = await bus.connect(s.nats or "", "test-ops", s)
+    try:
+        spec = bus.render_consumer(s, MODEL, batch)
+        listed = await nc.jetstream().consumers_info(spec.stream)  # what ops may read
+        (info,) = [c for c in listed if c.name == spec.durable]
+        return info.delivered.consumer_seq or 0
+    finally:
+        await nc.close()
+
+
+async def test_the_ingress_renders_beside_itself_and_jobs_go_through_the_render_queue(
+    up: Up,
+) -> None:
+    """`up` renders an HTTP request in the ingress's process (`--render-placement ingress`):
+    it takes no stored hop through the render queue; a job's request published on
+    `tw.render.*` is rendered by the render workers, as before."""
+    http, lanes = await render_taken(up), await render_taken(up, batch=True)
+    async with up.openai() as client:
+        reply = await client.chat.completions.create(**chat("Hello"))
+        assert reply.choices[0].message.content
+        with pytest.raises(openai.BadRequestError) as bad:  # render's refusal, answered directly
+            await client.completions.create(model=MODEL, prompt=[10**9], max_tokens=3)
+        assert "outside the vocabulary" in str(bad.value.body), bad.value.body
+    job = await Client.from_env(MODEL, env={**ENV, **up.env(f"client-{up.tenant}")})
+    async with job:
+        done = await job.run(chat("Hello"))
+    assert done["choices"][0]["message"]["content"]
+    assert await render_taken(up) == http
+    assert await render_taken(up, batch=True) == lanes + 1
 
 
 async def test_tokenize_and_detokenize(up: Up) -> None:

@@ -111,6 +111,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     render_url: str | None = None
     render_connect_timeout: PositiveFloat = 2.0
     render_timeout: PositiveFloat = 10.0  # for the render server's whole reply
+    # where an ingress's requests are rendered: "pool" (the render workers, over TW_RENDER)
+    # or "ingress" (a render stage in the ingress's process, `up`'s default: one stored hop
+    # less); the render workers take what is published on `tw.render.*` either way
+    render_placement: Literal["ingress", "pool"] = "pool"
     # who derenders: "local" (the model directory's tokenizer) or "vllm" (a vLLM derender
     # server at derender_url, default render_url; never falls back: states differ)
     derender_backend: Literal["local", "vllm"] = "local"

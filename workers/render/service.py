@@ -30,7 +30,7 @@ from tokenway.errors import (
 from tokenway.model import ModelInfo
 from tokenway.parsers import ParserFlags
 from tokenway.tenant_book import TenantBook
-from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest
+from tokenway.wire import ErrorInfo, GenerateRequest, RenderRequest, TokenizeAnswer
 from tokenway.worker import Behind, consume, enqueue
 from workers.render import tokenize
 from workers.render.backend import render_backend
@@ -58,6 +58,7 @@ class RenderService:
         self.backend = render_backend(settings, model, served_model_name, flags)
         self.max_payload = 0  # the server's, known once connected
         self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
         self.book: TenantBook | None = None
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
@@ -65,7 +66,7 @@ class RenderService:
             nats_url, f"tokenway-render-{self.model}", self.settings, stop=stop
         )
         self.max_payload = nc.max_payload
-        js = nc.jetstream()
+        js = self.js = nc.jetstream()
         self.book = TenantBook(await bus.tenants_kv(js, self.settings))
         spec = bus.render_consumer(self.settings, self.model)
         # A batch job's requests (which may wait out a full schedule queue in hand) take
@@ -93,8 +94,7 @@ class RenderService:
         await bus.drain(nc)
 
     async def _tokenize(self, msg: Msg) -> None:
-        renderer = await self.backend.local()
-        answered = await tokenize.answer(renderer, msg.data, self.max_payload)
+        answered = await self.tokenize(msg.data)
         try:
             await msg.respond(_encoder.encode(answered))
         except NatsError as exc:  # no reply subject, or the connection went: nobody to tell
@@ -114,6 +114,24 @@ class RenderService:
             await self._fail(who, InvalidRequest(reason).info())
             await ledger.dead_letter(js, "render", msg, "decode", reason)
             return
+        try:
+            await self.submit(who, request, msg)
+        except TokenwayError as exc:
+            await self._fail(who, exc.info())
+        except Exception:  # a bug: the client still hears about it
+            log.exception("render failed for %s", who.rid)
+            await self._fail(who, internal(who.rid))
+        await msg.ack()
+
+    async def submit(
+        self, who: ledger.Identity, request: RenderRequest, msg: Msg | None = None
+    ) -> None:
+        """Render one request, admit it under its tenant's limits and queue it for an owner:
+        for a message on `tw.render.*` (`msg`, held while a batch job waits for room) and for
+        an ingress that renders beside itself (`--render-placement ingress`), which answers
+        its client with the TokenwayError this raises."""
+        await self.started.wait()  # connected: the ingress beside may take a request first
+        assert self.js is not None
         began = time.perf_counter()
         span = spans.start("render", who.trace or None, request_id=who.rid, model=self.model)
         try:
@@ -132,22 +150,21 @@ class RenderService:
             if who.limits:
                 await self._admit(who, generate)
             try:
-                await self._forward_when_room(js, msg, who, generate)
+                await self._forward_when_room(self.js, msg, who, generate)
             except BaseException:
                 if who.limits:  # it never ran: its slot is free again
                     await self._tenants().release(who.tenant, who.rid)
                 raise
-            metrics.RENDER.observe(time.perf_counter() - began)
-            span.set(prompt_tokens=len(generate.token_ids))
-            span.end()
-        except TokenwayError as exc:
-            span.end(exc.message)
-            await self._fail(who, exc.info())
-        except Exception as exc:  # a bug: the client still hears about it
-            log.exception("render failed for %s", who.rid)
-            span.end(repr(exc))
-            await self._fail(who, internal(who.rid))
-        await msg.ack()
+        except BaseException as exc:
+            span.end(exc.message if isinstance(exc, TokenwayError) else repr(exc))
+            raise
+        metrics.RENDER.observe(time.perf_counter() - began)
+        span.set(prompt_tokens=len(generate.token_ids))
+        span.end()
+
+    async def tokenize(self, data: bytes) -> TokenizeAnswer:
+        """A `/tokenize` or `/detokenize` call's answer (a `TokenizeCall`), errors included."""
+        return await tokenize.answer(await self.backend.local(), data, self.max_payload)
 
     def _tenants(self) -> TenantBook:
         assert self.book is not None
@@ -172,17 +189,22 @@ class RenderService:
         await ledger.publish_error(self.nc, who.reply, who.rid, 1, info, tenant=who.tenant)
 
     async def _forward_when_room(
-        self, js: JetStreamContext, msg: Msg, who: ledger.Identity, generate: GenerateRequest
+        self,
+        js: JetStreamContext,
+        msg: Msg | None,
+        who: ledger.Identity,
+        generate: GenerateRequest,
     ) -> None:
-        """Forward; a batch job's request (`Tw-Batch`) waits out a full schedule queue,
-        holding its render message (and this worker's slot) meanwhile, so the pressure
-        reaches the render queue and the job's own publishes."""
+        """Forward; a batch job's request (`Tw-Batch`, on the bus: `msg`) waits out a full
+        schedule queue, holding its render message (and this worker's slot) meanwhile, so
+        the pressure reaches the render queue and the job's own publishes."""
         wait = _ROOM_BACKOFF
         while True:
             try:
                 return await self._forward(js, who, generate)
             except Overloaded:
-                if not who.batch or (who.deadline is not None and time.time() > who.deadline):
+                late = who.deadline is not None and time.time() > who.deadline
+                if msg is None or not who.batch or late:
                     raise
             if wait == _ROOM_BACKOFF:
                 log.info("request %s waits for room in the schedule queue", who.rid)
