@@ -7,6 +7,7 @@ once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 from collections.abc import Awaitable, Callable
@@ -14,12 +15,14 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import msgspec
 import nats
 import openai
 import pytest
 from tokenizers import Tokenizer
 
-from engines.bridge import Bridge
+from engines.bridge import Bridge, Emit, Refused
+from engines.sim import SimConfig, SimEngine
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from tests.conftest import make_settings, resolve_model, start_stack, wait_engines
 from tests.fakes.vllm_engine import FakeVllm, Knobs
@@ -30,6 +33,7 @@ from tests.test_scheduling import model, pipeline, sim
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.aio import Signal
+from tokenway.wire import EngineWork
 from workers.schedule.owned import first_attempt
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -246,6 +250,71 @@ async def test_an_owner_woken_after_a_takeover_leaves_the_engine_to_the_new_one(
             await sim.idle.wait()
         assert sim.engine.info().running == 0
         assert not any(s.cut for s in streams)
+
+
+class Refusing(SimEngine):
+    """Holds each request until `go`, then refuses it (the request's own fault, a 400)."""
+
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer) -> None:
+        super().__init__(config, tokenizer)
+        self.arrived, self.go = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, work: EngineWork, emit: Emit) -> None:
+        self.arrived.set()
+        await self.go.wait()
+        raise Refused("the engine refuses this request")
+
+
+async def test_an_error_the_fence_refuses_leaves_the_request_to_its_new_owner(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """The double fault the woken-owner fix left: a peer took the request over and committed
+    (its ledger moved), and before this owner learned of it, its request failed with nothing
+    to relay. The fence refuses its error event: the request is the new owner's, so this
+    one must neither give back the tenant's slot the new owner runs under nor ack the
+    message the new owner holds (it did both: the tenant could run one more than its limit)."""
+    key, tenant = "sk-double-0123456789abcdef", "default"
+    s = make_settings(tmp_path, served_model_name=f"model-{tmp_path.name}", api_key=key,
+                      tenant_concurrency=1, tenant_tokens_per_minute=10**6)  # fmt: skip
+    stack = await start_stack(nats_url, s, ["ingress", "render", "schedule"])
+    tokenizer = Tokenizer.from_file(str(stack.ingress.models[0].info.path / "tokenizer.json"))
+    engine = Refusing(dataclasses.replace(sim("refusing"), model=stack.model), tokenizer)
+    stop = asyncio.Event()
+    bridge = asyncio.create_task(
+        Bridge(stack.role("engine"), engine).run(stack.settings.nats or "", stop)
+    )
+    schedule = stack.by_name["schedule"][0]
+    try:
+        await wait_engines(schedule.registry, 1)
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
+        hello = [{"role": "user", "content": "hi"}]
+        asking = asyncio.create_task(
+            client.chat.completions.create(model=stack.model, messages=hello, max_tokens=5)
+        )
+        await engine.arrived.wait()
+        (r,) = schedule.requests.values()
+        nc = await nats.connect(stack.observer)
+        try:  # the peer's commit: what a takeover stores first
+            hdrs = ledger.out_headers(r.rid, 1, h.KIND_CHUNK, after=0, reply=r.reply)
+            await ledger.publish(nc.jetstream(), bus.out_subject(r.reply, r.rid),
+                                 b"data: {}\n\n", hdrs, within=5)  # fmt: skip
+            engine.go.set()
+            async with asyncio.timeout(10):
+                await schedule.empty.wait()
+            js = nc.jetstream()
+            usage = msgspec.msgpack.decode((await (await bus.tenants_kv(js, s)).get(tenant)).value)
+            assert r.rid in usage.get("leases", {}), usage  # the new owner's slot, still taken
+            spec = bus.sched_consumer(s, stack.model)
+            held = await js.consumer_info(spec.stream, spec.durable)
+            assert held.num_ack_pending == 1  # the new owner's message, not acked
+        finally:
+            await nc.close()
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+    finally:
+        stop.set()
+        await bridge
+        await stack.close()
 
 
 async def test_a_pd_decode_leg_failing_mid_stream_relays_both_legs_on_the_replay_prompt(

@@ -625,8 +625,9 @@ class ScheduleService:
                 self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=after, tenant=r.tenant
             )
         except APIError as exc:
-            if ledger.superseded(exc):
+            if ledger.superseded(exc):  # a peer took it over: its slot and message are theirs
                 log.warning("request %s is owned elsewhere now; its error is not ours", r.rid)
+                r.supersede()
             else:
                 log.exception("could not deliver the error of %s", r.rid)
         except Exception:
