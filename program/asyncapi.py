@@ -64,7 +64,8 @@ OUTPUT_HEADERS = {
     h.STREAM_STATE: "Derender's state after this message (base64url), for resuming.",
     h.TOKENS: "The output token IDs the message holds, comma separated.",
     h.TOKEN_COUNT: "Of a whole response: how many output tokens it holds.",
-    h.MSG_ID: "`<reply>.<rid>:<seq>`, for JetStream's de-duplication.",
+    h.MSG_ID: "`<reply>.<rid>:<seq>`, for JetStream's de-duplication, on a message that "
+    "names no expected last subject sequence (the fence refuses a fenced one sent twice).",
     h.TENANT: "The tenant whose request it is (`GET /v1/streams` serves only that tenant).",
 }
 
