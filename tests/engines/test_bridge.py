@@ -136,17 +136,23 @@ async def test_an_engine_step_spread_over_loop_turns_leaves_as_one_message(
                 work = EngineWork(rid=rid, attempt=1, owner="o1", token_ids=[0],
                                   sampling_params=SamplingParams())  # fmt: skip
                 await nc.request(subject, msgspec.msgpack.encode(work))
+            for rid in ("a", "b"):  # first steps: nothing waits for a sequence still
+                await engine.go[rid].put(False)  # prefilling (its first token, unknown)
+                await asyncio.sleep(0)
+            firsts = entries(await steps.get())
+            firsts += [] if len(firsts) == 2 else entries(await steps.get())
+            assert firsts == [("a", 0), ("b", 0)]
             for rid in ("a", "b"):  # one step: each sequence in its own loop turn
                 await engine.go[rid].put(False)
                 await asyncio.sleep(0)
-            assert entries(await steps.get()) == [("a", 0), ("b", 0)]
+            assert entries(await steps.get()) == [("a", 1), ("b", 1)]
             await engine.go["a"].put(False)  # b says nothing this time: a goes out alone
-            assert entries(await steps.get()) == [("a", 1)]
+            assert entries(await steps.get()) == [("a", 2)]
             for rid in ("a", "b"):
                 await engine.go[rid].put(True)
             ends = entries(await steps.get())
             ends += [] if len(ends) == 2 else entries(await steps.get())
-            assert ends == [("a", 2), ("b", 1)]
+            assert ends == [("a", 3), ("b", 2)]
 
 
 class Refuses:
