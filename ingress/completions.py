@@ -380,16 +380,15 @@ class Completions:
                 await self._submit(api, model, body, rid, tenant, client_id, trace, previous)
             except TokenwayError as exc:  # refused before it was queued: nothing to cancel
                 info = exc.info()
-                body = error_body(info)
                 first = Failed(
                     rid=rid,
                     seq=1,
                     stream_seq=0,
-                    payload=body,
+                    payload=error_body(info),
                     status=info.status,
                     retry_after=info.retry_after,
                 )
-                return Reply.error(info), first
+                return Reply.failed(first.status, first.payload, first.retry_after), first
             first = await self._first(slot)
             if first is None:
                 return Reply(CLIENT_CLOSED), None  # nobody reads it; the cancel matters
