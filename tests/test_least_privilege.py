@@ -137,12 +137,14 @@ async def test_an_unauthenticated_connection_is_refused(guarded: str) -> None:
         await nats.connect(guarded, allow_reconnect=False, max_reconnect_attempts=0)
 
 
-async def render_queue_taken(url: str, users: NatsUsers, settings: Settings) -> int:
-    """How many requests the render workers took from the interactive render queue, read
-    as the ops role reads the bus."""
-    nc = await bus.connect(url, "test-ops", users.settings(settings, "ops"))
+async def render_queue_taken(
+    url: str, ops: Settings, model: str = "deepseek-v4", batch: bool = False
+) -> int:
+    """How many requests the render workers took from their queue (`batch`: the jobs'
+    lanes), read as the ops role (`ops`: its settings) reads the bus."""
+    nc = await bus.connect(url, "test-ops", ops)
     try:
-        spec = bus.render_consumer(settings, "deepseek-v4")
+        spec = bus.render_consumer(ops, model, batch)
         listed = await nc.jetstream().consumers_info(spec.stream)  # what ops may read
         (info,) = [c for c in listed if c.name == spec.durable]
         return info.delivered.consumer_seq or 0
@@ -205,7 +207,7 @@ async def test_every_stage_runs_end_to_end_as_its_own_role(
         assert seen["engines"] and not seen["missing"]
         queues = {c["name"] for s in seen["streams"] for c in s["consumers"]}
         assert queues >= {"render-deepseek-v4", "schedule-deepseek-v4"}
-        taken = await render_queue_taken(guarded, users, stack.settings)
+        taken = await render_queue_taken(guarded, users.settings(stack.settings, "ops"))
         assert taken == 0 if placement == "ingress" else taken >= 4, taken
     finally:
         await stack.close()

@@ -27,6 +27,7 @@ import pytest_asyncio
 
 from tests.conftest import env_file
 from tests.test_cli import ENV, TOKENWAY, stop
+from tests.test_least_privilege import render_queue_taken
 from tokenway import bus
 from tokenway.client import Client
 from tokenway.config import load_settings
@@ -167,17 +168,9 @@ async def test_messages_and_count_tokens(up: Up) -> None:
 
 
 async def render_taken(up: Up, batch: bool = False) -> int:
-    """Requests the render workers took from their queue (`batch`: the jobs' lanes), as
-    the ops role reads it."""
-    s = load_settings(env=up.env("ops"))
-    nc = await bus.connect(s.nats or "", "test-ops", s)
-    try:
-        spec = bus.render_consumer(s, MODEL, batch)
-        listed = await nc.jetstream().consumers_info(spec.stream)  # what ops may read
-        (info,) = [c for c in listed if c.name == spec.durable]
-        return info.delivered.consumer_seq or 0
-    finally:
-        await nc.close()
+    """Requests the render workers took from their queue, as the ops role reads it."""
+    ops = load_settings(env=up.env("ops"))
+    return await render_queue_taken(ops.nats or "", ops, MODEL, batch)
 
 
 async def test_the_ingress_renders_beside_itself_and_jobs_go_through_the_render_queue(
