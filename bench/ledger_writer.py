@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import nats
 
 from tokenway import bus, ledger
-from tokenway import headers as h
 from tokenway.config import Settings
 from tokenway.ledger_writer import LedgerWriter
 from tokenway.natsd import EmbeddedNats
+from tokenway.wire import Chunk
 
 WARM_ROUNDS = 20
 STATE = bytes(range(120))  # about what a plain-text stream_state takes
@@ -55,12 +56,18 @@ async def one_side(url: str, data_dir: Path, framing: str, streams: int, rounds:
         last = dict.fromkeys(rids, 0)
         cpu, stored = 0.0, 0
         for n in range(1, rounds + WARM_ROUNDS + 1):
-            entries = [
-                (bus.out_subject("bench", rid), PAYLOAD, ledger.out_headers(
-                    rid, n, h.KIND_CHUNK, attempt=1, state=STATE, tokens=[1234], after=last[rid]
-                ))
+            events = [
+                Chunk(rid=rid, seq=n, payload=PAYLOAD, attempt=1, tokens=1, ids=[1234], state=STATE)
                 for rid in rids
-            ]  # fmt: skip
+            ]
+            entries = [
+                (
+                    bus.out_subject("bench", e.rid),
+                    ledger.encode([e]),
+                    ledger.index_headers([e], reply="bench", after=last[e.rid]),
+                )
+                for e in events
+            ]
             started = time.process_time()
             outcomes = await writer.store(entries)
             if n > WARM_ROUNDS:
@@ -75,7 +82,9 @@ async def one_side(url: str, data_dir: Path, framing: str, streams: int, rounds:
         await nc.close()
 
 
-async def run(streams: int, rounds: int) -> dict[str, float]:
+@contextlib.asynccontextmanager
+async def provisioned() -> AsyncIterator[tuple[str, Path]]:
+    """A nats-server of its own with tokenway's streams: its URL and data directory."""
     with tempfile.TemporaryDirectory(prefix="tw-bench-ledger-") as tmp:
         data_dir = Path(tmp)
         server = EmbeddedNats(data_dir / "jetstream", port=-1)
@@ -84,11 +93,16 @@ async def run(streams: int, rounds: int) -> dict[str, float]:
             nc = await nats.connect(server.url)
             await bus.provision_streams(nc.jetstream(), Settings(data_dir=str(data_dir)))
             await nc.close()
-            runs: dict[str, list[float]] = {"hpub": [], "nats-py": []}
-            for framing in ("hpub", "nats-py", "nats-py", "hpub"):
-                runs[framing].append(await one_side(server.url, data_dir, framing, streams, rounds))
+            yield server.url, data_dir
         finally:
             server.stop()
+
+
+async def run(streams: int, rounds: int) -> dict[str, float]:
+    async with provisioned() as (url, data_dir):
+        runs: dict[str, list[float]] = {"hpub": [], "nats-py": []}
+        for framing in ("hpub", "nats-py", "nats-py", "hpub"):
+            runs[framing].append(await one_side(url, data_dir, framing, streams, rounds))
     return {framing: sum(v) / len(v) for framing, v in runs.items()}
 
 

@@ -379,15 +379,7 @@ class Completions:
             try:
                 await self._submit(api, model, body, rid, tenant, client_id, trace, previous)
             except TokenwayError as exc:  # refused before it was queued: nothing to cancel
-                info = exc.info()
-                first = Failed(
-                    rid=rid,
-                    seq=1,
-                    stream_seq=0,
-                    payload=error_body(info),
-                    status=info.status,
-                    retry_after=info.retry_after,
-                )
+                first = ledger.error_event(rid, 1, exc.info())
                 return Reply.failed(first.status, first.payload, first.retry_after), first
             first = await self._first(slot)
             if first is None:

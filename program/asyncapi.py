@@ -33,6 +33,7 @@ from tokenway.wire import (
     HandOver,
     OwnerInfo,
     RenderRequest,
+    Takeover,
     TokenizeAnswer,
     TokenizeCall,
     TokenStep,
@@ -55,18 +56,22 @@ REQUEST_HEADERS = {
     h.TRACEPARENT: "Optional W3C trace context, passed on to the engine.",
 }
 OUTPUT_HEADERS = {
-    h.SEQ: "The message's place in the request's output: 1, 2, … with no gap.",
-    h.KIND: f"`{h.KIND_CHUNK}` (also when absent) and `{h.KIND_END}`: SSE `data:` events of "
-    f"a stream; `{h.KIND_RESPONSE}`: a whole JSON response; `{h.KIND_ERROR}`: an OpenAI "
-    "error body. The last three end the output.",
+    h.SEQ: "The `Tw-Seq` of the record's last event (events are numbered 1, 2, … with no "
+    "gap), or of the request's last where it holds none (a change of owner).",
+    h.KIND: f"Of the record's last event: `{h.KIND_CHUNK}` (also when absent) and "
+    f"`{h.KIND_END}`: SSE `data:` events of a stream; `{h.KIND_RESPONSE}`: a whole JSON "
+    f"response; `{h.KIND_ERROR}`: an OpenAI error body. The last three end the output.",
+    h.EVENTS: "How many events the record holds.",
     h.STATUS: "Of an error: its HTTP status.",
-    h.ATTEMPT: "The engine attempt that produced it (relays count up).",
-    h.STREAM_STATE: "Derender's state after this message (base64url), for resuming.",
-    h.TOKENS: "The output token IDs the message holds, comma separated.",
-    h.TOKEN_COUNT: "Of a whole response: how many output tokens it holds.",
-    h.MSG_ID: "`<reply>.<rid>:<seq>`, for JetStream's de-duplication, on a message that "
+    h.OWNER: "The round subject where the request's events after this record are.",
+    h.OWNER_SEQ: "... after this stream sequence of it.",
+    h.MSG_ID: "`<reply>.<rid>:<seq>`, for JetStream's de-duplication, on a record that "
     "names no expected last subject sequence (the fence refuses a fenced one sent twice).",
     h.TENANT: "The tenant whose request it is (`GET /v1/streams` serves only that tenant).",
+}
+ROUND_HEADERS = {
+    h.KIND: f"`{h.KIND_ROUND}`: events of the owner's requests for this reply; "
+    f"`{h.KIND_TAKEOVER}`: the requests another owner took from this one (`Takeover`).",
 }
 
 
@@ -160,17 +165,33 @@ def channels() -> list[Channel]:
         Channel(
             "output",
             _address(bus.out_subject, "reply", "rid"),
-            "A request's ledger: its committed output, in `Tw-Seq` order, kept for "
-            "`TW_OUT`'s retention. Read it with a consumer of your own from the first "
-            "message, live or later; it ends with an end, a response or an error. A "
-            "tenant's client names its consumer, so that the create call names the "
-            "subject: it may read `tw.out.tenant.<tenant>.>` only.",
-            None,
-            content_type=SSE,
+            "A request's index in the ledger: its first event, a segment of its events "
+            "every 32 tokens, a change of owner, and its end with every event not indexed "
+            "before, each record a `Delivery` of its events, kept for `TW_OUT`'s "
+            "retention. The events after the last record are in the round records its "
+            "`Tw-Owner` header names (`tokenway.ledger_follow` reads both, live or later; "
+            "`tokenway.client` does). A tenant's client names its consumers, so that the "
+            "create call names the subject: it may read `tw.out.tenant.<tenant>.>` only.",
+            Delivery,
+            stream=bus.OUT_STREAM,
+            senders=("schedule", "render"),
+            receivers=(ingress, direct),
+            headers=OUTPUT_HEADERS,
+        ),
+        Channel(
+            "rounds",
+            _address(bus.round_subject, "reply", "owner"),
+            "An owner's round records for one reply: each holds every event the owner "
+            "committed for that reply's requests in one round (the same bytes are then "
+            "delivered live), fenced on the subject's last sequence. An owner taking a "
+            "request over stores a `Takeover` here first: the old owner's next round "
+            "record is refused.",
+            Delivery,
             stream=bus.OUT_STREAM,
             senders=("schedule",),
             receivers=(ingress, direct),
-            headers=OUTPUT_HEADERS,
+            headers=ROUND_HEADERS,
+            more=(Takeover,),
         ),
         Channel(
             "delivery",

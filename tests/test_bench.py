@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from bench import batch_interference, e2e, ledger_writer, owner_memory, soak
+from bench import batch_interference, e2e, ledger_read, ledger_writer, owner_memory, soak
+from tokenway import ledger
 from tokenway.model import default_model_dir, load_model_info
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -116,6 +117,17 @@ async def test_tiny_ledger_writer_benchmark_stores_on_both_framings() -> None:
     """`run` raises when a publish is not stored; both framings report a cost."""
     result = await ledger_writer.run(streams=3, rounds=2)
     assert set(result) == {"hpub", "nats-py"} and all(v > 0 for v in result.values())
+
+
+@in_session_loop
+@pytest.mark.timeout(60)
+async def test_tiny_ledger_read_benchmark_reads_one_request_within_its_own_output() -> None:
+    """A request of 100 tokens among 20 others: its read takes its index and a segment's
+    worth of rounds, where a record per event took one read per token."""
+    result = await ledger_read.run(tokens=100, others=20)
+    assert result["per_event"]["records_read"] == 100
+    assert result["rounds"]["records_read"] <= 100 // ledger.SEGMENT_TOKENS + ledger.SEGMENT_TOKENS
+    assert result["rounds"]["records_stored"] < result["per_event"]["records_stored"] * 21 / 4
 
 
 @in_session_loop

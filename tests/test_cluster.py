@@ -16,6 +16,7 @@ import pytest_asyncio
 
 from tests.cluster import Cluster, Node, running_cluster
 from tests.conftest import make_settings, start_stack
+from tests.ledgers import data_lines, stored_once
 from tests.stages import StageProcesses
 from tests.test_cancel import consumer_names
 from tests.test_chaos import check, nothing_left, report, run_load, started
@@ -55,6 +56,9 @@ async def faulted(
         got = await run_load(c, c.url, started(5), fault_now)
         elected = cluster.elected_after(began[0])
         failed = check(got, expected, errors_allowed=False)
+        for g in got:  # the ledger holds what the client got, each event stored once
+            shown = [x for e in g.events() for x in e.split("\n") if x.startswith("data: {")]
+            assert data_lines(await stored_once(stack.observer, g.rid)) == shown
         report(f"cluster {fault}", got, expected, failed,
                f", election {elected:.2f} s" if elected is not None else "")  # fmt: skip
         await cluster.all_healthy()

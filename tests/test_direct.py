@@ -5,19 +5,21 @@ is refused before any engine runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 
 import msgspec
 import nats
 import pytest
-from nats.aio.msg import Msg
 
 from tests.conftest import Stack
 from tokenway import bus, ledger
 from tokenway import headers as h
+from tokenway.ledger_follow import Follow
 from tokenway.wire import (
-    TERMINAL_KINDS,
+    Delivered,
+    Failed,
     GenerateRequest,
     SamplingParams,
     StreamOptions,
@@ -29,21 +31,23 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = [6366, 33, 1040, 285]
 
 
-async def publish(stack: Stack, request: GenerateRequest) -> list[Msg]:
-    """Publish as a direct client does; every output message up to the terminal one."""
-    reply = f"job{secrets.token_hex(3)}"
+async def publish(stack: Stack, request: GenerateRequest) -> list[Delivered]:
+    """Publish as a direct client does; every output event up to the terminal one, read
+    from the ledger as it is stored."""
+    reply, rid = f"job{secrets.token_hex(3)}", request.request_id
     nc = await nats.connect(stack.observer)
+    follow = Follow(nc.jetstream(), bus.out_subject(reply, rid), rid)
     try:
-        js = nc.jetstream()
-        out = await js.subscribe(bus.out_subject(reply, request.request_id),
-                                 stream=bus.OUT_STREAM, ordered_consumer=True)  # fmt: skip
-        await js.publish(bus.sched_subject(stack.model), msgspec.msgpack.encode(request),
-                         headers=ledger.Identity(request.request_id, reply).headers())  # fmt: skip
-        got = [await out.next_msg(timeout=30)]
-        while got[-1].headers.get(h.KIND, h.KIND_CHUNK) not in TERMINAL_KINDS:
-            got.append(await out.next_msg(timeout=30))
+        await follow.open()
+        payload, headers = msgspec.msgpack.encode(request), ledger.Identity(rid, reply).headers()
+        await nc.jetstream().publish(bus.sched_subject(stack.model), payload, headers=headers)
+        got: list[Delivered] = []
+        async with asyncio.timeout(30):
+            async for events in follow.events():
+                got += events
         return got
     finally:
+        await follow.close()
         await nc.close()
 
 
@@ -63,8 +67,8 @@ async def test_a_token_only_body_gets_a_whole_response_with_ids_and_logprobs(
 ) -> None:
     request = msgspec.structs.replace(body(n=2, logprobs=1), return_token_ids=True)
     (msg,) = await publish(stack, request)
-    assert msg.headers[h.KIND] == h.KIND_RESPONSE
-    doc = json.loads(msg.data)
+    assert msg.kind == h.KIND_RESPONSE
+    doc = json.loads(msg.payload)
     assert doc["id"] == f"cmpl-{request.request_id}" and doc["object"] == "text_completion"
     assert doc["model"] == stack.model and doc["created"] > 0
     assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20,
@@ -79,19 +83,19 @@ async def test_a_token_only_body_gets_a_whole_response_with_ids_and_logprobs(
 
 async def test_its_stop_strings_and_stream_options_are_honoured(stack: Stack) -> None:
     (whole,) = await publish(stack, body(max_tokens=30))
-    text = json.loads(whole.data)["choices"][0]["text"]
+    text = json.loads(whole.payload)["choices"][0]["text"]
     stop = text[len(text) // 2 :][:3]
     before = text[: text.index(stop)]
     (stopped,) = await publish(stack, body(max_tokens=30, stop=[stop]))
-    choice = json.loads(stopped.data)["choices"][0]
+    choice = json.loads(stopped.payload)["choices"][0]
     assert choice["text"] == before and choice["finish_reason"] == "stop"
     streamed = msgspec.structs.replace(
         body(max_tokens=30), stream=True, stream_options=StreamOptions(include_usage=True)
     )
     msgs = await publish(stack, streamed)
-    assert {m.headers.get(h.KIND, h.KIND_CHUNK) for m in msgs[:-1]} == {h.KIND_CHUNK}
-    assert msgs[-1].headers[h.KIND] == h.KIND_END
-    docs = [json.loads(e[len("data: ") :]) for m in msgs for e in m.data.decode().split("\n\n")
+    assert {m.kind for m in msgs[:-1]} == {h.KIND_CHUNK}
+    assert msgs[-1].kind == h.KIND_END
+    docs = [json.loads(e[len("data: ") :]) for m in msgs for e in m.payload.decode().split("\n\n")
             if e.startswith("data: {")]  # fmt: skip
     assert "".join(c["text"] for d in docs for c in d["choices"]) == text
     assert docs[-1]["usage"]["prompt_tokens"] == 4 and not docs[-1]["choices"]
@@ -117,8 +121,8 @@ async def test_what_render_would_refuse_is_an_error_event_before_any_engine_runs
 ) -> None:
     request = msgspec.structs.replace(body(), **change)
     (msg,) = await publish(stack, request)
-    assert msg.headers[h.KIND] == h.KIND_ERROR and msg.headers[h.STATUS] == str(status)
-    error = json.loads(msg.data)["error"]
+    assert msg.kind == h.KIND_ERROR and isinstance(msg, Failed) and msg.status == status
+    error = json.loads(msg.payload)["error"]
     assert error["param"] == param and says in error["message"], error
     assert received(stack, request.request_id) == 0
 
@@ -131,5 +135,5 @@ async def test_a_grammar_that_recurses_deep_is_compiled_on_a_stack_with_room(sta
     request = body(max_tokens=4, ignore_eos=False,
                    structured_outputs=StructuredOutputs(grammar=grammar))  # fmt: skip
     (msg,) = await publish(stack, request)
-    assert msg.headers[h.KIND] == h.KIND_RESPONSE, msg.data
-    assert set(json.loads(msg.data)["choices"][0]["text"]) <= {"t"}
+    assert msg.kind == h.KIND_RESPONSE, msg.payload
+    assert set(json.loads(msg.payload)["choices"][0]["text"]) <= {"t"}

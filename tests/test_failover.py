@@ -21,7 +21,7 @@ from tests.conftest import Stack, make_settings, start_stack
 from tests.test_cli import free_port, logged, spawn, stop
 from tokenway import bus, ledger
 from tokenway import headers as h
-from tokenway.wire import GenerateRequest
+from tokenway.wire import End, GenerateRequest
 from workers.schedule.owned import Owned
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -171,9 +171,9 @@ async def test_a_new_owner_that_finds_the_end_stored_delivers_it_to_the_waiting_
     try:
         nc = await nats.connect(stack.observer)
         try:  # stored, never delivered
-            hdrs = ledger.out_headers(rid, 1, h.KIND_END)
-            await ledger.publish(nc.jetstream(), bus.out_subject(reply, rid), b"data: {}\n\n",
-                                 hdrs, within=5)  # fmt: skip
+            end = End(rid=rid, seq=1, payload=b"data: {}\n\n")
+            await ledger.publish(nc.jetstream(), bus.out_subject(reply, rid), ledger.encode([end]),
+                                 ledger.index_headers([end], reply=reply), within=5)  # fmt: skip
         finally:
             await nc.close()
         request = GenerateRequest(request_id=rid, token_ids=[1])

@@ -35,11 +35,11 @@ def sse(raw: str) -> list[dict]:
 
 
 async def committed(stack: Stack, rid: str) -> list[list[dict]]:
-    """The documents of each message the request's ledger holds, in order."""
+    """The documents of each event the request's ledger holds, in order."""
     nc = await nats.connect(stack.observer)
     try:
-        subject = bus.out_subject(stack.ingress.ingress_id, rid)
-        return [sse(m.data.decode()) async for m in ledger.stored(nc.jetstream(), subject)]
+        found = await ledger.read(nc.jetstream(), stack.ingress.ingress_id, rid)
+        return [sse(e.payload.decode()) for e in (found.events if found else [])]
     finally:
         await nc.close()
 
@@ -290,7 +290,8 @@ async def test_a_direct_publisher_sends_several_prompts_and_reads_one_response(
         msg = await out.next_msg(timeout=30)
     finally:
         await nc.close()
-    assert msg.headers[h.KIND] == h.KIND_RESPONSE
-    doc = json.loads(msg.data)
+    (whole,) = ledger.events_of(rid, msg)
+    assert whole.kind == h.KIND_RESPONSE
+    doc = json.loads(whole.payload)
     assert [c["index"] for c in doc["choices"]] == [0, 1]
     assert doc["usage"]["prompt_tokens"] == 3 and doc["usage"]["completion_tokens"] == 6

@@ -26,14 +26,14 @@ from engines.sim import SimConfig, SimEngine
 from engines.vllm_http import VllmEndpoint, VllmEngine
 from tests.conftest import make_settings, resolve_model, start_stack, wait_engines
 from tests.fakes.vllm_engine import FakeVllm, Knobs
+from tests.ledgers import stored_once
 from tests.stages import ITL, stage_processes
 from tests.streams import Streamed, post, until
 from tests.test_cli import logged
 from tests.test_scheduling import model, pipeline, sim
 from tokenway import bus, ledger
-from tokenway import headers as h
 from tokenway.aio import Signal
-from tokenway.wire import EngineWork
+from tokenway.wire import Chunk, EngineWork
 from workers.schedule.owned import first_attempt
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -59,15 +59,9 @@ def body(model: str, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}  # fmt: skip
 
 
-async def ledger_of(nats_url: str, reply: str, rid: str) -> list[tuple[int, int]]:
-    """(Tw-Seq, Tw-Attempt) of each message of a request's ledger, in stored order."""
-    nc = await nats.connect(nats_url)
-    try:
-        subject = bus.out_subject(reply, rid)
-        return [(int(m.headers[h.SEQ]), int(m.headers.get(h.ATTEMPT, 0)))
-                async for m in ledger.stored(nc.jetstream(), subject) if m.headers]  # fmt: skip
-    finally:
-        await nc.close()
+async def ledger_of(nats_url: str, rid: str) -> list[tuple[int, int]]:
+    """(Tw-Seq, attempt) of each event of a request's ledger, in order, each stored once."""
+    return [(e.seq, e.attempt) for e in await stored_once(nats_url, rid)]
 
 
 def assert_same_stream(got: Streamed, expected: Streamed, max_tokens: int) -> None:
@@ -209,7 +203,7 @@ async def test_an_owner_frozen_past_its_ack_wait_is_fenced_off_the_ledger(
         # Nothing of the stale owner's was stored (what deduplication and the ingress's
         # repeated-Tw-Seq drop would hide from the client): every Tw-Seq once, and the
         # attempts, whose high bits are the ownership epoch, never going back.
-        stored = await ledger_of(nats_url, c.stack.ingress.ingress_id, got.rid)
+        stored = await ledger_of(nats_url, got.rid)
         seqs, attempts = [s for s, _ in stored], [a for _, a in stored]
         assert seqs == list(range(1, len(seqs) + 1))
         assert attempts == sorted(attempts) and attempts[-1] >= first_attempt(2)
@@ -295,9 +289,10 @@ async def test_an_error_the_fence_refuses_leaves_the_request_to_its_new_owner(
         (r,) = schedule.requests.values()
         nc = await nats.connect(stack.observer)
         try:  # the peer's commit: what a takeover stores first
-            hdrs = ledger.out_headers(r.rid, 1, h.KIND_CHUNK, after=0, reply=r.reply)
+            first = [Chunk(rid=r.rid, seq=1, payload=b"data: {}\n\n")]
+            hdrs = ledger.index_headers(first, reply=r.reply, after=0)
             await ledger.publish(nc.jetstream(), bus.out_subject(r.reply, r.rid),
-                                 b"data: {}\n\n", hdrs, within=5)  # fmt: skip
+                                 ledger.encode(first), hdrs, within=5)  # fmt: skip
             engine.go.set()
             async with asyncio.timeout(10):
                 await schedule.empty.wait()

@@ -232,7 +232,7 @@ async def test_the_hand_overs_an_owner_keeps_for_its_peers_are_bounded_by_their_
         owner = stack.by_name["schedule"][0]
         await owner.started.wait()
         for n in range(5):
-            handed = HandOver(key=f"k{n}", ledger_seq=n + 1, out_seq=400, attempt=0,
+            handed = HandOver(key=f"k{n}", index_seq=n + 1, out_seq=400, attempt=0,
                               tokens=list(range(400)))  # fmt: skip
             await owner._on_handover(Msg(_client=None, data=msgspec.msgpack.encode(handed)))
         assert list(owner._handovers) == ["k3", "k4"]

@@ -45,9 +45,15 @@ async def test_a_request_s_stream_interval_gathers_its_tokens_per_chunk(
         assert_at_least(four, 4, every)
         assert len(four) <= 2 + 28 // 4
         async with httpx.AsyncClient(timeout=60) as http:
-            zero = {"model": stack.model, "prompt": "x", "stream": True, "stream_interval": 0}
-            bad = await http.post(f"{stack.url}/v1/completions", json=zero)
-        assert bad.status_code == 400 and "stream_interval" in bad.text
+            for wrong in (0, 2**64):  # (the second found by the fuzz test: it was a 500)
+                body = {
+                    "model": stack.model,
+                    "prompt": "x",
+                    "stream": True,
+                    "stream_interval": wrong,
+                }
+                bad = await http.post(f"{stack.url}/v1/completions", json=body)
+                assert bad.status_code == 400 and "stream_interval" in bad.text
 
 
 async def test_the_server_s_stream_interval_is_a_floor_a_request_may_only_raise(

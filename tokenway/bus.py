@@ -4,9 +4,10 @@ This module is the only place that spells subject, stream and consumer names. Th
 provisions JetStream idempotently at start-up and doubles as the contract for direct
 publishers (batch/RL jobs): publish a `RenderRequest` to `render_subject(model, batch=True)`
 or a `GenerateRequest` to `sched_subject(model, batch=True)` (a tenant's job: on its lane,
-`tenant=`) with the `Tw-Rid`/`Tw-Reply` headers, and read
-results from `out_subject(reply, rid)` (or live from `sse_subject(reply)`: msgpack
-`Delivery` messages, each holding what a writer just stored for that reply).
+`tenant=`) with the `Tw-Rid`/`Tw-Reply` headers, and read results from the ledger:
+`out_subject(reply, rid)`, the request's index, then its owner's records on
+`round_subject(reply, owner)` (`tokenway.ledger_follow`), or live from `sse_subject(reply)`
+(msgpack `Delivery` messages, each holding what a writer just stored for that reply).
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def owns_reply(tenant: str, reply: str) -> bool:
 
 def out_subject(reply: str, rid: str) -> str:
     return f"tw.out.{reply}.{rid}"
+
+
+def round_subject(reply: str, owner: str) -> str:
+    """An owner's round records for one reply (`tokenway.ledger`): per reply, so a tenant's
+    client reads its own requests' output under `tw.out.tenant.<tenant>.>` and nobody
+    else's; `o` and the owner are two tokens, so no request's own subject is one."""
+    return f"tw.out.{reply}.o.{owner}"
 
 
 OUTPUTS = "tw.out.>"  # every ledger (what `TW_OUT` stores)

@@ -10,9 +10,11 @@
 A request is an OpenAI body (a dict or an encoded JSON body: `messages` make it a chat
 completion, else a completion), rendered like an HTTP request, or a `GenerateRequest`:
 vLLM's token-only body, which skips render (the schedule stage fills in its output
-context). Its output is the request's ledger on `TW_OUT`, `tw.out.<reply>.<rid>`: read
-live, or later within the stream's retention. `reply` names the job (one per client
-unless given); the request id is the caller's or a fresh one.
+context). Its output is the request's ledger on `TW_OUT`: its index,
+`tw.out.<reply>.<rid>`, then its owner's round records for the reply
+(`tokenway.ledger_follow` reads both): read live, or later within the stream's retention.
+`reply` names the job (one per client unless given); the request id is the caller's or a
+fresh one.
 
 A tenant's job (`tenant=`, connected as the tenant's `client-<tenant>` NATS user) queues on
 its tenant's batch lanes, and its reply is `tenant.<tenant>.<job>`: the user may read and
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -51,12 +54,14 @@ from tokenway.aio import Signal, cancel_and_wait
 from tokenway.config import ENV_PREFIX, TENANT_ENV, load_settings
 from tokenway.credentials import connect_options
 from tokenway.errors import CannotStart
+from tokenway.ledger_follow import Follow
 from tokenway.out_reader import Reader
-from tokenway.wire import TERMINAL_KINDS, Api, GenerateRequest, RenderRequest
+from tokenway.wire import TERMINAL_KINDS, Api, Delivered, Failed, GenerateRequest, RenderRequest
 
 Request = dict[str, Any] | bytes | GenerateRequest
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
 _BACKOFF, _MAX_BACKOFF = 0.05, 2.0  # seconds between tries while a queue is full
 
 
@@ -236,24 +241,22 @@ class Client:
     async def outputs(self, rid: str, timeout: float | None = None) -> AsyncGenerator[Output, None]:
         """The request's output from its first message to its end, live or stored
         (`timeout`: seconds to wait for each next message; None waits as long as it takes)."""
-        reader = Reader(self.js, bus.out_subject(self.reply, rid), DeliverPolicy.ALL)
-        await self._unless_refused(reader.open())
-        messages = reader.messages()
-        seen = 0
+        follow = Follow(self.js, bus.out_subject(self.reply, rid), rid)
         try:
-            while True:
-                async with asyncio.timeout(timeout):
-                    msg = await anext(messages)
-                out = _output(msg.headers, msg.data, seen + 1)
-                if out.seq <= seen:
-                    continue  # stored twice: one place in the output is one message
-                seen = out.seq
-                yield out
-                if out.terminal:
-                    return
+            await self._unless_refused(follow.open())
+            events = follow.events()
+            try:
+                while True:
+                    async with asyncio.timeout(timeout):
+                        batch = await anext(events)
+                    for event in batch:
+                        yield _output(event)
+                        if event.terminal:
+                            return
+            finally:
+                await events.aclose()
         finally:
-            await messages.aclose()
-            await reader.close()
+            await follow.close()
 
     async def result(self, rid: str, timeout: float | None = None) -> dict[str, Any]:
         """The whole response of a request that did not stream; `RequestFailed` for an
@@ -400,9 +403,14 @@ class Finished:
             self._began.add(rid)
             if msg.metadata.num_pending == 0:
                 self._current.set()
-            out = _output(msg.headers, msg.data)
-            if not out.terminal:
+            try:
+                events = ledger.events_of(rid, msg)
+            except (KeyError, ValueError) as exc:
+                log.error("ledger record on %s unreadable: %r", msg.subject, exc)
                 continue
+            if not events or not events[-1].terminal:
+                continue
+            out = _output(events[-1])
             waiter = self._waiting.get(rid)
             if waiter is not None and not waiter.done():
                 waiter.set_result(out)
@@ -410,14 +418,9 @@ class Finished:
                 self._ended[rid] = out
 
 
-def _output(headers: dict[str, str] | None, body: bytes, seq: int = 1) -> Output:
-    hdrs = headers or {}
-    return Output(
-        kind=hdrs.get(h.KIND, h.KIND_CHUNK),
-        body=body,
-        seq=int(hdrs.get(h.SEQ, seq)),
-        status=int(hdrs.get(h.STATUS, 200)),
-    )
+def _output(event: Delivered) -> Output:
+    status = event.status if isinstance(event, Failed) else 200
+    return Output(kind=event.kind, body=event.payload, seq=event.seq, status=status)
 
 
 def outcome(rid: str, out: Output) -> dict[str, Any] | RequestFailed:

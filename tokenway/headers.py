@@ -20,6 +20,9 @@ TENANT = "Tw-Tenant"  # the API key's tenant, set by the ingress
 LIMITS = "Tw-Limits"  # that tenant's limits (`tokenway.tenancy.Limits`), set by the ingress
 RETRY_AFTER = "Tw-Retry-After"  # of a 429 error: seconds until the client may try again
 BATCH = "Tw-Batch"  # "1": a batch job's request: it waits out full queues and yields to others
+EVENTS = "Tw-Events"  # an index record's: how many events it holds
+OWNER = "Tw-Owner"  # an index record's: the round subject its request's next events are on
+OWNER_SEQ = "Tw-Owner-Seq"  # ... after this sequence of it
 TRACEPARENT = "traceparent"  # W3C Trace Context, from the client (or the ingress) to the engine
 
 # Optimistic concurrency: stored only if the subject's last message has this sequence.
@@ -31,6 +34,8 @@ KIND_CHUNK = "chunk"  # stream chunk(s); more follow
 KIND_END = "end"  # last stream chunk(s); the client then gets [DONE]
 KIND_RESPONSE = "response"  # a complete non-streaming response body
 KIND_ERROR = "error"  # an OpenAI error body; `Tw-Status` holds the HTTP status
+KIND_ROUND = "round"  # an owner's round record: events of many requests
+KIND_TAKEOVER = "takeover"  # requests taken from the owner of the round subject
 
 # A state is a few hundred bytes; anything far above that is tampering or a bug.
 MAX_STATE_BYTES = 16 * 1024

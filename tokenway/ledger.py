@@ -1,8 +1,21 @@
-"""Publishing to `TW_OUT` (the committed ledger) and `TW_DLQ`, with the headers they carry.
+"""The committed ledger (`TW_OUT`) and the dead letters (`TW_DLQ`): their records and headers.
 
-Whoever stores a ledger message delivers it, once its publish is acknowledged, to the live
-readers of its reply subject (`Delivery` on `tw.sse.<reply>`): the client never sees what is
-not stored, and a reader gets one message per round of commits instead of one per chunk.
+A request's committed output lives in two kinds of record, both msgpack `Delivery`:
+
+- **Round records**, on `bus.round_subject(reply, owner)`: each holds every event an owner
+  committed for that reply in one round, fenced on the subject's last sequence, so each
+  owner writes one record per reply and engine step whatever the number of requests. Once
+  stored, the same bytes go to the reply's live readers (`tw.sse.<reply>`): a client never
+  sees what is not stored.
+- **Index records**, on `bus.out_subject(reply, rid)`, fenced on that subject's last
+  sequence: the request's first event, a segment of its events every `SEGMENT_TOKENS`
+  tokens, a change of owner, and its end with every event not indexed before. Each names
+  the round subject where the events after it are (`Tw-Owner`, after `Tw-Owner-Seq`). So
+  one request's output is read at a cost bounded by its own length: its index, then its
+  owner's rounds since, which hold at most a segment's worth of its events.
+
+An owner taking requests over first stores a `Takeover` on the old owner's round subject:
+the old owner's next round record is refused by the server, and it lets those requests go.
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ import hashlib
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -28,162 +41,169 @@ from tokenway import headers as h
 from tokenway.errors import error_body
 from tokenway.metrics import DEAD_LETTERS
 from tokenway.tenancy import Limits
-from tokenway.wire import OUTPUTS, DeadLetter, Delivered, Delivery, ErrorInfo, Failed
+from tokenway.wire import (
+    OUTPUTS,
+    Chunk,
+    DeadLetter,
+    Delivered,
+    Delivery,
+    ErrorInfo,
+    Failed,
+    Takeover,
+)
 
 log = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
-_delivery = msgspec.msgpack.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+_records = msgspec.msgpack.Decoder(Delivery)
+_takeover = msgspec.msgpack.Decoder(Takeover)
 
 PUBLISH_WITHIN = 10.0  # seconds a ledger publish keeps trying (a server restart takes ~1)
+# A request's events go into its index once this many of its tokens are not indexed (and
+# at its end): what a takeover or a resume reads of its owner's rounds holds at most these.
+SEGMENT_TOKENS = 32
 
 
-def out_headers(
-    rid: str,
-    seq: int,
-    kind: str,
-    *,
-    attempt: int | None = None,
-    state: bytes | None = None,
-    tokens: list[int] | None = None,
-    status: int | None = None,
-    retry_after: int = 0,
-    after: int | None = None,
-    tenant: str = "",
-    reply: str = "",
-) -> dict[str, str]:
-    """`after`: the stream sequence of the request's last ledger message as its owner knows
-    it; a publish from an owner that lost the request (another one published since) fails.
-    `tenant`: whose request it is, for whoever reads the ledger back for a client. `reply`:
-    where its output goes, which with the rid names an unfenced message for JetStream's
-    de-duplication (a direct publisher picks its rids: another job's may be the same).
+def encode(events: Sequence[Delivered]) -> bytes:
+    """A record's payload, or a live delivery: the same bytes."""
+    return _msgpack.encode(Delivery(events=list(events)))
 
-    A fenced message carries no `Nats-Msg-Id`: the fence already refuses it sent twice (a
+
+def fence(after: int | None, msg_id: str) -> dict[str, str]:
+    """`after`: the subject's last sequence as its writer knows it; a publish from a writer
+    that lost the subject (another wrote since) is refused. Without it, `msg_id` names
+    the record for JetStream's de-duplication.
+
+    A fenced record carries no `Nats-Msg-Id`: the fence already refuses it sent twice (a
     retry is told stored by `already_stored`), and the server would keep every id of the
     hot path in memory for the window. Without it, nats-server spends 13-25% less CPU per
     record at 16-64 records a round (docs/design-notes.md)."""
-    # Lean: every header costs the ingress parsing time, and the subject names the rid.
-    hdrs = {h.SEQ: str(seq)}
     if after is not None:
-        hdrs[h.EXPECTED_LAST_SUBJECT_SEQ] = str(after)
-    else:
-        hdrs[h.MSG_ID] = f"{reply}.{rid}:{seq}"
-    if kind != h.KIND_CHUNK:
-        hdrs[h.KIND] = kind
-    if attempt is not None:
-        hdrs[h.ATTEMPT] = str(attempt)
-    if state is not None:
-        hdrs[h.STREAM_STATE] = h.encode_state(state)
-    if tokens and kind == h.KIND_RESPONSE:
-        # Terminal: nothing resumes from its IDs, and JetStream holds no more than 64 KiB
-        # of headers (~10k IDs); the count is what readers use.
-        hdrs[h.TOKEN_COUNT] = str(len(tokens))
-    elif tokens:
-        hdrs[h.TOKENS] = h.encode_tokens(tokens)
-    if status is not None:
-        hdrs[h.STATUS] = str(status)
-    if retry_after:
-        hdrs[h.RETRY_AFTER] = str(retry_after)
+        return {h.EXPECTED_LAST_SUBJECT_SEQ: str(after)}
+    return {h.MSG_ID: msg_id}
+
+
+def round_headers(after: int) -> dict[str, str]:
+    return {h.KIND: h.KIND_ROUND, h.EXPECTED_LAST_SUBJECT_SEQ: str(after)}
+
+
+@dataclass(frozen=True, slots=True)
+class Pointer:
+    """Where a request's events after an index record are: its owner's round subject,
+    after that stream sequence."""
+
+    subject: str
+    after: int
+
+
+def index_headers(
+    events: Sequence[Delivered],
+    *,
+    reply: str,
+    after: int | None = None,
+    tenant: str = "",
+    owner: Pointer | None = None,
+    seq: int = 0,
+) -> dict[str, str]:
+    """An index record's headers: its last event's `Tw-Seq` and kind (what a reader of the
+    last record per subject needs), how many events it holds, whose request it is, and
+    where its owner's rounds go on. `after`: as in `fence`; `seq`: the request's last
+    `Tw-Seq` where the record holds no event (a change of owner)."""
+    last = events[-1] if events else None
+    seq = last.seq if last is not None else seq
+    hdrs = fence(after, f"{reply}.{last.rid if last else ''}:{seq}")
+    hdrs[h.SEQ] = str(seq)
+    hdrs[h.EVENTS] = str(len(events))
+    if last is not None and last.kind != h.KIND_CHUNK:
+        hdrs[h.KIND] = last.kind
+    if isinstance(last, Failed):
+        hdrs[h.STATUS] = str(last.status)
+        if last.retry_after:
+            hdrs[h.RETRY_AFTER] = str(last.retry_after)
     if tenant:
         hdrs[h.TENANT] = tenant
+    if owner is not None:
+        hdrs[h.OWNER] = owner.subject
+        hdrs[h.OWNER_SEQ] = str(owner.after)
     return hdrs
+
+
+def error_event(rid: str, seq: int, info: ErrorInfo) -> Failed:
+    return Failed(
+        rid=rid, seq=seq, payload=error_body(info), status=info.status, retry_after=info.retry_after
+    )
 
 
 async def publish_error(
     nc: NATS,
     reply: str,
     rid: str,
-    seq: int,
     info: ErrorInfo,
+    *,
+    before: Sequence[Delivered] = (),
+    seq: int = 1,
     after: int | None = None,
     tenant: str = "",
-) -> None:
-    """An error event for the client; the stream (or response) ends with it."""
-    hdrs = out_headers(
-        rid,
-        seq,
-        h.KIND_ERROR,
-        status=info.status,
-        retry_after=info.retry_after,
-        after=after,
-        tenant=tenant,
-        reply=reply,
-    )
-    await commit(
-        nc,
-        reply,
-        rid,
-        seq,
-        h.KIND_ERROR,
-        error_body(info),
-        hdrs,
-        status=info.status,
-        retry_after=info.retry_after,
-    )
+    owner: Pointer | None = None,
+) -> PubAck:
+    """An error event for the client; the stream (or response) ends with it. `before`: the
+    events it follows that the request's index does not hold yet (an owner's), `seq` its
+    `Tw-Seq` when there are none."""
+    event = error_event(rid, before[-1].seq + 1 if before else seq, info)
+    return await commit(nc, reply, rid, [*before, event], after=after, tenant=tenant, owner=owner)
 
 
 async def commit(
     nc: NATS,
     reply: str,
     rid: str,
-    seq: int,
-    kind: str,
-    payload: bytes,
-    headers: dict[str, str],
+    events: Sequence[Delivered],
     *,
-    status: int = 200,
-    retry_after: int = 0,
-    tokens: int = 0,
+    after: int | None = None,
+    tenant: str = "",
+    owner: Pointer | None = None,
 ) -> PubAck:
-    """One ledger message stored (retried while NATS comes back), then delivered live."""
-    ack = await publish(
-        nc.jetstream(), bus.out_subject(reply, rid), payload, headers, within=PUBLISH_WITHIN
-    )
-    event = _event(kind, rid, seq, ack.seq, payload, status, retry_after, tokens)
-    await deliver(nc, reply, [event])
+    """Events stored on the request's index (retried while NATS comes back), then delivered
+    live: a writer of one request at a time (not an owner's round)."""
+    ack = await index(nc.jetstream(), reply, rid, events, after=after, tenant=tenant, owner=owner)
+    await deliver(nc, reply, encode(events))
     return ack
 
 
-def _event(
-    kind: str,
+async def index(
+    js: JetStreamContext,
+    reply: str,
     rid: str,
-    seq: int,
-    stream_seq: int,
-    payload: bytes,
-    status: int,
-    retry_after: int,
-    tokens: int,
-) -> Delivered:
-    """A message stored with `Tw-Kind` `kind` as its variant (an unknown kind, which no
-    writer stores, passes as a chunk)."""
-    if kind == h.KIND_ERROR:
-        return Failed(
-            rid=rid,
-            seq=seq,
-            stream_seq=stream_seq,
-            payload=payload,
-            status=status,
-            retry_after=retry_after,
-        )
-    variant = OUTPUTS.get(kind, OUTPUTS[h.KIND_CHUNK])
-    return variant(rid=rid, seq=seq, stream_seq=stream_seq, payload=payload, tokens=tokens)
+    events: Sequence[Delivered],
+    *,
+    after: int | None = None,
+    tenant: str = "",
+    owner: Pointer | None = None,
+    seq: int = 0,
+    within: float = PUBLISH_WITHIN,
+) -> PubAck:
+    """An index record of the request stored (`index_headers` says what each argument
+    is), retried while NATS comes back for `within` seconds."""
+    headers = index_headers(events, reply=reply, after=after, tenant=tenant, owner=owner, seq=seq)
+    return await publish(js, bus.out_subject(reply, rid), encode(events), headers, within)
 
 
-async def deliver(nc: NATS, reply: str, events: list[Delivered]) -> None:
-    """What was just stored for `reply`, to whoever streams it live (core NATS: a lost
-    delivery shows as a gap in `Tw-Seq`, or as nothing at a stream's end, and the reader
-    reads the ledger back)."""
-    await nc.publish(bus.sse_subject(reply), _delivery.encode(Delivery(events=events)))
+async def deliver(nc: NATS, reply: str, payload: bytes) -> None:
+    """What was just stored for `reply` (`encode`d events), to whoever streams it live (core
+    NATS: a lost delivery shows as a gap in `Tw-Seq`, or as nothing at a stream's end, and
+    the reader reads the ledger back)."""
+    await nc.publish(bus.sse_subject(reply), payload)
 
 
 async def publish(
     js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], within: float
 ) -> PubAck:
-    """Store one ledger message, retrying while NATS or the stream comes back (a restart).
+    """Store one ledger record, retrying while NATS or the stream comes back (a restart).
 
     Safe to retry: the server checks the fence (the expected last subject sequence) before
     the message id, so a publish that was stored but not answered is refused as superseded
-    when sent again; it is told apart from another owner's by being the subject's last
+    when sent again; it is told apart from another writer's by being the subject's last
     message, byte for byte (`already_stored`).
     """
     try:
@@ -209,28 +229,38 @@ async def already_stored(
 
 
 def superseded(exc: APIError) -> bool:
-    """The publish was refused because another owner has written the request's ledger."""
+    """The publish was refused because another writer has written the subject since."""
     return exc.err_code == h.WRONG_LAST_SEQUENCE
 
 
-@dataclass
-class Committed:
-    """What a request's ledger holds: where a new owner picks it up."""
+async def take_over(js: JetStreamContext, old: str, rids: list[str], new: str) -> int:
+    """Store a `Takeover` of `rids` on the old owner's round subject `old`: its sequence.
+    Not fenced: wherever it lands, what the old owner stored before it is read, and its
+    next round record (fenced on the sequence before) is refused."""
+    payload = _msgpack.encode(Takeover(rids=rids, owner=new))
+    headers = {h.KIND: h.KIND_TAKEOVER}
+    ack = await bus.publish_stored(js, old, payload, headers, PUBLISH_WITHIN)
+    return ack.seq
 
-    seq: int  # the last Tw-Seq
-    stream_seq: int  # the last message's sequence in TW_OUT (what the next publish expects)
-    attempt: int  # the highest Tw-Attempt
-    ended: bool  # an end, a whole response or an error is stored: nothing is left to do
-    state: bytes | None  # the last stream_state
-    tokens: array  # every committed output token ID, in order
-    last: Delivered | None  # the last message, as delivered (None: from a hand-over)
+
+async def taken(js: JetStreamContext, subject: str, after: int) -> tuple[set[str], int]:
+    """The requests taken over from the owner of round subject `subject` after `after`,
+    and the sequence of the last record read (what the owner's next record is fenced on:
+    a takeover stored since refuses it again)."""
+    rids: set[str] = set()
+    last = after
+    async for msg in stored(js, subject, after):
+        last = msg.seq or last
+        if (msg.headers or {}).get(h.KIND) == h.KIND_TAKEOVER:
+            rids.update(_takeover.decode(msg.data or b"").rids)
+    return rids, last
 
 
 async def stored(
     js: JetStreamContext, subject: str, after: int = 0, before: int | None = None
 ) -> AsyncIterator[RawStreamMsg]:
-    """A request's ledger messages after stream sequence `after` (and before `before`), in
-    order, by direct gets: rare reads (a takeover, a lost delivery) leave no consumer."""
+    """A subject's records after stream sequence `after` (and before `before`), in order,
+    by direct gets: rare reads (a takeover, a lost delivery) leave no consumer."""
     seq = after + 1
     while before is None or seq < before:
         try:
@@ -244,45 +274,133 @@ async def stored(
         seq = msg.seq + 1
 
 
-async def read_back(js: JetStreamContext, reply: str, rid: str) -> Committed | None:
-    """The request's committed output, or None when nothing of it is stored."""
-    found = None
-    async for msg in stored(js, bus.out_subject(reply, rid)):
-        hdrs = msg.headers or {}
+@dataclass
+class Read:
+    """A request's committed events, as its index and its owner's rounds hold them."""
+
+    events: list[Delivered]  # every one, in `Tw-Seq` order from 1
+    index_seq: int  # the index's last record's sequence (what its next record expects)
+    indexed: int  # the last `Tw-Seq` the index holds
+    owner: Pointer | None  # where the events after the index are
+    tenant: str
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.events) and self.events[-1].terminal
+
+    def add(self, events: Sequence[Delivered], rid: str) -> None:
+        for event in events:
+            if event.rid != rid or event.seq <= len(self.events):
+                continue  # another request's, or held already (a segment repeats a round)
+            if event.seq != len(self.events) + 1:
+                log.error("ledger of %s: event %d after %d", rid, event.seq, len(self.events))
+                continue
+            self.events.append(event)
+
+
+def events_of(rid: str, msg: Msg | RawStreamMsg) -> list[Delivered]:
+    """A stored record's events (a round record's are many requests'; a takeover holds
+    none); ValueError (or KeyError) when it is unreadable. An index record of the version
+    before round records (no `Tw-Events`) holds one event, its payload as is and the rest
+    in headers."""
+    hdrs = msg.headers or {}
+    kind = hdrs.get(h.KIND)
+    if kind == h.KIND_TAKEOVER:
+        return []
+    if h.EVENTS in hdrs or kind == h.KIND_ROUND:
         try:
-            last = delivered(rid, msg)
-        except (KeyError, ValueError):
-            log.error("ledger message %d of %s has no valid %s header", msg.seq, rid, h.SEQ)
-            continue
-        assert msg.seq is not None  # a stored message has its sequence
-        found = found or Committed(0, 0, 0, ended=False, state=None, tokens=array("i"), last=last)
-        found.stream_seq, found.seq, found.last = msg.seq, last.seq, last
-        found.attempt = max(found.attempt, int(hdrs.get(h.ATTEMPT, 0)))
-        found.ended = last.terminal
-        if h.STREAM_STATE in hdrs:
-            found.state = h.decode_state(hdrs[h.STREAM_STATE])
-        found.tokens.extend(h.decode_tokens(hdrs.get(h.TOKENS, "")))
+            return _records.decode(msg.data or b"").events
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"unreadable ledger record: {exc}") from exc
+    return [_legacy(rid, msg.data or b"", hdrs)]
+
+
+def _legacy(rid: str, payload: bytes, hdrs: dict[str, str]) -> Delivered:
+    kind, seq = hdrs.get(h.KIND, h.KIND_CHUNK), int(hdrs[h.SEQ])
+    attempt = int(hdrs.get(h.ATTEMPT, 0))
+    if kind == h.KIND_ERROR:
+        status, after = int(hdrs.get(h.STATUS, 500)), int(hdrs.get(h.RETRY_AFTER, 0))
+        return Failed(rid=rid, seq=seq, payload=payload, status=status, retry_after=after)
+    ids = h.decode_tokens(hdrs.get(h.TOKENS, ""))
+    state = h.decode_state(hdrs[h.STREAM_STATE]) if h.STREAM_STATE in hdrs else None
+    variant = OUTPUTS.get(kind, Chunk)
+    count = len(ids) or int(hdrs.get(h.TOKEN_COUNT, 0))
+    return variant(
+        rid=rid, seq=seq, payload=payload, attempt=attempt, tokens=count, ids=ids, state=state
+    )
+
+
+async def read(js: JetStreamContext, reply: str, rid: str) -> Read | None:
+    """The request's committed events (None: nothing is stored)."""
+    found = await read_index(js, reply, rid)
+    if found is not None:
+        await read_rounds(js, found, rid)
     return found
 
 
-def delivered(rid: str, msg: Msg | RawStreamMsg) -> Delivered:
-    """A stored ledger message (read back by a direct get, or from a consumer) as delivered
-    live; KeyError or ValueError when its `Tw-Seq` is missing or not a number."""
-    hdrs = msg.headers or {}
-    if isinstance(msg, RawStreamMsg):
-        stream_seq = msg.seq or 0
-    else:
-        stream_seq = msg.metadata.sequence.stream
-    return _event(
-        hdrs.get(h.KIND, h.KIND_CHUNK),
-        rid,
-        int(hdrs[h.SEQ]),
-        stream_seq,
-        msg.data or b"",
-        status=int(hdrs.get(h.STATUS, 200)),
-        retry_after=int(hdrs.get(h.RETRY_AFTER, 0)),
-        tokens=h.count_tokens(hdrs.get(h.TOKENS, "")) or int(hdrs.get(h.TOKEN_COUNT, 0)),
-    )
+async def read_index(js: JetStreamContext, reply: str, rid: str) -> Read | None:
+    """What the request's index holds (None: nothing), and where its owner goes on."""
+    found = Read([], 0, 0, None, "")
+    async for msg in stored(js, bus.out_subject(reply, rid)):
+        hdrs = msg.headers or {}
+        try:
+            found.add(events_of(rid, msg), rid)
+        except (KeyError, ValueError) as exc:
+            log.error("ledger record %d of %s unreadable: %r", msg.seq, rid, exc)
+        assert msg.seq is not None  # a stored message has its sequence
+        found.index_seq, found.indexed = msg.seq, len(found.events)
+        found.tenant = found.tenant or hdrs.get(h.TENANT, "")
+        owner = hdrs.get(h.OWNER)
+        found.owner = Pointer(owner, int(hdrs.get(h.OWNER_SEQ, 0))) if owner else None
+    return found if found.index_seq else None
+
+
+async def read_rounds(
+    js: JetStreamContext, found: Read, rid: str, before: int | None = None
+) -> None:
+    """Add the request's events in its owner's round records after its index's last
+    record, up to a takeover of it (or the round subject's sequence `before`)."""
+    if found.owner is None or found.ended:
+        return
+    async for msg in stored(js, found.owner.subject, found.owner.after, before):
+        kind = (msg.headers or {}).get(h.KIND)
+        if kind == h.KIND_TAKEOVER and rid in _takeover.decode(msg.data or b"").rids:
+            return  # nothing of it after this is its owner's to write
+        if kind == h.KIND_ROUND:
+            found.add(_records.decode(msg.data or b"").events, rid)
+
+
+@dataclass
+class Committed:
+    """What a request's ledger holds: where a new owner picks it up."""
+
+    seq: int  # the last Tw-Seq
+    index_seq: int  # the index's last record's sequence (what its next record expects)
+    attempt: int  # the highest attempt
+    ended: bool  # an end, a whole response or an error is stored: nothing is left to do
+    state: bytes | None  # the last stream_state
+    tokens: array  # every committed output token ID, in order
+    last: Delivered | None  # the last event (None: from a hand-over)
+    unindexed: list[Delivered]  # the events after the index's last record
+
+    @classmethod
+    def of(cls, found: Read) -> Committed:
+        tokens, state, attempt = array("i"), None, 0
+        for event in found.events:
+            attempt = max(attempt, event.attempt)
+            if not isinstance(event, Failed):
+                tokens.extend(event.ids)
+                state = event.state if event.state is not None else state
+        return cls(
+            seq=len(found.events),
+            index_seq=found.index_seq,
+            attempt=attempt,
+            ended=found.ended,
+            state=state,
+            tokens=tokens,
+            last=found.events[-1] if found.events else None,
+            unindexed=found.events[found.indexed :],
+        )
 
 
 # The word a dead letter's reason starts with (`decode: ...`), what `tokenway dlq ls --reason`

@@ -6,7 +6,7 @@ or a schedule worker's fan-out reading its children's output) as one `Delivery` 
 subscribes to it once and drops each event into its request's slot. A slot is a small queue
 plus an event; a writer that fell behind takes everything queued at once. Deliveries are core
 NATS: what a reconnect (or a writer's death) loses shows as a gap in `Tw-Seq` (or, at a
-stream's tail, as nothing), and is read back from the ledger by stream sequence.
+stream's tail, as nothing), and is read back from the ledger (`ledger.read`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import RawStreamMsg
 
 from tokenway import bus, ledger
-from tokenway import headers as h
 from tokenway.errors import error_body
 from tokenway.wire import Delivered, Delivery, ErrorInfo, Failed
 
@@ -61,7 +59,6 @@ class Slot:
         self.events: deque[Event] = deque()
         self.arrived = asyncio.Event()
         self.last_seq = 0
-        self.stream_seq = 0  # where reading the ledger back starts after
         self.abandoned = False  # its client left: waiting for more ends
         self.limit = limit
         self.queued = 0  # payload bytes in `events`
@@ -78,7 +75,6 @@ class Slot:
         if event.seq != self.last_seq + 1:
             log.warning("gap in output: seq %d after %d", event.seq, self.last_seq)
         self.last_seq = event.seq
-        self.stream_seq = max(self.stream_seq, event.stream_seq)
         self.events.append(event)
         self.queued += len(event.payload)
         if self.limit is not None and self.queued > self.limit:
@@ -87,9 +83,7 @@ class Slot:
 
     def cut(self, error: bytes) -> None:
         """Ends the stream here with `error` (an error body): its writer is going away."""
-        event = Failed(
-            rid="", seq=self.last_seq + 1, stream_seq=self.stream_seq, payload=error, status=503
-        )
+        event = Failed(rid="", seq=self.last_seq + 1, payload=error, status=503)
         self.keep(event)
 
     def abandon(self) -> None:
@@ -189,7 +183,7 @@ class OutputRouter:
             if slot is None or slot.spilled:
                 continue  # the client already left, or it is read back when taken
             if event.seq > slot.last_seq + 1:  # delivered while we were away, or lost
-                await self._read_back(event.rid, slot, before=event.stream_seq)
+                await self._read_back(event.rid, slot, before=event.seq)
             slot.put(event)
 
     async def _unreadable(self, msg: Msg, exc: msgspec.DecodeError) -> None:
@@ -217,10 +211,10 @@ class OutputRouter:
             await self._read_back(rid, slot)
 
     async def _read_back(self, rid: str, slot: Slot, before: int | None = None) -> None:
-        """The request's ledger messages after the slot's last, up to `before` (a stream
-        sequence) or the end."""
+        """The request's committed events after the slot's last, up to `before` (a
+        `Tw-Seq`) or the end."""
         try:
-            async for event in self._stored(rid, slot.stream_seq, before):
+            async for event in self._stored(rid, slot.last_seq, before):
                 slot.put(event)
                 if slot.spilled:
                     return  # the rest when its reader takes what it holds
@@ -230,21 +224,18 @@ class OutputRouter:
     async def _stored(
         self, rid: str, after: int, before: int | None = None
     ) -> AsyncIterator[Event]:
-        """The request's ledger messages after stream sequence `after`, as events."""
-        async for raw in ledger.stored(
-            self.js, bus.out_subject(self.ingress_id, rid), after, before
-        ):
-            if (event := event_of(rid, raw)) is not None:
-                yield event
+        """The request's committed events after `Tw-Seq` `after` (and before `before`)."""
+        found = await ledger.read(self.js, self.ingress_id, rid)
+        for event in found.events[after : before and before - 1] if found else ():
+            yield event
 
     async def _refill(self, rid: str, slot: Slot) -> None:
         """A spilled slot's reader took all it held: the next events from the ledger, up to
         its limit. At the ledger's end the slot takes live events again, and reads once
         more what was stored (and dropped) while it read."""
         try:
-            async for event in self._stored(rid, slot.stream_seq):
-                if event.seq > slot.last_seq:
-                    slot.keep(event)
+            async for event in self._stored(rid, slot.last_seq):
+                slot.keep(event)
                 if slot.queued > (slot.limit or 0):
                     return  # still spilled: the next part when this one is taken
         except nats.errors.Error as exc:
@@ -253,12 +244,3 @@ class OutputRouter:
             return
         slot.spilled = False
         await self._read_back(rid, slot)
-
-
-def event_of(rid: str, msg: Msg | RawStreamMsg) -> Event | None:
-    """A ledger message read back from TW_OUT (a direct get, or a consumer) as an event."""
-    try:
-        return ledger.delivered(rid, msg)
-    except (KeyError, ValueError):
-        log.error("output message without a valid %s header on %s", h.SEQ, msg.subject)
-        return None

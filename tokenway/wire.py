@@ -337,7 +337,7 @@ class HandOver(Struct, kw_only=True, omit_defaults=True):
     what a takeover would otherwise read back from the ledger, one message at a time."""
 
     key: str  # the request's (`ledger.request_key`)
-    ledger_seq: int  # TW_OUT's sequence of its last committed message
+    index_seq: int  # TW_OUT's sequence of its index's last record (which holds all of it)
     out_seq: int  # its last committed Tw-Seq
     attempt: int
     state: bytes | None = None  # the last committed stream_state (derender's)
@@ -452,14 +452,15 @@ class DerenderReply(Struct, kw_only=True, omit_defaults=True):
 
 
 class _Stored(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="kind"):
-    """One ledger message just stored, for whoever streams its request live: its `Tw-Seq`,
-    its sequence in TW_OUT (where reading back starts after) and payload; its variant (the
-    tag, `kind`) is its `Tw-Kind`."""
+    """One committed ledger event: its `Tw-Seq` and payload, and what a new owner resumes
+    from (the attempt that made it); its variant (the tag, `kind`) is its `Tw-Kind`. The
+    same struct is stored (an owner's round record, a request's index record) and delivered
+    live (`Delivery`)."""
 
     rid: str
     seq: int
-    stream_seq: int
     payload: bytes
+    attempt: int = 0
     terminal: ClassVar[bool] = True  # it ends the request's output
 
     @property
@@ -470,6 +471,10 @@ class _Stored(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="
 
 class _Output(_Stored, frozen=True):
     tokens: int = 0  # how many output token IDs it commits
+    # A streamed chunk's token IDs and the stream_state after it: where a relay goes on.
+    # (A whole response keeps neither: nothing goes on after it.)
+    ids: list[int] = []
+    state: bytes | None = None
 
 
 class Chunk(_Output, frozen=True, tag=h.KIND_CHUNK):
@@ -491,6 +496,7 @@ class Failed(_Stored, frozen=True, tag=h.KIND_ERROR):
 
     status: int  # `Tw-Status`: its HTTP status
     retry_after: int = 0  # `Tw-Retry-After` of an error that passes
+    tokens: ClassVar[int] = 0  # it commits no output token
 
 
 # A ledger writer of the version before the variants leaves a chunk's tag out: a reader
@@ -505,10 +511,19 @@ OUTPUTS: dict[str, type[Chunk | End | Whole]] = {
 
 
 class Delivery(Struct, kw_only=True):
-    """On `tw.sse.<reply>`, from the writer of the ledger right after its publishes were
-    acknowledged: one message per round of commits for that reply, in the order stored."""
+    """Events of one reply, in `Tw-Seq` order per request. The payload of every `TW_OUT`
+    record: an owner's round record (every event of the round for that reply), which is
+    also delivered live on `tw.sse.<reply>` once stored, and a request's index record."""
 
     events: list[Delivered]
+
+
+class Takeover(Struct, kw_only=True):
+    """Stored on an owner's round subject by the owner taking these requests from it: the
+    old owner's next fenced round record is refused, and it lets them go."""
+
+    rids: list[str]
+    owner: str  # the new owner's round subject
 
 
 class Cancel(Struct, kw_only=True, omit_defaults=True):

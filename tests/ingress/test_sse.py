@@ -11,9 +11,7 @@ from tokenway.wire import OUTPUTS, Failed
 
 def chunk(seq: int, *docs: str, kind: str = h.KIND_CHUNK) -> Event:
     """A ledger message holding several documents, as an owner commits a merged step."""
-    return OUTPUTS[kind](
-        rid="r", seq=seq, stream_seq=seq, payload=frame([d.encode() for d in docs])
-    )
+    return OUTPUTS[kind](rid="r", seq=seq, payload=frame([d.encode() for d in docs]))
 
 
 EVENTS = [chunk(1, "{1}", "{2}"), chunk(2, "{3}"), chunk(3, "{4}", "{5}", kind=h.KIND_END)]
@@ -43,6 +41,6 @@ def test_a_resume_leaves_out_the_events_the_client_counted_even_inside_a_message
 
 
 def test_an_error_is_one_data_event_and_ends_the_stream() -> None:
-    error = Failed(rid="r", seq=2, stream_seq=2, payload=b'{"error": {}}', status=502)
+    error = Failed(rid="r", seq=2, payload=b'{"error": {}}', status=502)
     out, done = SseWriter(ids=True).write([chunk(1, "{1}"), error])
     assert out == b'id: 1\ndata: {1}\n\nid: 2\ndata: {"error": {}}\n\ndata: [DONE]\n\n' and done

@@ -17,6 +17,7 @@ from tests.conftest import make_settings
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.ledger_writer import LedgerWriter, hpub
+from tokenway.wire import Chunk
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -30,9 +31,11 @@ async def writer(nats_url: str, tmp_path: Path) -> AsyncIterator[tuple[NATS, Led
 
 
 def entry(rid: str, seq: int, after: int | None, **extra: str) -> tuple[str, bytes, dict[str, str]]:
-    hdrs = ledger.out_headers(rid, seq, h.KIND_CHUNK, attempt=1, state=b"\x01\xff",
-                              tokens=[5, 6], after=after) | extra  # fmt: skip
-    return bus.out_subject("ingr", rid), f"data: chunk {seq}\n\n".encode(), hdrs
+    """One event on the request's index, fenced on `after`."""
+    event = Chunk(rid=rid, seq=seq, payload=f"data: chunk {seq}\n\n".encode(), attempt=1,
+                  tokens=2, ids=[5, 6], state=b"\x01\xff")  # fmt: skip
+    hdrs = ledger.index_headers([event], reply="ingr", after=after) | extra
+    return bus.out_subject("ingr", rid), ledger.encode([event]), hdrs
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -47,7 +50,7 @@ async def test_a_round_is_stored_with_its_headers_and_payloads(
         assert isinstance(seq, int)
         msg = await nc.jetstream().get_msg("TW_OUT", seq)
         assert msg.subject == bus.out_subject("ingr", rid)
-        assert msg.data == b"data: chunk 1\n\n"
+        assert msg.data == entry(rid, 1, 0)[1]
         assert msg.headers == entry(rid, 1, 0)[2]
 
 
@@ -64,7 +67,7 @@ async def test_a_stored_publish_sent_again_is_its_duplicate_and_another_owners_i
     ack = await ledger.publish(nc.jetstream(), subject, payload, hdrs, within=1.0)
     assert (ack.seq, ack.duplicate) == (first, True)
     with pytest.raises(APIError) as refused:  # the same seq and fence, other output
-        await ledger.publish(nc.jetstream(), subject, b"data: other\n\n", hdrs, within=1.0)
+        await ledger.publish(nc.jetstream(), subject, entry(rid, 2, 0)[1], hdrs, within=1.0)
     assert ledger.superseded(refused.value)
 
 

@@ -21,6 +21,7 @@ from tests.conftest import make_settings
 from tokenway import bus, ledger
 from tokenway import headers as h
 from tokenway.output_router import OutputRouter
+from tokenway.wire import OUTPUTS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -48,8 +49,8 @@ async def test_output_missed_while_unsubscribed_is_read_back_in_order(
     slot = router.open(rid)
 
     async def commit(seq: int, kind: str = h.KIND_CHUNK) -> None:
-        hdrs = ledger.out_headers(rid, seq, kind)
-        await ledger.commit(nc, ingress, rid, seq, kind, f"chunk {seq}".encode(), hdrs)
+        event = OUTPUTS[kind](rid=rid, seq=seq, payload=f"chunk {seq}".encode())
+        await ledger.commit(nc, ingress, rid, [event])
 
     async def taken(count: int) -> list[int]:
         seqs: list[int] = []
@@ -94,10 +95,8 @@ async def test_a_slow_readers_slot_holds_its_limit_and_reads_the_rest_back(
     slot, other = router.open(rid), router.open(marker)
 
     async def commit(req: str, seq: int, kind: str = h.KIND_CHUNK) -> None:
-        payload = f"{seq:<{chunk}}".encode()
-        await ledger.commit(
-            nc, ingress, req, seq, kind, payload, ledger.out_headers(req, seq, kind)
-        )
+        event = OUTPUTS[kind](rid=req, seq=seq, payload=f"{seq:<{chunk}}".encode())
+        await ledger.commit(nc, ingress, req, [event])
 
     try:
         for seq in range(1, 50):
@@ -125,8 +124,9 @@ async def test_a_delivery_in_an_older_shape_is_read_back_from_the_ledger(
     routed: tuple[NATS, str, OutputRouter],
 ) -> None:
     """During an upgrade, a schedule worker of the version before the variants delivers
-    chunks without their kind, which this router cannot decode: the requests it names read
-    their ledgers back, so the client still gets every event, in order, with its end."""
+    chunks without their kind, which this router cannot decode, and stores them as that
+    version did (one record each, the rest in headers): the requests it names read their
+    ledgers back, so the client still gets every event, in order, with its end."""
     nc, ingress, router = routed
     js, rid = nc.jetstream(), uuid.uuid4().hex
     slot = router.open(rid)
@@ -134,7 +134,9 @@ async def test_a_delivery_in_an_older_shape_is_read_back_from_the_ledger(
         old_events: list[dict[str, object]] = []
         for seq, kind in ((1, h.KIND_CHUNK), (2, h.KIND_CHUNK), (3, h.KIND_END)):
             payload = f"chunk {seq}".encode()
-            hdrs = ledger.out_headers(rid, seq, kind, reply=ingress)
+            hdrs = {h.SEQ: str(seq), h.MSG_ID: f"{ingress}.{rid}:{seq}"}
+            if kind != h.KIND_CHUNK:
+                hdrs[h.KIND] = kind
             ack = await ledger.publish(js, bus.out_subject(ingress, rid), payload, hdrs, 10)
             # the old `Delivered`: a bag of fields whose kind, "chunk", was a default left out
             old = {"rid": rid, "seq": seq, "stream_seq": ack.seq, "payload": payload, "tokens": 1}

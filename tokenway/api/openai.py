@@ -18,7 +18,7 @@ from tokenway.errors import InvalidRequest
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_decoded, check_text
 from tokenway.wire import StructuredOutputs, TokenId
 
-PosInt = Annotated[int, Meta(ge=1)]
+PosInt = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -138,7 +138,7 @@ class _Common(Sampling, kw_only=True):
     # vLLM extras
     min_tokens: NonNegInt = 0
     # tokens per streamed chunk (at least the server's `--stream-interval`)
-    stream_interval: Annotated[int, Meta(ge=1)] | None = None
+    stream_interval: PosInt | None = None
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None
     request_id: str | None = None

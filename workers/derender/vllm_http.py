@@ -9,9 +9,8 @@ response out.
 
 Our `stream_state` bytes hold vLLM's state JSON untouched, wrapped with the count of output
 tokens derendered so far (vLLM's state does not count them; usage needs the count). vLLM's
-state is not bounded (its parser path carries every output token), so a state whose
-`Tw-Stream-State` header would pass `tokenway.headers.MAX_STATE_BYTES` ends the request
-with an error instead of being committed.
+state is not bounded (its parser path carries every output token), so a state past
+`MAX_STATE_BYTES` ends the request with an error instead of being committed.
 
 Every answer is a chunk, the request's own error (400/422: the server's message), or the
 derender failure domain: `StageUnavailable` (502: unreachable, closed, 5xx, an answer we

@@ -186,7 +186,7 @@ class RenderService:
 
     async def _fail(self, who: ledger.Identity, info: ErrorInfo) -> None:
         assert self.nc is not None  # requests fail once they come, after the connect
-        await ledger.publish_error(self.nc, who.reply, who.rid, 1, info, tenant=who.tenant)
+        await ledger.publish_error(self.nc, who.reply, who.rid, info, tenant=who.tenant)
 
     async def _forward_when_room(
         self,

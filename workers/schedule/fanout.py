@@ -39,7 +39,7 @@ from tokenway.errors import (
     TokenwayError,
 )
 from tokenway.output_router import Event, OutputRouter, Slot
-from tokenway.wire import SEED_TOKENS, TERMINAL_KINDS, ErrorInfo, GenerateRequest
+from tokenway.wire import OUTPUTS, SEED_TOKENS, TERMINAL_KINDS, ErrorInfo, GenerateRequest
 from tokenway.worker import overloaded
 from workers.schedule.merge import Merge, Output, retryable
 from workers.schedule.owned import DONE, Held
@@ -209,9 +209,9 @@ class FanOut:
         # Counted before the publish: an unanswered publish may still have been stored, so
         # the request counts as having shown output (no retry after it).
         p.out_seq += 1
-        hdrs = ledger.out_headers(p.rid, p.out_seq, out.kind, tenant=p.tenant, reply=p.reply)
+        event = OUTPUTS[out.kind](rid=p.rid, seq=p.out_seq, payload=out.payload)
         try:
-            await ledger.commit(self.nc, p.reply, p.rid, p.out_seq, out.kind, out.payload, hdrs)
+            await ledger.commit(self.nc, p.reply, p.rid, [event], tenant=p.tenant)
         except Exception as exc:
             raise StageUnavailable(f"could not commit output to the ledger: {exc!r}") from exc
 

@@ -19,6 +19,7 @@ from msgspec import Struct
 from tokenway.errors import EngineFailed, refused
 from tokenway.spans import OFF, Span
 from tokenway.wire import (
+    Delivered,
     DerenderEntry,
     ErrorInfo,
     FinishReason,
@@ -203,9 +204,13 @@ class Owned(Held):
     prefill_held: bool = False  # its capacity is still counted
     prefill_kv: dict[str, object] | None = None  # what the prefill handed to the decode leg
     prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
-    # The ledger: the stream sequence of this request's last message there, which the next
-    # publish expects (a fence against an owner that lost the request while it stalled).
-    ledger_seq: int = 0
+    # The ledger: the stream sequence of the last record of this request's index, which
+    # the next one expects (a fence against an owner that lost the request while it
+    # stalled), and what it committed since in this owner's round records (`rounds`).
+    index_seq: int = 0
+    unindexed: list[Delivered] = field(default_factory=list)
+    unindexed_tokens: int = 0
+    unindexed_bytes: int = 0
     arrived: float = 0.0  # when it was queued for the schedulers (epoch seconds)
     dispatched: float = 0.0  # when its first attempt went to an engine
     span: Span = OFF  # the owner's part of it (`tokenway.spans`)
@@ -220,6 +225,17 @@ class Owned(Held):
         self.prompt = self.request.token_ids
         self.params = self.request.sampling_params
         self.settled.set()
+
+    def unindex(self, events: list[Delivered]) -> None:
+        """These events are stored in a round record, not yet in its index."""
+        self.unindexed += events
+        self.unindexed_tokens += sum(e.tokens for e in events)
+        self.unindexed_bytes += sum(len(e.payload) for e in events)
+
+    def indexed(self) -> None:
+        """Its index holds every event it committed."""
+        self.unindexed = []
+        self.unindexed_tokens = self.unindexed_bytes = 0
 
     @property
     def client_kv(self) -> dict[str, object] | None:

@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from functools import partial
 
 import msgspec
@@ -65,6 +65,7 @@ from tokenway.wire import (
     OwnerInfo,
     TokenDelta,
     TokenStep,
+    Whole,
 )
 from tokenway.worker import Behind, consume
 from workers.schedule import direct, isolation, metrics
@@ -80,6 +81,7 @@ from workers.schedule.owned import (
     first_attempt,
     refusal,
 )
+from workers.schedule.rounds import Rounds, Staged, TakenOver
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ _CANCEL_MEMORY = 10_000
 # Hand-overs heard from stopping peers, kept until taken over: every owner of the model hears
 # each one and one takes it, so they are bounded by the tokens they hold (4 bytes each).
 _HANDOVER_TOKENS = 1 << 22
+_TAKEOVER_TRIES = 5  # reads of a ledger whose last owner indexes it meanwhile
 # Engine work still reporting to us that we no longer want is aborted again this often.
 _REABORT_EVERY = 1.0
 _DERENDER_BACKOFF = 0.05
@@ -139,7 +142,7 @@ class ScheduleService:
         self._work = asyncio.Event()  # set when `_ready` gained a request
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
-        self._writer: ledger_writer.LedgerWriter | None = None
+        self._ledger: Rounds | None = None
         self._book: TenantBook | None = None
         self._group: asyncio.TaskGroup | None = None
         self.registry: EngineRegistry | None = None
@@ -156,8 +159,10 @@ class ScheduleService:
             nats_url, f"tokenway-schedule-{self.owner_id}", self.settings, stop=stop
         )
         js = self._js = nc.jetstream()
-        self._writer = ledger_writer.LedgerWriter(nc, js, self.settings.bus_retry)
-        await self._writer.start()
+        writer = ledger_writer.LedgerWriter(nc, js, self.settings.bus_retry)
+        await writer.start()
+        # A round record keeps a tenth of NATS's max payload for its headers and framing.
+        self._ledger = Rounds(writer, js, self.owner_id, nc.max_payload * 9 // 10)
         self.derenderer = self._backend if self._backend else Pool(nc, self.settings, self.model)
         kv = await bus.engines_kv(js, self.settings)
         self.registry = EngineRegistry(
@@ -452,7 +457,7 @@ class ScheduleService:
         return not r.ended.is_set()
 
     async def _still_ours(self, r: Owned) -> bool:
-        """Whether the request's ledger still ends where this owner left it. A peer that took
+        """Whether the request's index still ends where this owner left it. A peer that took
         the request over while this worker stalled past its hold has written there since;
         one read, where a relay would otherwise start engine work for nobody. Unanswered:
         taken as ours, since the ledger's fence refuses a stale owner's next write anyway."""
@@ -460,11 +465,11 @@ class ScheduleService:
         try:
             last = await self._js.get_last_msg(bus.OUT_STREAM, bus.out_subject(r.reply, r.rid))
         except NotFoundError:
-            return r.ledger_seq == 0
+            return r.index_seq == 0
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("request %s: its ledger unread before relaying (%r)", r.rid, exc)
             return True
-        return last.seq == r.ledger_seq
+        return last.seq == r.index_seq
 
     async def _read_back(self, r: Owned) -> bool:
         """A new owner after the last one died or stopped: pick the request up where its
@@ -488,7 +493,7 @@ class ScheduleService:
                 found.seq,
             )
         else:
-            found = await ledger.read_back(self._js, r.reply, r.rid)
+            found = await self._take_over(r)
         if found is None:
             return True  # nothing was committed: start afresh
         if found.ended:
@@ -496,11 +501,11 @@ class ScheduleService:
             # Its last owner may have died before delivering the end: a reader still waiting
             # gets it now (and reads back whatever else it missed).
             assert found.last is not None  # (read back: a hand-over is of a request going on)
-            await ledger.deliver(self._nc, r.reply, [found.last])
+            await ledger.deliver(self._nc, r.reply, ledger.encode([found.last]))
             r.end_as(DONE)
             return False
         r.refuse_continuing(f"the owner of request {r.rid} stopped", "resumed")
-        r.out_seq, r.ledger_seq = found.seq, found.stream_seq
+        r.out_seq, r.index_seq = found.seq, found.index_seq
         r.attempt = max(r.attempt, found.attempt)  # (its own count starts past the old one's)
         choice = r.choices[0]
         choice.state, choice.committed = found.state, found.tokens
@@ -509,6 +514,48 @@ class ScheduleService:
         self.observed.takeovers.inc()
         if found.last is not None:  # (else said above)
             log.warning("request %s: taken over after %d committed chunks", r.rid, found.seq)
+        return True
+
+    async def _take_over(self, r: Owned) -> ledger.Committed | None:
+        """Read what the request's ledger holds and make it ours: a `Takeover` on its last
+        owner's round subject first (that owner stores nothing more of it), its rounds read
+        up to there, then a change of owner on its index. None: nothing is committed."""
+        assert self._js is not None and self._ledger is not None
+        mine = self._ledger.subject(r.reply)
+        for _ in range(_TAKEOVER_TRIES):
+            found = await ledger.read_index(self._js, r.reply, r.rid)
+            if found is None:
+                return None
+            before = None
+            if found.owner is not None and found.owner.subject != mine and not found.ended:
+                before = await ledger.take_over(self._js, found.owner.subject, [r.rid], mine)
+            await ledger.read_rounds(self._js, found, r.rid, before)
+            committed = ledger.Committed.of(found)
+            if committed.ended or await self._change_owner(r, committed):
+                return committed
+        raise StageUnavailable(f"request {r.rid}: its ledger kept moving while taken over")
+
+    async def _change_owner(self, r: Owned, committed: ledger.Committed) -> bool:
+        """Index what the last owner left in its rounds, naming this owner's rounds for what
+        follows: fenced, so the last owner indexes nothing more of it. False: it did since."""
+        assert self._js is not None and self._ledger is not None
+        try:
+            ack = await ledger.index(
+                self._js,
+                r.reply,
+                r.rid,
+                committed.unindexed,
+                after=committed.index_seq,
+                tenant=r.tenant,
+                owner=self._ledger.pointer(r.reply),
+                seq=committed.seq,
+                within=self.settings.bus_retry,
+            )
+        except APIError as exc:
+            if ledger.superseded(exc):
+                return False
+            raise StageUnavailable(f"could not take request {r.rid} over: {exc!r}") from exc
+        committed.index_seq, committed.unindexed = ack.seq, []
         return True
 
     async def _on_handover(self, msg: Msg) -> None:
@@ -522,12 +569,13 @@ class ScheduleService:
         self._forget_handover(handed.key)
         self._handovers[handed.key] = ledger.Committed(
             seq=handed.out_seq,
-            stream_seq=handed.ledger_seq,
+            index_seq=handed.index_seq,
             attempt=handed.attempt,
             ended=False,
             state=handed.state,
             tokens=array("i", handed.tokens),
             last=None,
+            unindexed=[],
         )
         self._handover_tokens += len(handed.tokens)
         while self._handover_tokens > _HANDOVER_TOKENS:  # the oldest go: read back instead
@@ -540,39 +588,44 @@ class ScheduleService:
         return handed
 
     async def _handed_over(self, r: Owned) -> ledger.Committed | None:
-        """What the request's stopping owner said of it, if the ledger still ends where it
-        said (one read, where reading the whole ledger back took seconds for a long
-        stream); None to read the ledger back."""
-        assert self._js is not None
+        """What the request's stopping owner said of it, made ours by a change of owner on
+        its index, fenced where the owner said its index ends; None to read the ledger
+        back (it did not say, or not what its index holds)."""
         handed = self._forget_handover(r.key)
         if handed is None or len(r.choices) != 1:
             return None
-        try:
-            last = await self._js.get_last_msg(bus.OUT_STREAM, bus.out_subject(r.reply, r.rid))
-        except NotFoundError:
-            return None
-        if last.seq != handed.stream_seq:
-            return None  # committed to since, or not what it said: read it all
-        return handed
+        return handed if await self._change_owner(r, handed) else None
 
     async def _hand_over(self, r: Owned) -> None:
         """Tell the model's other owners where the request stands (everything of it is
-        committed by now): the one it goes to picks it up from there."""
-        if len(r.choices) != 1 or not r.ledger_seq:
+        committed by now, and indexed here first): the one it goes to picks it up from
+        there."""
+        if len(r.choices) != 1 or not r.index_seq:
             return  # nothing committed: a peer starts it afresh anyway
-        assert self._nc is not None
-        choice = r.choices[0]
-        handed = HandOver(
-            key=r.key,
-            ledger_seq=r.ledger_seq,
-            out_seq=r.out_seq,
-            attempt=r.attempt,
-            state=choice.state,
-            tokens=choice.committed.tolist(),
-        )
+        assert self._nc is not None and self._js is not None
         try:
+            if r.unindexed:
+                ack = await ledger.index(
+                    self._js,
+                    r.reply,
+                    r.rid,
+                    r.unindexed,
+                    after=r.index_seq,
+                    tenant=r.tenant,
+                    within=self.settings.bus_retry,
+                )
+                r.index_seq = ack.seq
+            choice = r.choices[0]
+            handed = HandOver(
+                key=r.key,
+                index_seq=r.index_seq,
+                out_seq=r.out_seq,
+                attempt=r.attempt,
+                state=choice.state,
+                tokens=choice.committed.tolist(),
+            )
             await self._nc.publish(bus.handover_subject(self.model), _encoder.encode(handed))
-        except nats.errors.Error as exc:  # the peer reads the ledger back instead
+        except (nats.errors.Error, APIError) as exc:  # the peer reads the ledger back instead
             log.warning("hand-over of %s not sent: %r", r.rid, exc)
 
     async def _finish(self, r: Owned | Parent) -> None:
@@ -619,10 +672,17 @@ class ScheduleService:
         """Its error event, fenced on what it committed (a fanned-out request's merge is
         its own writer's alone)."""
         assert self._nc is not None and r.error is not None  # owned once connected
-        after = r.ledger_seq if isinstance(r, Owned) else None
+        before, after = (r.unindexed, r.index_seq) if isinstance(r, Owned) else ([], None)
         try:
             await ledger.publish_error(
-                self._nc, r.reply, r.rid, r.out_seq + 1, r.error, after=after, tenant=r.tenant
+                self._nc,
+                r.reply,
+                r.rid,
+                r.error,
+                before=before,
+                seq=r.out_seq + 1,
+                after=after,
+                tenant=r.tenant,
             )
         except APIError as exc:
             if ledger.superseded(exc):  # a peer took it over: its slot and message are theirs
@@ -802,11 +862,9 @@ class ScheduleService:
         self._kick([r for r in touched if beside or r.needs_usage_chunk()])
 
     async def _commit(self, items: list[Work], results: list[DerenderResult]) -> None:
-        """Store each result in TW_OUT; a choice's state advances only once it is stored.
-
-        Every request's first publication goes in one round of publishes, then every second
-        one (choices of an n > 1 request, each fenced on the one before it), and so on."""
-        queues: dict[str, tuple[Owned, deque[Publication]]] = {}
+        """Store the round's events in TW_OUT (`rounds`), then deliver what was stored; a
+        choice's state advances only once stored."""
+        staged: dict[str, tuple[Staged, list[Publication]]] = {}
         for (r, choice, entry), res in zip(items, results, strict=True):
             if r.ended.is_set():
                 continue
@@ -814,64 +872,42 @@ class ScheduleService:
                 r.fail(res.error)
                 continue
             publish = self._publication(r, choice, entry, res)
-            if publish is not None:
-                queues.setdefault(r.key, (r, deque()))[1].append((choice, res, *publish))
-        while round_ := [
-            (r, pubs.popleft()) for r, pubs in queues.values() if pubs and not r.ended.is_set()
-        ]:
-            entries = [self._ledger_entry(r, pub) for r, pub in round_]
-            assert self._writer is not None and self._nc is not None
-            outcomes = await self._writer.store(entries)
-            stored: dict[str, list[Delivered]] = {}
-            for (r, pub), outcome in zip(round_, outcomes, strict=True):
-                event = self._committed(r, pub, outcome)
-                if event is not None:
-                    stored.setdefault(r.reply, []).append(event)
-            for reply, events in stored.items():
-                await ledger.deliver(self._nc, reply, events)
+            if publish is None:
+                continue
+            s, pubs = staged.setdefault(r.key, (Staged(r, []), []))
+            s.events.append(_event(r, r.out_seq + len(s.events) + 1, res, *publish))
+            pubs.append((choice, res, *publish))
+        if not staged:
+            return
+        assert self._ledger is not None and self._nc is not None
+        deliveries = await self._ledger.commit([s for s, _ in staged.values()])
+        for s, pubs in staged.values():
+            self._committed(s, pubs)
+        for reply, payload in deliveries.items():
+            await ledger.deliver(self._nc, reply, payload)
 
-    @staticmethod
-    def _ledger_entry(r: Owned, pub: Publication) -> ledger_writer.Entry:
-        _, res, kind, payload, tokens = pub
-        hdrs = ledger.out_headers(
-            r.rid,
-            r.out_seq + 1,
-            kind,
-            attempt=r.attempt,
-            state=res.state,
-            tokens=tokens,
-            after=r.ledger_seq,
-            tenant=r.tenant,
-            reply=r.reply,
-        )
-        return bus.out_subject(r.reply, r.rid), payload, hdrs
-
-    def _committed(
-        self, r: Owned, pub: Publication, outcome: ledger_writer.Outcome
-    ) -> Delivered | None:
-        """Advance the request past a stored publication (what to deliver of it), or end it
-        with why it was not stored."""
-        choice, res, kind, payload, tokens = pub
-        if isinstance(outcome, APIError) and ledger.superseded(outcome):
+    def _committed(self, s: Staged, pubs: list[Publication]) -> None:
+        """Advance the request past its stored events, or end it with why they were not."""
+        r, outcome = s.r, s.outcome
+        if isinstance(outcome, TakenOver):
             log.warning("request %s is owned elsewhere now; letting it go", r.rid)
             r.supersede()
-            return None
+            return
         if isinstance(outcome, MaxPayloadError):
             assert self._nc is not None  # what was published went over the connection
-            r.fail(too_big_for_the_bus(len(payload), self._nc.max_payload).info())
-            return None
-        if isinstance(outcome, BaseException):
+            size = sum(len(e.payload) for e in s.events)
+            r.fail(too_big_for_the_bus(size, self._nc.max_payload).info())
+            return
+        if outcome is not None:
             r.fail(StageUnavailable(f"could not commit output: {outcome!r}").info())
-            return None
-        r.out_seq, r.ledger_seq = r.out_seq + 1, outcome
-        if choice is not None:
-            choice.state = res.state
-            choice.committed.extend(tokens)
-        if kind in (h.KIND_END, h.KIND_RESPONSE):
-            r.end_as(DONE)
-        return OUTPUTS[kind](
-            rid=r.rid, seq=r.out_seq, stream_seq=outcome, payload=payload, tokens=len(tokens)
-        )
+            return
+        r.out_seq += len(s.events)
+        for choice, res, kind, _, tokens in pubs:
+            if choice is not None:
+                choice.state = res.state
+                choice.committed.extend(tokens)
+            if kind in (h.KIND_END, h.KIND_RESPONSE):
+                r.end_as(DONE)
 
     @staticmethod
     def _publication(
@@ -895,6 +931,25 @@ class ScheduleService:
         kind = h.KIND_END if last and r.is_last(choice) else h.KIND_CHUNK
         choice.done = last
         return kind, framed(r.ctx.api, res.chunks), tokens
+
+
+def _event(
+    r: Owned, seq: int, res: Derendered, kind: str, payload: bytes, tokens: list[int]
+) -> Delivered:
+    """A commit as stored and delivered: a streamed one with its token IDs and the state
+    after it, where a relay goes on from."""
+    if kind == h.KIND_RESPONSE:
+        return Whole(rid=r.rid, seq=seq, payload=payload, attempt=r.attempt, tokens=len(tokens))
+    variant = OUTPUTS[kind]
+    return variant(
+        rid=r.rid,
+        seq=seq,
+        payload=payload,
+        attempt=r.attempt,
+        tokens=len(tokens),
+        ids=list(tokens),
+        state=res.state,
+    )
 
 
 def _requests(count: int) -> str:

@@ -15,8 +15,8 @@ CTX = OutputContext(response_id="cmpl-x", model="m", stream=True, include_usage=
 
 def event(seq: int, kind: str, payload: bytes, tokens: int = 0, status: int = 200) -> Event:
     if kind == h.KIND_ERROR:
-        return Failed(rid="sub", seq=seq, stream_seq=seq, payload=payload, status=status)
-    return OUTPUTS[kind](rid="sub", seq=seq, stream_seq=seq, payload=payload, tokens=tokens)
+        return Failed(rid="sub", seq=seq, payload=payload, status=status)
+    return OUTPUTS[kind](rid="sub", seq=seq, payload=payload, tokens=tokens)
 
 
 def chunk(seq: int, text: str, kind: str = h.KIND_CHUNK, tokens: int = 1) -> Event:
