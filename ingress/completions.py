@@ -85,6 +85,8 @@ ROUTES: dict[str, Route] = {
     "/v1/messages/count_tokens": "count_tokens",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
+    "/v1/chat/completions/render": "chat_render",
+    "/v1/completions/render": "completion_render",
 }
 ANTHROPIC: frozenset[Route] = frozenset({"messages", "count_tokens"})  # its error shapes
 # A client's X-Request-Id (vLLM's habit): its response's id, echoed on every response.
@@ -269,8 +271,14 @@ class Completions:
             stopping = Unavailable("the server is shutting down; send the request again")
             await self.refuse(api, stopping, send, echo)
             return
-        if api == "tokenize" or api == "detokenize":
-            await self._reply(api, await self._tokenize(api, body, client_id or rid), send, echo)
+        if (
+            api == "tokenize"
+            or api == "detokenize"
+            or api == "chat_render"
+            or api == "completion_render"
+        ):  # a render worker answers it whole, nothing queued
+            answer = await self._tokenize(api, body, client_id or rid, client_id)
+            await self._reply(api, answer, send, echo)
             return
         if api == "count_tokens":
             await self._reply(api, await self._count_tokens(body, client_id or rid), send, echo)
@@ -467,14 +475,16 @@ class Completions:
         count = msgspec.json.decode(counted.body)["count"]
         return Reply(200, msgspec.json.encode({"input_tokens": count}))
 
-    async def _tokenize(self, route: TokenizeRoute, body: bytes, rid: str) -> Reply:
+    async def _tokenize(
+        self, route: TokenizeRoute, body: bytes, rid: str, client_id: str = ""
+    ) -> Reply:
         """A render worker's answer: core request/reply, nothing queued or kept (`rid`: the
-        id the answer goes out under)."""
+        id the answer goes out under; `client_id`: the client's X-Request-Id)."""
         try:
             model = self.catalog.resolve(named_model(body))
         except ModelNotFound as exc:
             return Reply.error(exc.info())
-        call = _encoder.encode(TokenizeCall(route=route, body=body, rid=rid))
+        call = _encoder.encode(TokenizeCall(route=route, body=body, rid=rid, client_id=client_id))
         try:
             answer = await self._ask_render(model, call, body)
         except TokenwayError as exc:

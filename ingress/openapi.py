@@ -46,6 +46,16 @@ _ROUTES = {
     ),
     "/tokenize": ("tokenize", "TokenizeRequest", "Token IDs of a prompt or of chat messages"),
     "/detokenize": ("detokenize", "DetokenizeRequest", "The text of token IDs"),
+    "/v1/chat/completions/render": (
+        "renderChatCompletion",
+        "ChatCompletionRequest",
+        "vLLM's token-only GenerateRequest a chat completion renders to",
+    ),
+    "/v1/completions/render": (
+        "renderCompletion",
+        "CompletionRequest",
+        "vLLM's token-only GenerateRequests a completion renders to, one per prompt",
+    ),
 }
 _BODIES = [
     ChatCompletionRequest,

@@ -36,6 +36,8 @@ ROUTES = {
     ("POST", "/v1/messages/count_tokens"): [POSITIVE, NEGATIVE],
     ("POST", "/tokenize"): [POSITIVE, NEGATIVE],
     ("POST", "/detokenize"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/chat/completions/render"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/completions/render"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/streams/{rid}"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/models"): [POSITIVE],
     ("GET", "/v1/models/{model_id}"): [POSITIVE],  # any string is an id: nothing to break

@@ -23,6 +23,8 @@ ROUTES = [
      rb'"messages":[{"role":"user","content":"\ud800"}]}', "messages[0].content"),
     ("/tokenize", rb'{"model":"deepseek-v4","prompt":"\ud800"}', "prompt"),
     ("/detokenize", rb'{"model":"deepseek-v4","tokens":[1],"\ud800":1}', None),
+    ("/v1/chat/completions/render", CHAT, "messages[0].content"),
+    ("/v1/completions/render", rb'{"model":"deepseek-v4","prompt":"a\ud800b"}', "prompt"),
 ]  # fmt: skip
 
 

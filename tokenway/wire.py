@@ -206,7 +206,9 @@ class RenderRequest(Struct, kw_only=True):
     previous_response_id: str | None = None
 
 
-TokenizeRoute = Literal["tokenize", "detokenize"]
+# `/tokenize`, `/detokenize` and vLLM's render routes (`/v1/chat/completions/render`,
+# `/v1/completions/render`): answered by a render worker, nothing queued.
+TokenizeRoute = Literal["tokenize", "detokenize", "chat_render", "completion_render"]
 
 
 class TokenizeCall(Struct, kw_only=True):
@@ -216,6 +218,7 @@ class TokenizeCall(Struct, kw_only=True):
     route: TokenizeRoute
     body: bytes
     rid: str = ""  # the id its answer goes out under (X-Request-Id): what a bug is logged by
+    client_id: str = ""  # the client's X-Request-Id: a render route's request id
 
 
 class TokenizeAnswer(Struct, kw_only=True):

@@ -1,9 +1,11 @@
-"""`POST /tokenize` and `/detokenize` in vLLM's shapes, answered by a render worker with the
-tokenizer and chat template it renders with, so the IDs are the ones a request would get."""
+"""`POST /tokenize`, `/detokenize` and vLLM's render routes in vLLM's shapes, answered by a
+render worker with the tokenizer and chat template it renders with, so the IDs are the ones a
+request would get."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -15,10 +17,11 @@ from tokenway.api.openai import (
     decode_tokenize,
 )
 from tokenway.errors import InvalidRequest, TokenwayError, check_model, error_body, internal
-from tokenway.wire import TokenizeAnswer, TokenizeCall
+from tokenway.wire import Api, RenderRequest, TokenizeAnswer, TokenizeCall
 from workers.render.backend import worked
 from workers.render.chat import apply_template
 from workers.render.core import Renderer
+from workers.render.scale_out import Rendered, rendered
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +30,22 @@ _calls = msgspec.msgpack.Decoder(TokenizeCall)
 _ENVELOPE_BYTES = 1024
 
 
-def tokenize(renderer: Renderer, call: TokenizeCall) -> TokenizeResponse | DetokenizeResponse:
+def tokenize(
+    renderer: Renderer, call: TokenizeCall
+) -> TokenizeResponse | DetokenizeResponse | Rendered | list[Rendered]:
     """The answer to one call; `InvalidRequest`/`ModelNotFound` for the client's mistakes."""
     tok = renderer.tokenizer
+    if call.route == "chat_render" or call.route == "completion_render":
+        api: Api = "chat" if call.route == "chat_render" else "completion"
+        request = RenderRequest(
+            api=api,
+            request_id=call.rid,
+            body=call.body,
+            created=int(time.time()),
+            client_request_id=call.client_id or None,
+        )
+        each = rendered(renderer.render(request), call.body)
+        return each[0] if api == "chat" else each
     if call.route == "detokenize":
         req = decode_detokenize(call.body)
         check_model(req.model, renderer.builder.model)

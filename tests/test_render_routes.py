@@ -1,0 +1,87 @@
+"""vLLM's render routes (issue 35, first part): `POST /v1/chat/completions/render` and
+`/v1/completions/render` answer the token-only `GenerateRequest` a request renders to, in
+vLLM's JSON shape, from tokenway's render stage over the bus: the prompt IDs a request of
+the same body is given, and its sampling parameters with the budget resolved."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from tests.conftest import Stack
+from tests.test_errors import assert_error
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+# Every field vLLM's render server writes in its answer.
+FIELDS = {
+    "request_id", "token_ids", "token_offsets", "features", "content_parts", "sampling_params",
+    "model", "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "output_mode",
+    "stream", "stream_options", "cache_salt", "priority", "kv_transfer_params",
+    "ec_transfer_params",
+}  # fmt: skip
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        yield client
+
+
+async def test_a_chat_renders_to_the_prompt_and_parameters_its_request_is_given(
+    http: httpx.AsyncClient,
+) -> None:
+    body = {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 5, "temperature": 0,
+            "seed": 3, "stop": ["x"], "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    resp = await http.post("/v1/chat/completions/render", json=body,
+                           headers={"X-Request-Id": "abc"})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    doc = resp.json()
+    assert set(doc) == FIELDS
+    tokenized = await http.post("/tokenize", json={"model": "deepseek-v4", "messages": CHAT})
+    assert doc["token_ids"] == tokenized.json()["tokens"]
+    assert doc["request_id"] == "chatcmpl-abc" and resp.headers["x-request-id"] == "abc"
+    assert doc["model"] == "deepseek-v4" and doc["output_mode"] == "tokens"
+    assert doc["stream"] is True and doc["stream_options"]["include_usage"] is True
+    params = doc["sampling_params"]
+    assert params["max_tokens"] == 5 and params["temperature"] == 0 and params["seed"] == 3
+    assert params["stop"] == ["x"] and params["logprobs"] == 2
+    unnamed = await http.post("/v1/chat/completions/render", json={"messages": CHAT})
+    assert unnamed.json()["model"] is None  # as sent, as vLLM answers it
+    assert unnamed.json()["request_id"].startswith("chatcmpl-")
+
+
+async def test_a_completion_renders_one_request_per_prompt_each_with_its_budget(
+    http: httpx.AsyncClient,
+) -> None:
+    body = {"prompt": ["Hello", "The quick brown fox"], "request_id": "mine", "n": 2}
+    resp = await http.post("/v1/completions/render", json=body)
+    assert resp.status_code == 200, resp.text
+    first, second = resp.json()
+    assert (first["request_id"], second["request_id"]) == ("cmpl-mine-0", "cmpl-mine-1")
+    for doc, prompt in zip((first, second), body["prompt"], strict=True):
+        tokenized = await http.post("/tokenize", json={"prompt": prompt})
+        assert doc["token_ids"] == tokenized.json()["tokens"]
+        # vLLM 0.32 leaves the default 16 out, and its generate server then fills the
+        # context: here it is always written
+        assert doc["sampling_params"]["max_tokens"] == 16
+        assert doc["sampling_params"]["n"] == 2
+    (one,) = (await http.post("/v1/completions/render", json={"prompt": "Hi"})).json()
+    assert "-" not in one["request_id"].removeprefix("cmpl-")  # one prompt: no index
+
+
+async def test_what_render_refuses_is_vllms_error_for_it(http: httpx.AsyncClient) -> None:
+    unknown = {"model": "no-such-model", "messages": CHAT}
+    assert_error(await http.post("/v1/chat/completions/render", json=unknown), 404)
+    assert_error(await http.post("/v1/chat/completions/render", json={"messages": []}), 400)
+    too_many = {"prompt": "Hi", "max_tokens": 10**7}
+    error = assert_error(await http.post("/v1/completions/render", json=too_many), 400)
+    assert error["param"] == "max_tokens"
+    assert_error(await http.post("/v1/completions/render", json={"prompt": []}), 400)
+    assert_error(await http.post("/v1/completions/render", content=b"{not json"), 400, "JSON")
+    assert_error(await http.get("/v1/completions/render"), 405)
