@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import nats
 import pytest
@@ -321,3 +322,10 @@ async def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Asyn
     )
     yield s
     await s.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the session's stack."""
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        yield client

@@ -5,13 +5,9 @@ the same body is given, and its sampling parameters with the budget resolved."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
-import pytest_asyncio
 
-from tests.conftest import Stack
 from tests.test_errors import assert_error
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -24,12 +20,6 @@ FIELDS = {
     "stream", "stream_options", "cache_salt", "priority", "kv_transfer_params",
     "ec_transfer_params",
 }  # fmt: skip
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
-        yield client
 
 
 async def test_a_chat_renders_to_the_prompt_and_parameters_its_request_is_given(

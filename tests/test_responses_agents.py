@@ -70,12 +70,6 @@ def codex_body(stack: Stack, **fields: Any) -> dict[str, Any]:
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
-        yield c
-
-
-@pytest_asyncio.fixture(loop_scope="session")
 async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="-", max_retries=0) as c:
         yield c

@@ -3,12 +3,9 @@ tokenizer and template a request is rendered with."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import msgspec
 import pytest
-import pytest_asyncio
 
 from tests.conftest import Stack, start_stack
 from tests.test_errors import assert_error
@@ -16,12 +13,6 @@ from tests.test_errors import assert_error
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
-        yield client
 
 
 async def test_chat_messages_tokenize_to_the_prompt_a_chat_request_is_given(
