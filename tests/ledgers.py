@@ -2,26 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 
 import msgspec
 import nats
+import nats.errors
 
 from tokenway import bus, ledger
 from tokenway.wire import Delivered, Failed
 
 
-async def stored_once(nats_url: str, rid: str) -> list[Delivered]:
+async def stored_once(nats_url: str, rid: str, reply: str | None = None) -> list[Delivered]:
     """The request's events, in order. Every copy of an event stored (in its index, in
     any owner's round records) is the same event, but for the `stream_state` a segment
     leaves out: a stale owner's output under a number another owner's holds would show as
-    two. `nats_url`: a server, or a cluster's seeds (comma separated)."""
+    two. `nats_url`: a server, or a cluster's seeds (comma separated), where `TW_OUT` may
+    still be electing its leader after a fault: an unanswered read is made again. `reply`:
+    the request's (else read from its first record)."""
+    async with asyncio.timeout(120):
+        while True:
+            try:
+                return await _stored_once(nats_url, rid, reply)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                await asyncio.sleep(0.2)  # another process's election: nothing to wait on
+
+
+async def _stored_once(nats_url: str, rid: str, reply: str | None) -> list[Delivered]:
     nc = await nats.connect(servers=nats_url.split(","))
     try:
         js = nc.jetstream()
-        index = bus.out_subject("*", rid)
-        first = await js.get_msg(bus.OUT_STREAM, seq=1, subject=index, next=True)
-        reply = first.subject.removeprefix("tw.out.").removesuffix(f".{rid}")
+        if reply is None:
+            index = bus.out_subject("*", rid)
+            first = await js.get_msg(bus.OUT_STREAM, seq=1, subject=index, next=True)
+            reply = first.subject.removeprefix("tw.out.").removesuffix(f".{rid}")
         copies: dict[int, set[bytes]] = defaultdict(set)
         for subject in (bus.out_subject(reply, rid), bus.round_subject(reply, "*")):
             async for m in ledger.stored(js, subject):

@@ -56,12 +56,13 @@ async def faulted(
         got = await run_load(c, c.url, started(5), fault_now)
         elected = cluster.elected_after(began[0])
         failed = check(got, expected, errors_allowed=False)
-        for g in got:  # the ledger holds what the client got, each event stored once
-            shown = [x for e in g.events() for x in e.split("\n") if x.startswith("data: {")]
-            assert data_lines(await stored_once(stack.observer, g.rid)) == shown
         report(f"cluster {fault}", got, expected, failed,
                f", election {elected:.2f} s" if elected is not None else "")  # fmt: skip
         await cluster.all_healthy()
+        for g in got:  # the ledger holds what the client got, each event stored once
+            shown = [x for e in g.events() for x in e.split("\n") if x.startswith("data: {")]
+            stored = await stored_once(stack.observer, g.rid, stack.ingress.ingress_id)
+            assert data_lines(stored) == shown
         assert not stack.task.done(), "a stage stopped"
         await cluster.listing(consumers, lambda: consumer_names(cluster.seeds))
         await nothing_left(c, consumers)
