@@ -66,8 +66,3 @@ def encode_tokens(token_ids: list[int]) -> str:
 
 def decode_tokens(text: str) -> list[int]:
     return [int(t) for t in text.split(",")] if text else []
-
-
-def count_tokens(text: str) -> int:
-    """How many IDs a `Tw-Tokens` header lists."""
-    return text.count(",") + 1 if text else 0

@@ -145,13 +145,12 @@ async def publish_error(
     seq: int = 1,
     after: int | None = None,
     tenant: str = "",
-    owner: Pointer | None = None,
 ) -> PubAck:
     """An error event for the client; the stream (or response) ends with it. `before`: the
     events it follows that the request's index does not hold yet (an owner's), `seq` its
     `Tw-Seq` when there are none."""
     event = error_event(rid, before[-1].seq + 1 if before else seq, info)
-    return await commit(nc, reply, rid, [*before, event], after=after, tenant=tenant, owner=owner)
+    return await commit(nc, reply, rid, [*before, event], after=after, tenant=tenant)
 
 
 async def commit(
@@ -162,11 +161,10 @@ async def commit(
     *,
     after: int | None = None,
     tenant: str = "",
-    owner: Pointer | None = None,
 ) -> PubAck:
     """Events stored on the request's index (retried while NATS comes back), then delivered
     live: a writer of one request at a time (not an owner's round)."""
-    ack = await index(nc.jetstream(), reply, rid, events, after=after, tenant=tenant, owner=owner)
+    ack = await index(nc.jetstream(), reply, rid, events, after=after, tenant=tenant)
     await deliver(nc, reply, encode(events))
     return ack
 
@@ -251,9 +249,15 @@ async def taken(js: JetStreamContext, subject: str, after: int) -> tuple[set[str
     last = after
     async for msg in stored(js, subject, after):
         last = msg.seq or last
-        if (msg.headers or {}).get(h.KIND) == h.KIND_TAKEOVER:
-            rids.update(_takeover.decode(msg.data or b"").rids)
+        rids.update(taken_rids(msg))
     return rids, last
+
+
+def taken_rids(msg: Msg | RawStreamMsg) -> list[str]:
+    """The requests a `Takeover` record names (none, for any other record)."""
+    if (msg.headers or {}).get(h.KIND) != h.KIND_TAKEOVER:
+        return []
+    return _takeover.decode(msg.data or b"").rids
 
 
 async def stored(
@@ -363,11 +367,9 @@ async def read_rounds(
     if found.owner is None or found.ended:
         return
     async for msg in stored(js, found.owner.subject, found.owner.after, before):
-        kind = (msg.headers or {}).get(h.KIND)
-        if kind == h.KIND_TAKEOVER and rid in _takeover.decode(msg.data or b"").rids:
+        if rid in taken_rids(msg):
             return  # nothing of it after this is its owner's to write
-        if kind == h.KIND_ROUND:
-            found.add(_records.decode(msg.data or b"").events, rid)
+        found.add(events_of(rid, msg), rid)
 
 
 @dataclass

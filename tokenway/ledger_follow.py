@@ -16,7 +16,6 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
@@ -25,12 +24,10 @@ from tokenway import headers as h
 from tokenway import ledger
 from tokenway.aio import cancel_and_wait
 from tokenway.out_reader import Reader
-from tokenway.wire import Delivered, Delivery, Takeover
+from tokenway.wire import Delivered
 
 log = logging.getLogger(__name__)
 
-_records = msgspec.msgpack.Decoder(Delivery)
-_takeover = msgspec.msgpack.Decoder(Takeover)
 # What its readers read, each marked as a round subject's or not (or why one stopped).
 _Queue = asyncio.Queue[tuple[bool, Msg | Exception]]
 
@@ -87,13 +84,16 @@ class Follow:
                 if isinstance(msg, Exception):
                     raise msg
                 if not is_round:
-                    out = self._from_index(msg)
+                    out = self._from(msg)
                     if self._moved(msg):
                         rounds = await self._follow_owner(msg, queue, rounds)
-                elif msg.subject == self._owner:  # (else an owner's it no longer follows)
-                    out = self._from_round(msg)
-                else:
+                elif msg.subject != self._owner:
+                    continue  # an owner's it no longer follows
+                elif self.rid in ledger.taken_rids(msg):
+                    self._owner = ""  # its next events are the new owner's: the index names it
                     continue
+                else:
+                    out = self._from(msg)
                 if out:
                     yield out
                     if out[-1].terminal:
@@ -113,28 +113,16 @@ class Follow:
         except Exception as exc:
             queue.put_nowait((is_round, exc))
 
-    def _from_index(self, msg: Msg) -> list[Delivered]:
+    def _from(self, msg: Msg) -> list[Delivered]:
+        """What of a record's events (an index's, or a round's of many requests) comes
+        next, with what waited for it."""
         try:
             events = ledger.events_of(self.rid, msg)
         except (KeyError, ValueError) as exc:
             log.error("ledger record on %s unreadable: %r", msg.subject, exc)
             return []
-        return self._next(events)
-
-    def _from_round(self, msg: Msg) -> list[Delivered]:
-        kind = (msg.headers or {}).get(h.KIND)
-        if kind == h.KIND_TAKEOVER and self.rid in _takeover.decode(msg.data).rids:
-            self._owner = ""  # its next events are the new owner's: the index names it
-            return []
-        if kind != h.KIND_ROUND:
-            return []
-        mine = [e for e in _records.decode(msg.data).events if e.rid == self.rid]
-        return self._next(mine)
-
-    def _next(self, events: list[Delivered]) -> list[Delivered]:
-        """What of `events` comes next, with what waited for it."""
         for event in events:
-            if event.seq > self.seen:
+            if event.rid == self.rid and event.seq > self.seen:
                 self._early[event.seq] = event
         out = []
         while self.seen + 1 in self._early:

@@ -1,8 +1,8 @@
 """Many fenced `TW_OUT` publishes at once, at a fraction of nats-py's per-publish cost.
 
 `js.publish` makes every publish a request of its own: a reply token, a future, a timer, the
-ack parsed into a dataclass. An owner commits one message per request on every engine step,
-so that cost is paid per token. Here a round of publishes shares one wildcard ack
+ack parsed into a dataclass. An owner commits a round record per reply, and index records
+for the requests due one, on every engine step. Here a round of publishes shares one wildcard ack
 subscription, one future and one timeout, and each ack is decoded by msgspec. Each publish
 is also framed here (`hpub`) rather than by `nc.publish`, which checks every header key with
 a regular expression and every value by strip and translate: the ledger's headers are the
