@@ -15,6 +15,7 @@ import contextlib
 import msgspec
 from msgspec import Struct
 
+from tokenway.api.generate import Logprob, LogprobContent, Logprobs
 from tokenway.wire import EngineWork, LogprobEntry, SamplingParams, TokenLogprob
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -53,20 +54,6 @@ class VllmGenerateRequest(Struct, kw_only=True, omit_defaults=True):
     kv_transfer_params: dict[str, object] | None = None
     cache_salt: str | None = None
     reasoning_ended: bool | None = None  # whether the grammar applies from the first token
-
-
-class Logprob(Struct):
-    token_id: int
-    logprob: float
-    rank: int | None = None
-
-
-class LogprobContent(Logprob):
-    top_logprobs: list[Logprob] = []
-
-
-class Logprobs(Struct):
-    content: list[LogprobContent] | None = None
 
 
 class Choice(Struct):

@@ -21,6 +21,7 @@ from nats.errors import Error as NatsError
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ingress.aborts import Aborts
 from ingress.auth import ApiKeys, Unauthorized
 from ingress.batches import add_routes as batch_routes
 from ingress.body_rate import BodyRate
@@ -88,6 +89,7 @@ class IngressContext:
     body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))  # each client's pace
     # model → the render stage in this process, where the program put one beside
     render_beside: Mapping[str, RenderBeside] = field(default_factory=dict)
+    aborts: Aborts | None = None  # vLLM's abort_requests
 
 
 def _error(exc: TokenwayError) -> Response:
@@ -128,6 +130,7 @@ def create_app(ctx: IngressContext) -> Callable[[Scope, Receive, Send], Awaitabl
         ledger_room=ctx.ledger_room,
         body_rate=ctx.body_rate,
         render_beside=ctx.render_beside,
+        aborts=ctx.aborts,
     )
     app = FastAPI(title="tokenway", version=version("tokenway"), docs_url=None, redoc_url=None)
 

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 
+from ingress.aborts import Aborts, requested
 from ingress.body_rate import BodyRate
 from ingress.metrics import OTHER, Metrics
 from ingress.models import Catalog
@@ -34,7 +35,7 @@ from ingress.sse_writer import SseWriter
 from tokenway import bus, heap, ledger, spans, tenancy
 from tokenway import headers as h
 from tokenway.aio import cancel_and_wait
-from tokenway.api import anthropic
+from tokenway.api import anthropic, generate
 from tokenway.api.bodies import decode_body
 from tokenway.api.openai import decoded, named_model
 from tokenway.errors import (
@@ -76,7 +77,7 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-Route = Api | TokenizeRoute | Literal["count_tokens"]
+Route = Api | TokenizeRoute | Literal["count_tokens", "abort_requests"]
 ROUTES: dict[str, Route] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
@@ -87,6 +88,8 @@ ROUTES: dict[str, Route] = {
     "/detokenize": "detokenize",
     "/v1/chat/completions/render": "chat_render",
     "/v1/completions/render": "completion_render",
+    "/inference/v1/generate": "generate",
+    "/inference/v1/abort_requests": "abort_requests",
 }
 ANTHROPIC: frozenset[Route] = frozenset({"messages", "count_tokens"})  # its error shapes
 # A client's X-Request-Id (vLLM's habit): its response's id, echoed on every response.
@@ -233,6 +236,7 @@ class Completions:
     # model → the render stage in this process (`--render-placement ingress`); other models'
     # requests go to the render workers over the bus
     render_beside: Mapping[str, RenderBeside] = field(default_factory=dict)
+    aborts: Aborts | None = None  # vLLM's abort_requests (the ingress's service makes one)
 
     def __post_init__(self) -> None:
         self.js = self.nc.jetstream()
@@ -279,6 +283,9 @@ class Completions:
         ):  # a render worker answers it whole, nothing queued
             answer = await self._tokenize(api, body, client_id or rid, client_id)
             await self._reply(api, answer, send, echo)
+            return
+        if api == "abort_requests":
+            await self._reply(api, await self._abort(body, tenant), send, echo)
             return
         if api == "count_tokens":
             await self._reply(api, await self._count_tokens(body, client_id or rid), send, echo)
@@ -338,6 +345,8 @@ class Completions:
                 await self._reply(api, outcome, send, echo)
         finally:
             span.end()
+            if self.aborts is not None:
+                self.aborts.drop(rid)
             await cancel_and_wait(watcher)
             if not streaming:
                 self.router.close(rid)
@@ -382,7 +391,9 @@ class Completions:
                 check_text(api, body, self.request_limits)  # before it is decoded for that
                 talk = await conversation(await self.responses(), body, tenant, self.quota(tenant))
                 body = talk.body
-            model, stream = self._decode(api, body)
+            model, stream, named = self._decode(api, body)
+            if api == "generate" and self.aborts is not None:  # abortable by its id
+                self.aborts.hold(tenant, generate.request_id(client_id or named or rid), rid)
             previous = talk.previous if talk else None
             try:
                 await self._submit(api, model, body, rid, tenant, client_id, trace, previous)
@@ -405,11 +416,14 @@ class Completions:
             log.exception("request %s failed", rid)
             return Reply.error(internal(rid)), first
 
-    def _decode(self, api: Api, body: bytes) -> tuple[str, bool]:
-        """Checks what the ingress checks itself; the model, and whether the client asked
-        for a stream."""
+    def _decode(self, api: Api, body: bytes) -> tuple[str, bool, str | None]:
+        """Checks what the ingress checks itself; the model, whether the client asked for a
+        stream, and the request id the body names."""
+        if api == "generate":
+            tokens = generate.decode(body)
+            return self.catalog.resolve(tokens.model), bool(tokens.stream), tokens.request_id
         req = decode_body(api, body, self.request_limits)
-        return self.catalog.resolve(req.model), bool(req.stream)
+        return self.catalog.resolve(req.model), bool(req.stream), req.request_id
 
     async def _submit(
         self,
@@ -455,6 +469,18 @@ class Completions:
             raise self._over_the_bus(body) from exc
         except NatsError as exc:
             raise StageUnavailable(f"could not queue the request: {exc!r}") from exc
+
+    async def _abort(self, body: bytes, tenant: str) -> Reply:
+        """`POST /inference/v1/abort_requests`: the tenant's generate requests the ids name
+        end with their output so far, finished "abort"; as vLLM's, answered at once with an
+        empty 200, unknown and finished ids ignored."""
+        assert self.aborts is not None
+        try:
+            ids = requested(body)
+        except InvalidRequest as exc:
+            return Reply.error(exc.info())
+        await self.aborts.abort(tenant, ids)
+        return Reply(200)
 
     async def _count_tokens(self, body: bytes, rid: str) -> Reply:
         """`POST /v1/messages/count_tokens`: the prompt its chat request renders to, counted

@@ -8,8 +8,9 @@ from typing import Any
 
 import msgspec
 
+from ingress.aborts import AbortBody
 from ingress.completions import NO, YES
-from tokenway.api import anthropic, responses
+from tokenway.api import anthropic, generate, responses
 from tokenway.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,16 @@ _ROUTES = {
         "CompletionRequest",
         "vLLM's token-only GenerateRequests a completion renders to, one per prompt",
     ),
+    "/inference/v1/generate": (
+        "generate",
+        "GenerateBody",
+        "vLLM's token-in/token-out generate: token IDs (and logprobs) out",
+    ),
+    "/inference/v1/abort_requests": (
+        "abortRequests",
+        "AbortBody",
+        "End generate requests by their ids, each with its output so far (an empty 200)",
+    ),
 }
 _BODIES = [
     ChatCompletionRequest,
@@ -68,6 +79,8 @@ _BODIES = [
     anthropic.CountTokensRequest,
     anthropic.AnthropicError,
     responses.ResponsesRequest,
+    generate.GenerateBody,
+    AbortBody,
 ]
 
 

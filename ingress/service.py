@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from ingress.aborts import Aborts
 from ingress.app import IngressContext, create_app
 from ingress.auth import ApiKeys
 from ingress.body_rate import BodyRate
@@ -122,6 +123,8 @@ class IngressService:
         self.registry = registry = EngineRegistry(kv, served, ttl)
         self.router = router = OutputRouter(nc, self.ingress_id, self.settings.stream_buffer_bytes)
         await router.start()
+        aborts = Aborts(nc, self.ingress_id)
+        await aborts.start()
         self.ledger_room = ledger_room = LedgerRoom(nc, self.settings.out_reserve)
         ctx = IngressContext(
             nc=nc,
@@ -142,6 +145,7 @@ class IngressService:
             ledger_room=ledger_room,
             body_rate=self.body_rate,
             render_beside=self.render_beside,
+            aborts=aborts,
         )
         config = uvicorn.Config(
             create_app(ctx),
@@ -170,6 +174,7 @@ class IngressService:
             await stop.wait()
             await self._drain(router, grace(stop, self.settings.drain_timeout))
             server.should_exit = True
+        await aborts.stop()
         await router.stop()
         await bus.drain(nc)
 

@@ -21,6 +21,7 @@ from tokenway.quota import Kept
 from tokenway.response_store import Stored
 from tokenway.tenancy import Usage
 from tokenway.wire import (
+    Abort,
     DeadLetter,
     Delivery,
     DerenderCall,
@@ -243,11 +244,23 @@ def channels() -> list[Channel]:
             "cancel",
             _address(bus.cancel_subject, "reply", "rid"),
             "The client left: its owner stops the request, if the request has both "
-            "names (a tenant's client cancels its own only). An empty body.",
+            "names (a tenant's client cancels its own only). An empty body; a `Cancel` "
+            "with `abort` for vLLM's abort_requests: the output so far ends, finished "
+            '"abort", and its client is told.',
             None,
             content_type="application/octet-stream",
             senders=(ingress, direct),
             receivers=("schedule",),
+        ),
+        Channel(
+            "abort",
+            bus.ABORTS,
+            "vLLM's `POST /inference/v1/abort_requests`, told to every ingress: each "
+            "cancels (with `abort`) its own generate requests of the tenant whose "
+            "responses the ids name.",
+            Abort,
+            senders=(ingress,),
+            receivers=(ingress,),
         ),
         Channel(
             "derender",

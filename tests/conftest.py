@@ -282,6 +282,17 @@ def keyed_settings(stack: Stack, folder: Path, keys: str, **overrides: object) -
     return msgspec.structs.replace(stack.settings, api_key_file=str(key_file), **overrides)
 
 
+@contextlib.asynccontextmanager
+async def keyed_ingress(stack: Stack, folder: Path, keys: str) -> AsyncIterator[Stack]:
+    """An ingress with the API keys `keys` on `stack`'s bus, in front of its pipeline."""
+    settings = keyed_settings(stack, folder, keys)
+    ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
+    try:
+        yield ingress
+    finally:
+        await ingress.close()
+
+
 def recording(engine: SimEngine) -> SimEngine:
     """`engine`, keeping every attempt's work it is sent (in `received`) for the test."""
     engine.received = []

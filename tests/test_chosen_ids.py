@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from openai.types.responses import Response
 
-from tests.conftest import Stack, keyed_settings, start_stack
+from tests.conftest import Stack, keyed_ingress
 from tokenway import bus
 from tokenway import headers as h
 from tokenway.client import Output
@@ -32,10 +32,8 @@ KEY_ACME, KEY_RIVAL = "sk-acme-chosen-0123456789ab", "sk-rival-chosen-0123456789
 async def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """An ingress with the keys of two tenants, acme and rival, on the session's bus."""
     keys = f"acme {KEY_ACME}\nrival {KEY_RIVAL}\n"
-    settings = keyed_settings(stack, tmp_path_factory.mktemp("chosen"), keys)
-    ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
-    yield ingress
-    await ingress.close()
+    async with keyed_ingress(stack, tmp_path_factory.mktemp("chosen"), keys) as ingress:
+        yield ingress
 
 
 def _client(stack: Stack, key: str = "-") -> openai.AsyncOpenAI:

@@ -113,8 +113,11 @@ async def test_its_stop_strings_and_stream_options_are_honoured(stack: Stack) ->
         ({"sampling_params": SamplingParams(structured_outputs=StructuredOutputs(
             grammar='start: "' + "t" * 70_000 + '"'))}, 400,
          "sampling_params.structured_outputs", "--max-grammar-bytes"),
+        # a constraint of no kind made the engine fail every attempt, breakers struck
+        ({"sampling_params": SamplingParams(structured_outputs=StructuredOutputs())}, 400,
+         "sampling_params.structured_outputs", "gives no constraint"),
     ],
-    ids=["vocabulary", "model", "n", "budget", "grammar"],
+    ids=["vocabulary", "model", "n", "budget", "grammar", "no-kind"],
 )  # fmt: skip
 async def test_what_render_would_refuse_is_an_error_event_before_any_engine_runs(
     stack: Stack, change: dict, status: int, param: str, says: str

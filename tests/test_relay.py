@@ -400,3 +400,30 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_its_sdk_raises(
                 ):  # fmt: skip
                     pass
         assert "simulated failure" in str(failed.value)
+
+
+async def test_a_generate_stream_is_relayed_with_the_token_ids_a_fault_free_run_gives(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """vLLM's token-in/token-out route (an RL rollout's): the engine running the stream fails
+    after 20 of its tokens and another goes on; the token IDs and their logprobs the client
+    gets are those a fault-free request gets, none twice, none missing."""
+    engines = [sim("a-flaky", fail_after=20), sim("b-steady")]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (flaky, steady)):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+            ids = (await http.post("/tokenize", json={"prompt": "A long tale."})).json()["tokens"]
+            params = {"max_tokens": 60, "ignore_eos": True, "logprobs": 1}
+            ask = {"token_ids": ids, "sampling_params": params, "stream": True,
+                   "stream_options": {"include_usage": True}}  # fmt: skip
+            raw = (await http.post("/inference/v1/generate", json=ask)).text
+            whole = await http.post("/inference/v1/generate", json=ask | {"stream": False})
+        assert flaky.started >= 1 and steady.started >= 1  # it was relayed
+    streamed = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert raw.endswith("data: [DONE]\n\n")
+    outputs, closing = streamed[:-1], streamed[-1]
+    tokens = [t for e in outputs for t in e["choices"][0]["token_ids"]]
+    logprobs = [c for e in outputs for c in e["choices"][0]["logprobs"]["content"]]
+    (choice,) = whole.json()["choices"]
+    assert tokens == choice["token_ids"] and len(tokens) == 60
+    assert logprobs == choice["logprobs"]["content"]
+    assert closing["usage"]["completion_tokens"] == 60

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from engines.sim import SimEngine
-from tests.conftest import Stack, keyed_settings, start_stack
+from tests.conftest import Stack, keyed_ingress
 from tests.test_scheduling import pipeline, sim
 from tokenway.client import RequestFailed
 from tokenway.wire import EngineWork, GenerateRequest, SamplingParams
@@ -39,10 +39,8 @@ ROUTED = re.compile(r"request (\S+) .*→ engine \S+ \(overlap (\d+)/(\d+) block
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """An ingress with the keys of two tenants, acme and rival, on the session's bus."""
-    settings = keyed_settings(stack, tmp_path_factory.mktemp("engines"), KEYS)
-    ingress = await start_stack(stack.settings.nats, settings, ["ingress"])
-    yield ingress
-    await ingress.close()
+    async with keyed_ingress(stack, tmp_path_factory.mktemp("engines"), KEYS) as ingress:
+        yield ingress
 
 
 def _client(url: str, key: str = "-") -> openai.AsyncOpenAI:

@@ -194,6 +194,11 @@ def cancelled(subject: str) -> tuple[str, str]:
     return reply, rid
 
 
+# vLLM's abort_requests, told to every ingress: each cancels its own generate requests the
+# ids name (as `Abort`), the owner ending their output "abort"
+ABORTS = "tw.abort"
+
+
 def orphan_subject(key: str = "*") -> str:
     """A new owner tells every engine bridge to drop the request's work for the dead one
     (`key`: the request's, `ledger.request_key`, never its client-chosen rid)."""

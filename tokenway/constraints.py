@@ -1,5 +1,6 @@
 """A structured-outputs constraint as an llguidance grammar: render checks a request's with
-it before anything is queued, and the simulated engine decodes under it.
+it before anything is queued, and the simulated engine decodes under it. Its form (one kind,
+each well formed) is checked by whoever takes a constraint in (`check_form`), an owner too.
 
 llguidance takes JSON schemas, regular expressions and Lark grammars (GBNF converted), needs
 no torch, and is one of vLLM's own backends. Structural tags (xgrammar's format) are checked
@@ -16,8 +17,58 @@ from collections.abc import Mapping
 from llguidance import LLMatcher
 
 from tokenway import tag_grammar
+from tokenway.errors import InvalidRequest
 from tokenway.tag_grammar import Unsupported, lark_of_gbnf
 from tokenway.wire import StructuredOutputs
+
+KINDS = "json, regex, choice, grammar, json_object or structural_tag"
+
+
+def check_form(so: StructuredOutputs, param: str) -> None:
+    """vLLM's request checks of a constraint, none of which compiles anything: exactly one
+    kind, and that one well formed. `InvalidRequest` naming `param`."""
+    kinds = so.kinds()
+    if len(kinds) > 1:
+        raise InvalidRequest(
+            f"only one kind of structured outputs constraint may be given ({KINDS}); "
+            f"this request gives {', '.join(kinds)}",
+            param=param,
+        )
+    if not kinds:
+        raise InvalidRequest(f"structured_outputs gives no constraint: one of {KINDS}", param=param)
+    if so.choice is not None and not so.choice:
+        raise InvalidRequest("Choice '[]' cannot be an empty list", param=param)
+    for kind in ("grammar", "json", "structural_tag"):
+        value = getattr(so, kind)
+        if isinstance(value, str) and not value.strip():
+            raise InvalidRequest(
+                f"structured_outputs.{kind} cannot be an empty string", param=param
+            )
+    if so.json_object is False:
+        raise InvalidRequest(
+            "structured_outputs.json_object must be True if set; omit structured_outputs to "
+            "disable structured outputs",
+            param=param,
+        )
+    if so.regex is not None and "\x00" in so.regex:
+        raise InvalidRequest(
+            "structured_outputs.regex must not contain a NUL character", param=param
+        )
+    if so.structural_tag is not None:
+        try:
+            json.loads(so.structural_tag)
+        except ValueError:
+            raise InvalidRequest("Invalid structural tag specification.", param=param) from None
+
+
+def check(so: StructuredOutputs, param: str) -> None:
+    """Its form, and that it compiles (which may take a while for a large schema, and recurse
+    as deep as a grammar's rules chain: off the event loop, on a big stack)."""
+    check_form(so, param)
+    if (why := problem(so)) is not None:
+        raise InvalidRequest(
+            f"the structured outputs {so.kinds()[0]} is not valid: {why}", param=param
+        )
 
 
 def grammar(so: StructuredOutputs, tokens: Mapping[str, int] | None = None) -> str:

@@ -158,6 +158,7 @@ def _stages() -> list[Role]:
                 bus.render_subject(bus.ANY),
                 bus.tokenize_subject(bus.ANY),
                 _CANCEL_ANY,
+                bus.ABORTS,
                 *_reads(bus.OUT_STREAM),
                 _gets(bus.OUT_STREAM),
                 *_REGISTRY,
@@ -167,7 +168,7 @@ def _stages() -> list[Role]:
                 _api("DIRECT.GET", bus.RESPONSES_STREAM, ">"),
                 *_INFO,
             ),
-            subscribe=(bus.sse_subject("*"),),
+            subscribe=(bus.sse_subject("*"), bus.ABORTS),
         ),
         Role(
             "batch",

@@ -16,8 +16,9 @@ from msgspec import Meta, Struct
 from tokenway import headers as h
 
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-# messages: Anthropic's, and responses: OpenAI's Responses API, each run as a chat
-Api = Literal["chat", "completion", "messages", "responses"]
+# messages: Anthropic's, and responses: OpenAI's Responses API, each run as a chat;
+# generate: vLLM's token-in/token-out route (`tokenway.api.generate`)
+Api = Literal["chat", "completion", "messages", "responses", "generate"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 Role = Literal["union", "prefill", "decode"]
 
@@ -530,8 +531,19 @@ class Takeover(Struct, kw_only=True):
 
 
 class Cancel(Struct, kw_only=True, omit_defaults=True):
-    rid: str
-    reason: str = "client disconnected"
+    """A cancel's payload on `tw.cancel.<reply>.<rid>`; an empty one: the client left, and
+    nothing more is said to it."""
+
+    # vLLM's abort_requests: the output so far ends, finished "abort", told to the client
+    abort: bool = False
+
+
+class Abort(Struct, kw_only=True):
+    """vLLM's abort_requests on `tw.abort`: a tenant's generate requests, by the ids their
+    responses answer under (`generate-tokens-…`)."""
+
+    tenant: str
+    ids: list[str]
 
 
 class DeadLetter(Struct, kw_only=True, omit_defaults=True):

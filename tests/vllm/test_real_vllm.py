@@ -763,3 +763,85 @@ async def test_same_response_function_call_as_vllm(vllm_stack: VllmStack, stream
     theirs = await response_of(vllm_stack.server.url, body, stream)
     assert theirs[0] == [("message", SAID), ("function_call", *PARIS.values())], theirs
     assert await response_of(vllm_stack.url, body, stream) == theirs
+
+
+# -- tokenway serving vLLM's generate route -------------------------------------------------
+# Aside from ids and timestamps, and `weight_versions` (vLLM's engine labels the weights that
+# sampled each span; tokenway's bridge does not carry them yet: null), the same answer.
+_ASIDE = ("request_id", "created")
+
+
+def _generated(docs: list[Any]) -> dict[str, Any]:
+    """A whole answer, or a stream's events folded into one choice's output and its usage."""
+    if len(docs) == 1 and "model" in docs[0]:
+        doc = {k: v for k, v in docs[0].items() if k not in _ASIDE}
+        for choice in doc["choices"]:
+            choice.pop("weight_versions")
+        return doc
+    *events, closing = docs
+    assert closing["choices"] == [] and "usage" in closing
+    choices: dict[int, dict[str, Any]] = {}
+    for event in events:
+        assert {"request_id", "usage", "output_mode", "choices"} <= set(event), event
+        (c,) = event["choices"]
+        into = choices.setdefault(c["index"], {"token_ids": [], "logprobs": []})
+        into["token_ids"] += c["token_ids"]
+        into["logprobs"] += (c["logprobs"] or {}).get("content") or []
+        into["finish_reason"], into["stop_reason"] = c["finish_reason"], c["stop_reason"]
+    first = events[0].get("prompt_token_ids")
+    return {"choices": choices, "usage": closing["usage"], "prompt_token_ids": first}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": 2},
+        {"temperature": 0, "max_tokens": MAX_TOKENS, "stop_token_ids": []},
+        {"temperature": 0.8, "seed": 5, "n": 2, "max_tokens": 8},
+    ],
+    ids=["greedy-logprobs", "greedy", "seeded-n2"],
+)
+async def test_tokenways_generate_route_answers_as_vllms_own(
+    vllm_stack: VllmStack, stream: bool, params: dict[str, Any]
+) -> None:
+    """The same GenerateRequest to vLLM's route and to tokenway's (which runs it through
+    render, an owner and the bridge onto the same engine): the same token IDs, finish,
+    logprobs and usage; for a whole answer, every key of vLLM's."""
+    body: dict[str, Any] = {"token_ids": PROMPT_IDS, "sampling_params": params,
+                            "return_token_ids": True}  # fmt: skip
+    if stream:
+        body |= {"stream": True, "stream_options": USAGE}
+    theirs = _generated(await post(vllm_stack.server.url, GENERATE, body))
+    ours = _generated(await post(vllm_stack.url, GENERATE, body))
+    if stream:
+        assert len(theirs["choices"]) == params.get("n", 1)
+    assert_same(ours, theirs, "generate")
+
+
+async def test_tokenways_abort_requests_ends_a_generate_stream_as_vllms_does(
+    vllm_stack: VllmStack,
+) -> None:
+    """vLLM's wire on tokenway's routes: the stream of an aborted request ends with an
+    `abort` event holding no tokens, and the engine is freed."""
+    budget = MAX_MODEL_LEN - len(PROMPT_IDS)
+    body = {
+        "token_ids": PROMPT_IDS,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_tokens": budget, "ignore_eos": True},
+    }
+    async with local_http(base_url=vllm_stack.url) as http:
+        headers = {"X-Request-Id": "tier-abort"}
+        async with http.stream("POST", GENERATE, json=body, headers=headers) as resp:
+            events = sse_events(resp)
+            first = await anext(events)
+            assert first["request_id"] == "generate-tokens-tier-abort"
+            aborted = await http.post(ABORT, json={"request_ids": [first["request_id"]]})
+            assert aborted.status_code == 200 and aborted.content == b""
+            async with asyncio.timeout(60):
+                rest = [e async for e in events]
+                while await vllm_metric(vllm_stack.server, RUNNING) > 0:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+    last = rest[-1]["choices"][0]
+    assert last["finish_reason"] == "abort" and last["token_ids"] == []
+    assert 1 + len(rest) < budget

@@ -32,18 +32,18 @@ def decode_body(api: str, body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -
     else:
         req = decoded(CompletionDecoder, body)
     check_decoded(api, req, bounds)
-    if _has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
+    if has_wide_int(req.kv_transfer_params):  # carried to the engine as msgpack
         raise InvalidRequest(
             "kv_transfer_params holds an integer outside 64 bits", param="kv_transfer_params"
         )
     return req
 
 
-def _has_wide_int(value: object) -> bool:
+def has_wide_int(value: object) -> bool:
     """Whether an integer msgpack cannot carry (outside -2**63 .. 2**64 - 1) is in `value`
     (already bounded in depth)."""
     if isinstance(value, dict):
-        return any(_has_wide_int(v) for v in value.values())
+        return any(has_wide_int(v) for v in value.values())
     if isinstance(value, list):
-        return any(_has_wide_int(v) for v in value)
+        return any(has_wide_int(v) for v in value)
     return isinstance(value, int) and not -(2**63) <= value < 2**64

@@ -21,7 +21,7 @@ from tokenway.errors import StageUnavailable, TokenwayError, internal
 from tokenway.model import tokenizer_of
 from tokenway.wire import Derendered, DerenderEntry, DerenderFailed, DerenderResult
 from workers.derender import vllm_http as v
-from workers.derender.core import derender_call, merge_choices
+from workers.derender.core import derender_call, merge_choices, tokens_out
 from workers.derender.detok import Detokenizer
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class VllmBackend:
 
     async def _derender(self, entry: DerenderEntry) -> Derendered:
         ctx = entry.context
+        if ctx.api == "generate":  # token IDs out: nothing for the server to decode
+            return tokens_out(entry)
         if entry.usage_total is not None:  # the closing usage chunk of n > 1 choices
             if not ctx.closing_usage:
                 return Derendered()

@@ -30,7 +30,7 @@ from tokenway.wire import (
     OutputContext,
     responses_of,
 )
-from workers.derender import logprobs, messages, reasoning, responses, stops, tools
+from workers.derender import generate, logprobs, messages, reasoning, responses, stops, tools
 from workers.derender import state as states
 from workers.derender.detok import Detokenizer, seed
 from workers.derender.state import Opened, StreamState
@@ -159,8 +159,20 @@ def _output(
     return out
 
 
+def tokens_out(entry: DerenderEntry) -> Derendered:
+    """vLLM's generate route's output: token IDs, nothing decoded (any backend's)."""
+    if entry.usage_total is not None:
+        total = entry.usage_total
+        closing = entry.context.closing_usage
+        return Derendered(chunks=[generate.usage_event(entry.context, total)] if closing else [])
+    _check(entry)
+    return generate.derender(entry)
+
+
 def derender(detok: Detokenizer, entry: DerenderEntry) -> Derendered:
     ctx = entry.context
+    if ctx.api == "generate":
+        return tokens_out(entry)
     if entry.usage_total is not None:
         if not ctx.closing_usage:  # a sub-stream: the fan-out owner sums usage itself
             return Derendered()

@@ -106,6 +106,8 @@ class LocalBackend:
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
         builder = self.renderer.builder
+        if request.api == "generate":  # token IDs already: nothing to render
+            return await on_big_stack(builder.generate, request)
         parsed = await parsing(builder, request)
         ids = await prompt_ids(self.renderer, parsed.req, len(request.body), request.api)
         return builder.build(request, parsed, ids, self.renderer.vocab)
@@ -153,6 +155,8 @@ class VllmBackend:
         return self._local is not None
 
     async def render(self, request: RenderRequest) -> GenerateRequest:
+        if request.api == "generate":  # token IDs already: nothing to render
+            return await on_big_stack(self.builder.generate, request)
         parsed = await parsing(self.builder, request)
         req = parsed.req
         if isinstance(req, CompletionRequest) and len(completion_prompts(req)) > 1:

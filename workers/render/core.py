@@ -14,6 +14,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenway import token_only
+from tokenway.api import generate as generate_api
 from tokenway.api import responses
 from tokenway.api.anthropic import MESSAGE_ID_PREFIX
 from tokenway.api.bodies import decode_body
@@ -23,6 +25,7 @@ from tokenway.api.openai import (
     OpenAIRequest,
 )
 from tokenway.api.responses import RESPONSE_ID_PREFIX
+from tokenway.constraints import check
 from tokenway.errors import InvalidRequest, check_model
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits
 from tokenway.model import ModelInfo
@@ -212,6 +215,45 @@ class RequestBuilder:
             reasoning_ended=_reasoning_ended(req, parse, self.flags.reasoning_parser)
             if params.structured_outputs
             else None,
+        )
+
+    def generate(self, request: RenderRequest) -> GenerateRequest:
+        """A `POST /inference/v1/generate` body: token IDs in, checked as the schedule stage
+        checks a direct publisher's (and its constraint compiled: run it on a big stack),
+        answered in vLLM's generate shape. Its id is made as vLLM makes it; a budget past
+        the context runs to the context, as on vLLM's route."""
+        body = generate_api.decode(request.body)
+        params = body.sampling_params
+        tokens = GenerateRequest(
+            request_id=request.request_id,
+            token_ids=body.token_ids,
+            sampling_params=params.carried(),
+            model=body.model,
+            stream=bool(body.stream),
+            stream_options=StreamOptions(
+                include_usage=body.include_usage,
+                continuous_usage_stats=body.continuous_usage_stats,
+            )
+            if body.stream_options
+            else None,
+            priority=body.priority,
+            cache_salt=body.cache_salt,
+            kv_transfer_params=body.kv_transfer_params,
+            return_token_ids=body.return_token_ids,
+            reasoning_ended=body.reasoning_ended,
+        )
+        base = request.client_request_id or body.request_id or request.request_id
+        if params.structured_outputs is not None:  # compiles, as a text request's must
+            check(params.structured_outputs, "sampling_params.structured_outputs")
+        return token_only.completed(
+            tokens,
+            self.model,
+            self.info,
+            clip=True,
+            limits=self.limits,
+            api="generate",
+            response_id=generate_api.request_id(base),
+            stream_interval=params.stream_interval or 1,
         )
 
     @staticmethod

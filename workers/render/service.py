@@ -143,7 +143,7 @@ class RenderService:
                     "run derender with --derender-backend local"
                 )
             generate = await self.backend.render(request)
-            if self.settings.derender_backend == "vllm":
+            if self.settings.derender_backend == "vllm" and request.api != "generate":
                 generate.context = msgspec.structs.replace(
                     generate.context, request_body=request.body
                 )

@@ -33,13 +33,12 @@ from tokenway.api.openai import (
     NamedToolChoice,
     ResponseFormat,
 )
-from tokenway.constraints import problem
+from tokenway.constraints import check
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import StrictLevel
 from tokenway.wire import StructuredOutputs
 from workers.render import tool_tags
 
-_KINDS = "json, regex, choice, grammar, json_object or structural_tag"
 _GUIDED = ("json", "regex", "choice", "grammar")  # the kinds of vLLM's older guided_* fields
 
 
@@ -58,15 +57,15 @@ def constraint(
                 param="tool_choice",
             )
         if tags is None and (tools := _forced_tools(req)) is not None:
-            _check(tools, "tools")
+            check(tools, "tools")
             return tools
     own = _own(req)
     if own is not None:  # checked before a tool tag reads it
-        _check(own, _own_param(req))
+        check(own, _own_param(req))
     if isinstance(req, ChatCompletionRequest) and tags is not None:
         tagged = tool_tags.structural_tag(req, tags.parser, tags.level, own)
         if tagged is not None:
-            _check(tagged, _asked_by(req))
+            check(tagged, _asked_by(req))
             return tagged
     return own
 
@@ -114,51 +113,7 @@ def _own(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | 
             if so is None
             else msgspec.structs.replace(so, **{kind: value})
         )
-    if so is None:
-        return None
-    param = _own_param(req)
-    kinds = so.kinds()
-    if len(kinds) > 1:
-        raise InvalidRequest(
-            f"only one kind of structured outputs constraint may be given ({_KINDS}); "
-            f"this request gives {', '.join(kinds)}",
-            param=param,
-        )
-    if not kinds:
-        raise InvalidRequest(
-            f"structured_outputs gives no constraint: one of {_KINDS}", param="structured_outputs"
-        )
     return so
-
-
-def _check(so: StructuredOutputs, param: str) -> None:
-    """vLLM's request checks of a constraint, and whether it compiles at all."""
-    if so.choice is not None and not so.choice:
-        raise InvalidRequest("Choice '[]' cannot be an empty list", param=param)
-    for kind in ("grammar", "json", "structural_tag"):
-        value = getattr(so, kind)
-        if isinstance(value, str) and not value.strip():
-            raise InvalidRequest(
-                f"structured_outputs.{kind} cannot be an empty string", param=param
-            )
-    if so.json_object is False:
-        raise InvalidRequest(
-            "structured_outputs.json_object must be True if set; omit structured_outputs to "
-            "disable structured outputs",
-            param=param,
-        )
-    if so.regex is not None and "\x00" in so.regex:
-        raise InvalidRequest(
-            "structured_outputs.regex must not contain a NUL character", param=param
-        )
-    if so.structural_tag is not None:
-        try:
-            json.loads(so.structural_tag)
-        except ValueError:
-            raise InvalidRequest("Invalid structural tag specification.", param=param) from None
-    if (why := problem(so)) is not None:
-        kind = so.kinds()[0]
-        raise InvalidRequest(f"the structured outputs {kind} is not valid: {why}", param=param)
 
 
 def _guided(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:

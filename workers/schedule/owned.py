@@ -213,6 +213,7 @@ class Owned(Held):
     unindexed_bytes: int = 0
     arrived: float = 0.0  # when it was queued for the schedulers (epoch seconds)
     dispatched: float = 0.0  # when its first attempt went to an engine
+    aborted: bool = False  # vLLM's abort_requests asked it to end (`abort`)
     span: Span = OFF  # the owner's part of it (`tokenway.spans`)
     first_token: float | None = None  # when its engine's first output reached this owner
     last_token: float = 0.0  # when the latest did
@@ -262,6 +263,15 @@ class Owned(Held):
         """The engine has nothing more to send for this attempt."""
         return all(c.engine_done or c.done for c in self.choices)
 
+    def abort(self) -> None:
+        """vLLM's abort_requests: the output ends where it is, each open choice finished
+        "abort" with the tokens its engine made so far; the end is derendered without an
+        engine (the caller stops the one running)."""
+        self.aborted = True
+        for c in self.choices:
+            if not (c.engine_done or c.done):
+                c.finish, c.stop_reason, c.engine_done = "abort", None, True
+
     def attempt_failed(self, info: ErrorInfo) -> None:
         """The engine failed the live attempt: the owner relays or gives up."""
         if not self.ended.is_set() and self.broken is None:
@@ -278,7 +288,7 @@ class Owned(Held):
         a new attempt cannot continue faithfully once output was sent (`refuse_continuing`).
         """
         assert self.broken is not None
-        if any(c.committed for c in self.choices):
+        if any(c.committed for c in self.choices) and not self.aborted:
             self.refuse_continuing(self.broken.message, "relayed")
         self.broken = None
         self.trouble.clear()
@@ -288,6 +298,9 @@ class Owned(Held):
         self.cached_tokens = None  # the relay's engine says its own
         for c in self.choices:
             c.roll_back()
+        if self.aborted:  # nothing more is wanted: it ends with what is committed
+            self.abort()
+            return False
         done = len(self.choices[0].committed)
         original = self.request.sampling_params
         self.prompt = self.request.token_ids + self.choices[0].committed.tolist()

@@ -28,7 +28,7 @@ from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
-from tokenway import bus, ledger, ledger_writer, spans
+from tokenway import bus, ledger, ledger_writer, spans, token_only
 from tokenway import headers as h
 from tokenway import metrics as stage_metrics
 from tokenway.aio import grace, wait_any
@@ -54,6 +54,7 @@ from tokenway.sse import framed
 from tokenway.tenant_book import TenantBook
 from tokenway.wire import (
     OUTPUTS,
+    Cancel,
     Delivered,
     Derendered,
     DerenderEntry,
@@ -68,7 +69,7 @@ from tokenway.wire import (
     Whole,
 )
 from tokenway.worker import Behind, consume
-from workers.schedule import direct, isolation, metrics
+from workers.schedule import isolation, metrics
 from workers.schedule.derendering import Pool
 from workers.schedule.dispatch import Dispatcher
 from workers.schedule.fanout import FanOut, Parent
@@ -89,6 +90,7 @@ _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _step_decoder = msgspec.msgpack.Decoder(TokenStep)
 _handover_decoder = msgspec.msgpack.Decoder(HandOver)
+_cancel_decoder = msgspec.msgpack.Decoder(Cancel)
 
 # Cancels for requests not (yet) owned here are remembered this long, in count.
 _CANCEL_MEMORY = 10_000
@@ -134,7 +136,8 @@ class ScheduleService:
         self.empty = asyncio.Event()
         self.started = asyncio.Event()  # it owns requests
         self.empty.set()
-        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (reply, rid)
+        # (reply, rid) → whether vLLM's abort_requests asked (else the client left)
+        self._cancelled: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._handovers: OrderedDict[str, ledger.Committed] = OrderedDict()  # by request key
         self._handover_tokens = 0
         self._unwanted: OrderedDict[tuple[str, int], float] = OrderedDict()  # (key, attempt)
@@ -299,15 +302,16 @@ class ScheduleService:
         if key in self.requests:  # redelivered while we still own it: keep the newest handle
             self.requests[key].msg = msg
             return
-        if (who.reply, rid) in self._cancelled:
+        aborted = self._cancelled.get((who.reply, rid))
+        if aborted is False:  # its client left: nobody to run it for
             if who.limits and self._book is not None:
                 await self._book.release(who.tenant, rid)
             await msg.ack()
             return
         refused = None
         try:
-            if direct.is_direct(request):  # vLLM's token-only body: no output context yet
-                request = direct.completed(
+            if token_only.is_direct(request):  # vLLM's token-only body: no output context yet
+                request = token_only.completed(
                     request, self.model, self.model_info, self._clip, self._limits
                 )
             isolation.check_kv_transfer(
@@ -347,6 +351,9 @@ class ScheduleService:
         )
         if refused is not None:  # its error event goes out on the way out, nothing runs
             r.fail(refused)
+        elif aborted:  # before it ran: it ends at once, with no output
+            r.abort()
+            self._kick([r])
         self._hold(r)
         self._group.create_task(self._own(r))
 
@@ -418,7 +425,11 @@ class ScheduleService:
         if r.msg.metadata.num_delivered > 1 and not await self._read_back(r):
             return  # its last owner finished it
         while not r.ended.is_set():
-            if not r.trouble.is_set() or await self._relay(r):
+            if r.trouble.is_set():
+                again = await self._relay(r)
+            else:  # aborted before it ran: its end is derendered without an engine
+                again = not r.aborted
+            if again:
                 await self.dispatcher.dispatch(r)
             await wait_any(r.ended, r.trouble, timeout=max(r.deadline - time.time(), 0))
             if not (r.ended.is_set() or r.trouble.is_set()):
@@ -450,7 +461,7 @@ class ScheduleService:
             r.out_seq,
             r.relays + 1,
         )
-        if not r.relay():  # the budget is spent: only the end is left to derender
+        if not r.relay():  # the budget is spent (or it was aborted): only the end is left
             self._kick([r])
             return False
         await wait_any(r.ended, timeout=self.settings.relay_backoff * (r.relays - 1))
@@ -714,14 +725,31 @@ class ScheduleService:
     # -- cancellation and engine loss --------------------------------------------------------
 
     async def _on_cancel(self, msg: Msg) -> None:
+        """The client left (an empty cancel), or vLLM's abort_requests asked (`Cancel`): the
+        one ends with nothing more said, the other with its output so far, finished
+        "abort"."""
         reply, rid = bus.cancelled(msg.subject)
+        try:
+            abort = bool(msg.data) and _cancel_decoder.decode(msg.data).abort
+        except msgspec.DecodeError:
+            log.warning("undecodable cancel of %s taken as its client's leaving", rid)
+            abort = False
         # Remembered even when owned here: a late ack lets JetStream deliver it again, and
         # that delivery must not run it for nobody.
-        self._cancelled[reply, rid] = None
+        self._cancelled[reply, rid] = abort
         if len(self._cancelled) > _CANCEL_MEMORY:
             self._cancelled.popitem(last=False)
         r = self.owned(reply, rid)
-        if r is not None:
+        if r is None:
+            return
+        if abort and isinstance(r, Owned):
+            log.info("request %s aborted", rid)
+            if r.engine is not None and not r.engine_done:
+                assert self.dispatcher is not None
+                await self.dispatcher.abort(r.engine, r.key, r.attempt)
+            r.abort()
+            self._kick([r])
+        else:
             log.info("request %s cancelled", rid)
             r.cancel()
 

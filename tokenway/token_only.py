@@ -1,22 +1,27 @@
-"""A request published straight to `tw.sched.<model>` as vLLM's token-only generate body,
-without the output context render writes: the schedule stage makes that context from the
-vLLM fields, or refuses the request before any engine runs it.
+"""A token-only request (vLLM's generate body, token IDs in) made ready for an owner: the
+output context render writes for a text request, made from the vLLM fields, or the request
+refused before any engine runs it.
 
-The answer is a completions response (`text_completion` objects): its `id` is `cmpl-` and
-the request id, `model` the served name, `created` the moment it was taken, `usage` counts
-the prompt; `stream`, `stream_options`, `return_token_ids` and every output field of the
-sampling parameters (`n`, `stop`, `logprobs`, `min_tokens`, the detokenizer's flags) are
-honoured as vLLM's generate route honours them. What render would have refused is refused
-here, with the same words: another model, token IDs outside the vocabulary, a budget past
-the context, `n` below 1, a constraint past the request limits (`tokenway.limits`).
+Two take it: the schedule stage, for a request published straight to `tw.sched.<model>`
+without a context, whose answer is a completions response (`text_completion` objects: its
+`id` is `cmpl-` and the request id); and render, for `POST /inference/v1/generate`, whose
+answer is vLLM's generate response (`tokenway.api.generate`). In both, `model` is the served
+name, `created` the moment it was taken, `usage` counts the prompt; `stream`,
+`stream_options`, `return_token_ids` and every output field of the sampling parameters (`n`,
+`stop`, `logprobs`, `min_tokens`, the detokenizer's flags) are honoured as vLLM's generate
+route honours them. What render would have refused is refused with the same words: another
+model, token IDs outside the vocabulary, a budget past the context, `n` below 1, a
+constraint past the request limits (`tokenway.limits`).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import msgspec
 
+from tokenway.constraints import check_form
 from tokenway.errors import InvalidRequest, check_model
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_constraint
 from tokenway.model import ModelInfo
@@ -35,11 +40,18 @@ def completed(
     info: ModelInfo,
     clip: bool = False,
     limits: RequestLimits = DEFAULT_LIMITS,
+    *,
+    api: Literal["completion", "generate"] = "completion",
+    response_id: str = "",
+    stream_interval: int = 1,
 ) -> GenerateRequest:
     """The request with the context render would have given it; `InvalidRequest` (or
-    `ModelNotFound`) for what it would have refused."""
+    `ModelNotFound`) for what it would have refused. `response_id`: the answer's id
+    (else `cmpl-` and the request id)."""
     check_model(request.model or None, model)
     params = request.sampling_params
+    if params.structured_outputs is not None:  # what an engine could not decode (or a bug's)
+        check_form(params.structured_outputs, "sampling_params.structured_outputs")
     check_constraint(params.structured_outputs, limits, "sampling_params.structured_outputs")
     if params.n < 1:
         raise InvalidRequest(f"n must be at least 1, got {params.n}.", param="sampling_params.n")
@@ -76,13 +88,14 @@ def completed(
         )
     opts = request.stream_options
     context = OutputContext(
-        api="completion",
-        response_id=f"cmpl-{request.request_id}",
+        api=api,
+        response_id=response_id or f"cmpl-{request.request_id}",
         model=model,
         created=int(time.time()),
         prompt_tokens=len(request.token_ids),
         prompt_tail=request.token_ids[-SEED_TOKENS:],
         stream=request.stream,
+        stream_interval=stream_interval,
         include_usage=bool(opts and opts.include_usage),
         continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
         return_token_ids=bool(request.return_token_ids),
