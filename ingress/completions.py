@@ -88,6 +88,8 @@ ROUTES: dict[str, Route] = {
     "/detokenize": "detokenize",
     "/v1/chat/completions/render": "chat_render",
     "/v1/completions/render": "completion_render",
+    "/v1/messages/render": "messages_render",
+    "/v1/responses/render": "responses_render",
     "/inference/v1/generate": "generate",
     "/inference/v1/abort_requests": "abort_requests",
 }
@@ -275,15 +277,18 @@ class Completions:
             stopping = Unavailable("the server is shutting down; send the request again")
             await self.refuse(api, stopping, send, echo)
             return
-        if (
-            api == "tokenize"
-            or api == "detokenize"
-            or api == "chat_render"
-            or api == "completion_render"
-        ):  # a render worker answers it whole, nothing queued
-            answer = await self._tokenize(api, body, client_id or rid, client_id)
-            await self._reply(api, answer, send, echo)
-            return
+        match api:  # a render worker answers these whole, nothing queued
+            case (
+                "tokenize"
+                | "detokenize"
+                | "chat_render"
+                | "completion_render"
+                | "messages_render"
+                | "responses_render"
+            ):
+                answer = await self._tokenize(api, body, client_id or rid, client_id)
+                await self._reply(api, answer, send, echo)
+                return
         if api == "abort_requests":
             await self._reply(api, await self._abort(body, tenant), send, echo)
             return

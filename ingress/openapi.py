@@ -21,7 +21,7 @@ from tokenway.api.openai import (
 from tokenway.errors import ErrorBody
 
 _REF = "#/components/schemas/{name}"
-_ANTHROPIC = ("MessagesRequest", "CountTokensRequest")  # its routes answer its error shape
+_ANTHROPIC = ("createMessage", "countMessageTokens")  # its routes answer its error shape
 # What a completion route answers besides 200; every one an OpenAI error body.
 _ERRORS = {
     "400": "the body does not decode, or asks for what the model or the engines cannot do",
@@ -57,6 +57,16 @@ _ROUTES = {
         "CompletionRequest",
         "vLLM's token-only GenerateRequests a completion renders to, one per prompt",
     ),
+    "/v1/messages/render": (
+        "renderMessage",
+        "MessagesRequest",
+        "vLLM's token-only GenerateRequest an Anthropic message renders to",
+    ),
+    "/v1/responses/render": (
+        "renderResponse",
+        "ResponsesRequest",
+        "vLLM's token-only GenerateRequest a Responses request renders to (stateless)",
+    ),
     "/inference/v1/generate": (
         "generate",
         "GenerateBody",
@@ -85,7 +95,7 @@ _BODIES = [
 
 
 def _operation(operation_id: str, body: str, summary: str) -> dict[str, Any]:
-    shape = "AnthropicError" if body in _ANTHROPIC else "ErrorBody"
+    shape = "AnthropicError" if operation_id in _ANTHROPIC else "ErrorBody"
     error = {"application/json": {"schema": {"$ref": _REF.format(name=shape)}}}
     return {
         "operationId": operation_id,

@@ -38,6 +38,8 @@ ROUTES = {
     ("POST", "/detokenize"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/chat/completions/render"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/completions/render"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/messages/render"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/responses/render"): [POSITIVE, NEGATIVE],
     ("POST", "/inference/v1/generate"): [POSITIVE, NEGATIVE],
     ("POST", "/inference/v1/abort_requests"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/streams/{rid}"): [POSITIVE, NEGATIVE],

@@ -75,3 +75,47 @@ async def test_what_render_refuses_is_vllms_error_for_it(http: httpx.AsyncClient
     assert_error(await http.post("/v1/completions/render", json={"prompt": []}), 400)
     assert_error(await http.post("/v1/completions/render", content=b"{not json"), 400, "JSON")
     assert_error(await http.get("/v1/completions/render"), 405)
+
+
+async def test_a_messages_request_renders_as_vllm_renders_it(http: httpx.AsyncClient) -> None:
+    """As the chat request it is: a chat's id, usage on every chunk of its stream, its stop
+    sequences as stop strings; the prompt its own request is given."""
+    body = {"model": "deepseek-v4", "max_tokens": 30, "system": "Be brief.", "temperature": 0.5,
+            "stop_sequences": ["END"], "stream": True,
+            "messages": [{"role": "user", "content": "Hello there"}]}  # fmt: skip
+    resp = await http.post("/v1/messages/render", json=body, headers={"X-Request-Id": "m1"})
+    assert resp.status_code == 200, resp.text
+    doc = resp.json()
+    assert set(doc) == FIELDS and doc["request_id"] == "chatcmpl-m1"
+    assert doc["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    params = doc["sampling_params"]
+    assert params["max_tokens"] == 30 and params["stop"] == ["END"]
+    assert params["temperature"] == 0.5
+    counted = await http.post("/v1/messages/count_tokens", json=body)
+    assert len(doc["token_ids"]) == counted.json()["input_tokens"]
+    # its errors are OpenAI's shape, as vLLM's render server answers them
+    no_budget = {k: v for k, v in body.items() if k != "max_tokens"}
+    assert_error(await http.post("/v1/messages/render", json=no_budget), 400, "max_tokens")
+
+
+async def test_a_responses_request_renders_under_its_own_id_statelessly(
+    http: httpx.AsyncClient,
+) -> None:
+    body = {"model": "deepseek-v4", "input": "Hello there", "instructions": "Be brief.",
+            "max_output_tokens": 20, "stream": True, "request_id": "resp_mine"}  # fmt: skip
+    resp = await http.post("/v1/responses/render", json=body, headers={"X-Request-Id": "no"})
+    assert resp.status_code == 200, resp.text
+    doc = resp.json()
+    assert set(doc) == FIELDS and doc["request_id"] == "resp_mine"
+    assert doc["stream"] is True and doc["stream_options"] is None
+    assert doc["sampling_params"]["max_tokens"] == 20
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hello there"}]}  # fmt: skip
+    tokenized = await http.post("/tokenize", json=chat)
+    assert doc["token_ids"] == tokenized.json()["tokens"]
+    fresh = await http.post("/v1/responses/render", json={"input": "Hi"})
+    assert fresh.json()["request_id"].startswith("resp_")
+    going_on = {"input": "Hi", "previous_response_id": "resp_earlier"}
+    error = assert_error(await http.post("/v1/responses/render", json=going_on), 400,
+                         "not supported by the stateless render endpoint")  # fmt: skip
+    assert error["param"] == "previous_response_id"

@@ -209,7 +209,14 @@ class RenderRequest(Struct, kw_only=True):
 
 # `/tokenize`, `/detokenize` and vLLM's render routes (`/v1/chat/completions/render`,
 # `/v1/completions/render`): answered by a render worker, nothing queued.
-TokenizeRoute = Literal["tokenize", "detokenize", "chat_render", "completion_render"]
+TokenizeRoute = Literal[
+    "tokenize",
+    "detokenize",
+    "chat_render",
+    "completion_render",
+    "messages_render",
+    "responses_render",
+]
 
 
 class TokenizeCall(Struct, kw_only=True):

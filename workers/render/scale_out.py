@@ -1,6 +1,10 @@
-"""vLLM's render routes' answer (`POST /v1/chat/completions/render`, `/v1/completions/render`):
-the token-only `GenerateRequest` the request renders to, in vLLM's JSON shape, made from the
-same render core that queues requests for tokenway's own owners.
+"""vLLM's render routes' answer (`POST /v1/chat/completions/render`, `/v1/completions/render`,
+`/v1/messages/render`, `/v1/responses/render`): the token-only `GenerateRequest` the request
+renders to, in vLLM's JSON shape, made from the same render core that queues requests for
+tokenway's own owners. As vLLM names and streams them: a Messages request's id is a chat's
+(`chatcmpl-`) and its stream asks for usage on every chunk; a Responses request's id is its
+body's `request_id` (else `resp_` and a fresh one, never the client's `X-Request-Id`) and it
+names no stream options.
 
 Pure: a rendered `wire.GenerateRequest` in, vLLM's objects out (one per prompt of a
 completions request). Deliberately unlike vLLM 0.32: `max_tokens` is always written, where
@@ -15,7 +19,10 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
+from tokenway.api.anthropic import MESSAGE_ID_PREFIX
 from tokenway.wire import GenerateRequest, SamplingParams, StreamOptions
+
+CHAT_PREFIX = "chatcmpl-"
 
 
 class Rendered(Struct, kw_only=True):
@@ -42,16 +49,27 @@ class Rendered(Struct, kw_only=True):
 
 class _Named(Struct):
     model: str | None = None
+    request_id: str | None = None  # a Responses request's own id
 
 
 _named = msgspec.json.Decoder(_Named)
+# A Messages stream's options, as vLLM's conversion to a chat request sets them
+_MESSAGES_STREAM = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
 
 def rendered(generate: GenerateRequest, body: bytes) -> list[Rendered]:
-    """One per prompt, in order (a chat request has one). `model` is the body's, as sent
-    (null when it named none), as vLLM answers it."""
-    model = _named.decode(body).model
-    base = generate.context.response_id
+    """One per prompt, in order (chat, Messages and Responses requests have one). `model` is
+    the body's, as sent (null when it named none), as vLLM answers it."""
+    named = _named.decode(body)
+    model, ctx = named.model, generate.context
+    base = ctx.response_id
+    if ctx.api == "messages":
+        base = CHAT_PREFIX + base.removeprefix(MESSAGE_ID_PREFIX)
+        if generate.stream:
+            generate = msgspec.structs.replace(generate, stream_options=_MESSAGES_STREAM)
+    elif ctx.api == "responses":
+        base = named.request_id or base
+        generate = msgspec.structs.replace(generate, stream_options=None)
     if generate.prompts is None:
         return [_one(generate, base, generate.token_ids, generate.sampling_params, model)]
     return [

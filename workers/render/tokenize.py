@@ -26,6 +26,20 @@ from workers.render.scale_out import Rendered, rendered
 log = logging.getLogger(__name__)
 
 _calls = msgspec.msgpack.Decoder(TokenizeCall)
+# vLLM's render routes, by the API whose request each renders
+RENDERS: dict[str, Api] = {
+    "chat_render": "chat",
+    "completion_render": "completion",
+    "messages_render": "messages",
+    "responses_render": "responses",
+}
+
+
+class _Stateless(msgspec.Struct):
+    previous_response_id: str | None = None
+
+
+_stateless = msgspec.json.Decoder(_Stateless)
 # What the answer's envelope (its msgpack framing and headers) may take of the bus payload.
 _ENVELOPE_BYTES = 1024
 
@@ -35,8 +49,13 @@ def tokenize(
 ) -> TokenizeResponse | DetokenizeResponse | Rendered | list[Rendered]:
     """The answer to one call; `InvalidRequest`/`ModelNotFound` for the client's mistakes."""
     tok = renderer.tokenizer
-    if call.route == "chat_render" or call.route == "completion_render":
-        api: Api = "chat" if call.route == "chat_render" else "completion"
+    api = RENDERS.get(call.route)
+    if api is not None:
+        if api == "responses" and _stateless.decode(call.body).previous_response_id:
+            raise InvalidRequest(
+                "previous_response_id is not supported by the stateless render endpoint.",
+                param="previous_response_id",
+            )
         request = RenderRequest(
             api=api,
             request_id=call.rid,
@@ -45,7 +64,7 @@ def tokenize(
             client_request_id=call.client_id or None,
         )
         each = rendered(renderer.render(request), call.body)
-        return each[0] if api == "chat" else each
+        return each if api == "completion" else each[0]
     if call.route == "detokenize":
         req = decode_detokenize(call.body)
         check_model(req.model, renderer.builder.model)
