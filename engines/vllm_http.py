@@ -57,11 +57,11 @@ from engines.vllm_wire import (
     decode_completion,
     decode_generate,
     error_message,
-    logprob_entries,
     vllm_request,
 )
 from tokenway import headers as h
 from tokenway.aio import cancel_and_wait, uninterrupted
+from tokenway.api.generate import logprob_entries
 from tokenway.config import Settings
 from tokenway.wire import EngineInfo, EngineWork, FinishReason, LogprobEntry, Role
 

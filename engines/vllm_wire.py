@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Struct
 
 from tokenway.api.generate import Logprob, LogprobContent, Logprobs
-from tokenway.wire import EngineWork, LogprobEntry, SamplingParams, TokenLogprob
+from tokenway.wire import EngineWork, SamplingParams
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -116,20 +116,6 @@ def vllm_request(work: EngineWork, request_id: str, stream: bool) -> VllmGenerat
         cache_salt=work.cache_salt,
         reasoning_ended=work.reasoning_ended,
     )
-
-
-def logprob_entries(lp: Logprobs | None) -> list[LogprobEntry] | None:
-    """vLLM's per-token entries (sampled token first in `top_logprobs`) → ours, as they are."""
-    if lp is None or lp.content is None:
-        return None
-    out = []
-    for c in lp.content:
-        top = [
-            TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
-            for t in c.top_logprobs
-        ]
-        out.append(LogprobEntry(token_id=c.token_id, logprob=c.logprob, rank=c.rank, top=top))
-    return out
 
 
 def error_message(body: bytes) -> str:

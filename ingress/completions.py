@@ -90,6 +90,8 @@ ROUTES: dict[str, Route] = {
     "/v1/completions/render": "completion_render",
     "/v1/messages/render": "messages_render",
     "/v1/responses/render": "responses_render",
+    "/v1/chat/completions/derender": "chat_derender",
+    "/v1/completions/derender": "completion_derender",
     "/inference/v1/generate": "generate",
     "/inference/v1/abort_requests": "abort_requests",
 }
@@ -285,6 +287,8 @@ class Completions:
                 | "completion_render"
                 | "messages_render"
                 | "responses_render"
+                | "chat_derender"
+                | "completion_derender"
             ):
                 answer = await self._tokenize(api, body, client_id or rid, client_id)
                 await self._reply(api, answer, send, echo)

@@ -10,7 +10,7 @@ import msgspec
 
 from ingress.aborts import AbortBody
 from ingress.completions import NO, YES
-from tokenway.api import anthropic, generate, responses
+from tokenway.api import anthropic, derender, generate, responses
 from tokenway.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,6 +67,16 @@ _ROUTES = {
         "ResponsesRequest",
         "vLLM's token-only GenerateRequest a Responses request renders to (stateless)",
     ),
+    "/v1/chat/completions/derender": (
+        "derenderChatCompletion",
+        "ChatDerender",
+        "A generate response (or one streamed event and its stream_state) as a chat completion",
+    ),
+    "/v1/completions/derender": (
+        "derenderCompletion",
+        "CompletionDerenderRequest",
+        "Generate responses (or one streamed event and its stream_state) as a completion",
+    ),
     "/inference/v1/generate": (
         "generate",
         "GenerateBody",
@@ -91,6 +101,9 @@ _BODIES = [
     responses.ResponsesRequest,
     generate.GenerateBody,
     AbortBody,
+    derender.ChatDerender,
+    derender.CompletionDerender,
+    derender.CompletionStreamDerender,
 ]
 
 
@@ -149,6 +162,12 @@ def with_completions(document: dict[str, Any], rid_pattern: str) -> dict[str, An
         "anyOf": [
             {"$ref": _REF.format(name=s.__name__)}
             for s in (TokenizeChatRequest, TokenizeCompletionRequest)
+        ]
+    }
+    schemas["CompletionDerenderRequest"] = {
+        "anyOf": [
+            {"$ref": _REF.format(name=s.__name__)}
+            for s in (derender.CompletionDerender, derender.CompletionStreamDerender)
         ]
     }
     document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import gc
 import logging
 import os
@@ -85,9 +86,16 @@ def _stages(
 
         return [IngressService(s, models)]
     if name == "render":
+        from workers.derender.backend import LocalBackend
         from workers.render.service import RenderService
 
-        return [RenderService(s, m.info, m.name, parser_flags(s, m)) for m in models]
+        # vLLM's derender routes: tokenway's own derender core, in the render worker
+        return [
+            RenderService(
+                s, m.info, m.name, parser_flags(s, m), functools.partial(LocalBackend, m.info.path)
+            )
+            for m in models
+        ]
     if name == "schedule":
         from workers.derender.backend import derender_backend
         from workers.schedule.service import ScheduleService

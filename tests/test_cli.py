@@ -441,7 +441,9 @@ async def test_a_stage_whose_nats_went_away_stops_on_sigterm(tmp_path: Path) -> 
         proc = await spawn("schedule", "--nats", server.url, "--data-dir", str(tmp_path / "d"))
         await logged(proc, b"owning")
         await asyncio.to_thread(server.stop)
-        await logged(proc, b"NATS error")
+        # "NATS error at …", or "cannot reach NATS at …" when nats-py was already
+        # reconnecting as it reported the loss (one run in the suite, under load)
+        await logged(proc, b"NATS")
         code = await stop(proc, signal.SIGTERM)
         assert proc.stderr is not None
         said = (await proc.stderr.read()).decode()

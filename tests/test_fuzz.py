@@ -40,6 +40,8 @@ ROUTES = {
     ("POST", "/v1/completions/render"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/messages/render"): [POSITIVE, NEGATIVE],
     ("POST", "/v1/responses/render"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/chat/completions/derender"): [POSITIVE, NEGATIVE],
+    ("POST", "/v1/completions/derender"): [POSITIVE, NEGATIVE],
     ("POST", "/inference/v1/generate"): [POSITIVE, NEGATIVE],
     ("POST", "/inference/v1/abort_requests"): [POSITIVE, NEGATIVE],
     ("GET", "/v1/streams/{rid}"): [POSITIVE, NEGATIVE],

@@ -216,6 +216,8 @@ TokenizeRoute = Literal[
     "completion_render",
     "messages_render",
     "responses_render",
+    "chat_derender",
+    "completion_derender",
 ]
 
 

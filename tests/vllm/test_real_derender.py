@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from tokenizers import Tokenizer
@@ -85,3 +86,82 @@ async def test_the_real_derender_server_gives_the_local_text(
     assert content(got) == expected and expected
     docs = [json.loads(d) for r in got for d in r.chunks]
     assert {d["id"] for d in docs} == {ctx.response_id} and {d["created"] for d in docs} == {7}
+
+
+# -- tokenway serving vLLM's derender routes ------------------------------------------------
+# The same calls to vLLM's render server and to tokenway's routes (its render stage, with
+# tokenway's core): the same text, finish and usage. The output ends by its length: vLLM 0.32
+# decodes the stop token into the content on its parser path, which 0.33 fixes.
+
+CHAT_REQUEST = {"model": SERVED_NAME, "max_tokens": 64,
+                "messages": [{"role": "user", "content": "Tell me about rivers."}]}  # fmt: skip
+
+
+async def _post(url: str, path: str, body: dict[str, Any]) -> Any:
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+        resp = await http.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+
+def _answer_ids(server: VllmServer) -> list[int]:
+    tokenizer = Tokenizer.from_file(str(server.model_dir / "tokenizer.json"))
+    return tokenizer.encode(ANSWER, add_special_tokens=False).ids
+
+
+async def test_tokenways_batch_derender_answers_as_vllms_own(
+    vllm_render_server: VllmServer, vllm_stack: Any
+) -> None:
+    ids = _answer_ids(vllm_render_server)
+    rendered = await _post(vllm_stack.url, "/v1/chat/completions/render", CHAT_REQUEST)
+    whole = {"request_id": "generate-tokens-tier", "output_mode": "tokens",
+             "choices": [{"index": 0, "finish_reason": "length", "token_ids": ids}]}  # fmt: skip
+    call = {"generate_response": whole, "prompt_token_ids": rendered["token_ids"],
+            "prompt_tokens": len(rendered["token_ids"]), "chat_request": CHAT_REQUEST}  # fmt: skip
+    theirs = await _post(vllm_render_server.url, "/v1/chat/completions/derender", call)
+    ours = await _post(vllm_stack.url, "/v1/chat/completions/derender", call)
+    for doc in (theirs, ours):
+        assert doc["id"] == "generate-tokens-tier" and doc["object"] == "chat.completion"
+    (their_choice,), (our_choice,) = theirs["choices"], ours["choices"]
+    assert our_choice["message"]["content"] == their_choice["message"]["content"] == ANSWER
+    assert our_choice["finish_reason"] == their_choice["finish_reason"] == "length"
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [ours["usage"][k] for k in counts] == [theirs["usage"][k] for k in counts]
+    completions = {"generate_responses": [whole, whole], "prompt_tokens": [3, 4],
+                   "prompt_token_ids": [[1, 2, 3], [1, 2, 3, 4]],
+                   "completion_request": {"model": SERVED_NAME, "prompt": "Hi"}}  # fmt: skip
+    theirs = await _post(vllm_render_server.url, "/v1/completions/derender", completions)
+    ours = await _post(vllm_stack.url, "/v1/completions/derender", completions)
+    pick = [(c["index"], c["text"], c["finish_reason"]) for c in theirs["choices"]]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in ours["choices"]] == pick
+    assert [ours["usage"][k] for k in counts] == [theirs["usage"][k] for k in counts]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+async def test_tokenways_stream_derender_carries_state_to_vllms_text(
+    vllm_render_server: VllmServer, vllm_stack: Any, step: int
+) -> None:
+    """A client carrying each server's `stream_state` chunk by chunk, at 1, 3 and 7 tokens
+    per event: the same deltas' text from both, one chunk per call, the role on the first."""
+    ids = _answer_ids(vllm_render_server)
+    rendered = await _post(vllm_stack.url, "/v1/chat/completions/render", CHAT_REQUEST)
+    said: dict[str, str] = {}
+    for name, url in (("vllm", vllm_render_server.url), ("tokenway", vllm_stack.url)):
+        state, text, roles = None, "", []
+        for start in range(0, len(ids), step):
+            last = start + step >= len(ids)
+            choice = {"index": 0, "token_ids": ids[start : start + step],
+                      "finish_reason": "length" if last else None}  # fmt: skip
+            call = {"stream": True, "stream_state": state, "chat_request": CHAT_REQUEST,
+                    "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
+                    "prompt_token_ids": rendered["token_ids"]}  # fmt: skip
+            answer = await _post(url, "/v1/chat/completions/derender", call)
+            (out,) = answer["chunk"]["choices"]
+            text += out["delta"].get("content") or ""
+            roles.append(out["delta"].get("role"))
+            state = answer["stream_state"]
+            assert set(state) >= {"prev_tokens", "role_sent", "read_offset"}
+        assert roles[0] == "assistant" and not any(roles[1:])
+        assert out["finish_reason"] == "length"
+        said[name] = text
+    assert said["tokenway"] == said["vllm"] == ANSWER

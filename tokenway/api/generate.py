@@ -36,6 +36,7 @@ from tokenway.wire import (
     SamplingParams,
     StructuredOutputs,
     TokenId,
+    TokenLogprob,
 )
 
 # vLLM's engine ids for this route: the prefix and the request's base id
@@ -327,3 +328,21 @@ class Response(Struct, kw_only=True):
     ec_transfer_params: None = None
     output_mode: str = OUTPUT_MODE
     choices: list[TokensChoice]
+
+
+def logprob_entries(lp: Logprobs | None) -> list[LogprobEntry] | None:
+    """vLLM's per-token entries (sampled token first in `top_logprobs`) → ours, as they are."""
+    if lp is None or lp.content is None:
+        return None
+    return [
+        LogprobEntry(
+            token_id=c.token_id,
+            logprob=c.logprob,
+            rank=c.rank,
+            top=[
+                TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
+                for t in c.top_logprobs
+            ],
+        )
+        for c in lp.content
+    ]

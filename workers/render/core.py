@@ -169,31 +169,9 @@ class RequestBuilder:
         params = sampling_params(req, max_tokens, parsed.constraint)
         if remote is not None:
             params = keep_output_fields(remote, params)
-        parse = (
-            parse_context(req, ids, self.flags, vocab, params.structured_outputs)
-            if isinstance(req, ChatCompletionRequest)
-            else None
-        )
+        parse = self._parse(req, ids, vocab, params)
+        context = self._context(request, req, ids, params, parse)
         opts = req.stream_options
-        context = OutputContext(
-            api=request.api,
-            response_id=f"{_ID_PREFIXES[request.api]}{self._id(request, req)}",
-            model=self.model,
-            created=request.created,
-            prompt_tokens=len(ids),
-            prompt_tail=ids[-SEED_TOKENS:],
-            stream=bool(req.stream),
-            stream_interval=req.stream_interval or 1,
-            include_usage=bool(opts and opts.include_usage),
-            continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
-            echo=isinstance(req, CompletionRequest) and bool(req.echo),
-            return_token_ids=bool(req.return_token_ids),
-            **output_options(params),
-            parse=parse,
-            response_fields=responses.echoed(request.body, request.previous_response_id)
-            if request.api == "responses"
-            else None,
-        )
         return GenerateRequest(
             request_id=request.request_id,
             token_ids=ids,
@@ -214,6 +192,54 @@ class RequestBuilder:
             prompts=several,
             reasoning_ended=_reasoning_ended(req, parse, self.flags.reasoning_parser)
             if params.structured_outputs
+            else None,
+        )
+
+    def output_of(
+        self, request: RenderRequest, parsed: Parsed, ids: list[int], vocab: Mapping[str, int]
+    ) -> OutputContext:
+        """How derender shapes the output of this request had its prompt been `ids` (none:
+        not known), with nothing of a budget checked: for vLLM's derender routes, whose
+        request was rendered and run elsewhere."""
+        req = parsed.req
+        params = sampling_params(req, self.info.context_length, parsed.constraint)
+        parse = self._parse(req, ids, vocab, params)
+        return self._context(request, req, ids, params, parse)
+
+    def _parse(
+        self, req: OpenAIRequest, ids: list[int], vocab: Mapping[str, int], params: SamplingParams
+    ) -> ParseContext | None:
+        """How derender parses a chat's output (None for a completion)."""
+        if not isinstance(req, ChatCompletionRequest):
+            return None
+        return parse_context(req, ids, self.flags, vocab, params.structured_outputs)
+
+    def _context(
+        self,
+        request: RenderRequest,
+        req: OpenAIRequest,
+        ids: list[int],
+        params: SamplingParams,
+        parse: ParseContext | None,
+    ) -> OutputContext:
+        opts = req.stream_options
+        return OutputContext(
+            api=request.api,
+            response_id=f"{_ID_PREFIXES[request.api]}{self._id(request, req)}",
+            model=self.model,
+            created=request.created,
+            prompt_tokens=len(ids),
+            prompt_tail=ids[-SEED_TOKENS:],
+            stream=bool(req.stream),
+            stream_interval=req.stream_interval or 1,
+            include_usage=bool(opts and opts.include_usage),
+            continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
+            echo=isinstance(req, CompletionRequest) and bool(req.echo),
+            return_token_ids=bool(req.return_token_ids),
+            **output_options(params),
+            parse=parse,
+            response_fields=responses.echoed(request.body, request.previous_response_id)
+            if request.api == "responses"
             else None,
         )
 

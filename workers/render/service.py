@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -18,6 +19,7 @@ from nats.js import JetStreamContext
 
 from tokenway import bus, ledger, metrics, spans
 from tokenway.config import Settings
+from tokenway.derendering import Derenderer
 from tokenway.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -50,8 +52,15 @@ class RenderService:
     name = "render"
 
     def __init__(
-        self, settings: Settings, model: ModelInfo, served_model_name: str, flags: ParserFlags
+        self,
+        settings: Settings,
+        model: ModelInfo,
+        served_model_name: str,
+        flags: ParserFlags,
+        derenderer: Callable[[], Derenderer] | None = None,
     ) -> None:
+        """`derenderer`: makes what answers vLLM's derender routes (tokenway's own core, made
+        on the first such call: it loads a tokenizer of its own)."""
         self.settings = settings
         self.started = asyncio.Event()  # it takes requests
         self.model = served_model_name
@@ -60,6 +69,9 @@ class RenderService:
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.book: TenantBook | None = None
+        self._make_derenderer = derenderer
+        self._derenderer: Derenderer | None = None
+        self._making = asyncio.Lock()  # two first calls make one
 
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         nc = self.nc = await bus.connect(
@@ -91,6 +103,8 @@ class RenderService:
                     await sub.drain()  # takes what was received; the group awaits its answers
         finally:
             await self.backend.aclose()
+            if self._derenderer is not None:
+                await self._derenderer.aclose()
         await bus.drain(nc)
 
     async def _tokenize(self, msg: Msg) -> None:
@@ -163,8 +177,19 @@ class RenderService:
         span.end()
 
     async def tokenize(self, data: bytes) -> TokenizeAnswer:
-        """A `/tokenize` or `/detokenize` call's answer (a `TokenizeCall`), errors included."""
-        return await tokenize.answer(await self.backend.local(), data, self.max_payload)
+        """A `TokenizeCall`'s answer (`/tokenize`, `/detokenize`, vLLM's render and derender
+        routes), errors included."""
+        renderer = await self.backend.local()
+        derenderer = self._derenderer_made if self._make_derenderer is not None else None
+        return await tokenize.answer(renderer, data, self.max_payload, derenderer)
+
+    async def _derenderer_made(self) -> Derenderer:
+        """Made on the first derender call, off the event loop (it loads a tokenizer)."""
+        assert self._make_derenderer is not None
+        async with self._making:
+            if self._derenderer is None:
+                self._derenderer = await asyncio.to_thread(self._make_derenderer)
+        return self._derenderer
 
     def _tenants(self) -> TenantBook:
         assert self.book is not None

@@ -1,11 +1,12 @@
-"""`POST /tokenize`, `/detokenize` and vLLM's render routes in vLLM's shapes, answered by a
-render worker with the tokenizer and chat template it renders with, so the IDs are the ones a
-request would get."""
+"""`POST /tokenize`, `/detokenize` and vLLM's render and derender routes in vLLM's shapes,
+answered by a render worker with the tokenizer and chat template it renders with, so the IDs
+are the ones a request would get."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -16,8 +17,17 @@ from tokenway.api.openai import (
     decode_detokenize,
     decode_tokenize,
 )
-from tokenway.errors import InvalidRequest, TokenwayError, check_model, error_body, internal
+from tokenway.derendering import Derenderer
+from tokenway.errors import (
+    InvalidRequest,
+    TokenwayError,
+    Unavailable,
+    check_model,
+    error_body,
+    internal,
+)
 from tokenway.wire import Api, RenderRequest, TokenizeAnswer, TokenizeCall
+from workers.render import derender_routes
 from workers.render.backend import worked
 from workers.render.chat import apply_template
 from workers.render.core import Renderer
@@ -89,11 +99,23 @@ def tokenize(
     )
 
 
-async def answer(renderer: Renderer, data: bytes, max_payload: int) -> TokenizeAnswer:
-    """A call's HTTP answer, errors included; a big one is worked off the event loop."""
+async def answer(
+    renderer: Renderer,
+    data: bytes,
+    max_payload: int,
+    derenderer: Callable[[], Awaitable[Derenderer]] | None = None,
+) -> TokenizeAnswer:
+    """A call's HTTP answer, errors included; a big one is worked off the event loop.
+    `derenderer`: gives what answers vLLM's derender routes (none: not answered here)."""
     try:
         call = _calls.decode(data)
-        body = msgspec.json.encode(await worked(len(call.body), tokenize, renderer, call))
+        if call.route == "chat_derender" or call.route == "completion_derender":
+            if derenderer is None:
+                raise Unavailable("this render worker answers no derender route")
+            doc = await derender_routes.answer(renderer, await derenderer(), call.route, call.body)
+        else:
+            doc = await worked(len(call.body), tokenize, renderer, call)
+        body = msgspec.json.encode(doc)
         if len(body) + _ENVELOPE_BYTES > max_payload:
             raise InvalidRequest(
                 f"the answer ({len(body)} bytes) exceeds the bus payload limit of "
