@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from bench import batch_interference, e2e, ledger_read, ledger_writer, owner_memory, soak
+from bench import (
+    batch_interference,
+    derender_route,
+    e2e,
+    ledger_read,
+    ledger_writer,
+    owner_memory,
+    soak,
+)
+from tests.conftest import Stack
 from tokenway import ledger
 from tokenway.model import default_model_dir, load_model_info
 
@@ -153,3 +162,13 @@ async def test_a_tiny_soak_reports_every_process_and_its_growth() -> None:
     assert set(report["growth_after_warmup_mb"]) == {"up", "nats-server"}
     assert len(report["samples"]) >= 2 and all(s["up"] > 0 for s in report["samples"])
     assert "growth after the warm-up" in soak.table(report)
+
+
+@in_session_loop
+async def test_tiny_derender_route_benchmark_carries_a_state_that_stays_small(
+    stack: Stack,
+) -> None:
+    result = await derender_route.run(stack.url, None, tokens=120)
+    ours = result["tokenway"]
+    assert result["tokens"] == ours["calls"] == 120 and ours["text_chars"] > 0
+    assert ours["state_bytes_late"] < 2 * ours["state_bytes_early"]
