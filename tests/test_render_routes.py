@@ -41,6 +41,11 @@ async def test_a_chat_renders_to_the_prompt_and_parameters_its_request_is_given(
     params = doc["sampling_params"]
     assert params["max_tokens"] == 5 and params["temperature"] == 0 and params["seed"] == 3
     assert params["stop"] == ["x"] and params["logprobs"] == 2
+    # as vLLM serializes them: its floats always, but those greedy sampling resets; the
+    # fields its generate route overwrites
+    assert "top_p" not in params and params["presence_penalty"] == 0.0
+    assert (params["output_kind"], params["skip_clone"], params["bad_words"]) == (1, True, [])
+    assert doc["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     unnamed = await http.post("/v1/chat/completions/render", json={"messages": CHAT})
     assert unnamed.json()["model"] is None  # as sent, as vLLM answers it
     assert unnamed.json()["request_id"].startswith("chatcmpl-")

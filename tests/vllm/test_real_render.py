@@ -18,11 +18,14 @@ max_model_len=32768. …", "type": "BadRequestError", "param": "max_tokens", "co
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
+import pytest_asyncio
 
-from tests.conftest import make_settings
+from tests.conftest import Bus, make_settings, start_stack
 from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, TOOL_PARSER, VllmServer
 from tokenway.errors import InvalidRequest
 from tokenway.model import load_model_info
@@ -142,3 +145,68 @@ async def test_a_refusal_of_the_real_render_server_is_the_requests_400(
         assert not backend.local_loaded
     finally:
         await backend.aclose()
+
+
+# -- tokenway serving vLLM's render routes ----------------------------------------------------
+# The same bodies to vLLM's render server and to tokenway's routes (an ingress and a render
+# stage with the server's parser flags): the same JSON, ids aside, but where tokenway follows
+# vLLM 0.33 (the KV transfer parameters at the top level, where 0.32 keeps them in
+# `extra_args`) or fixes it (`max_tokens` always written: vLLM leaves out a 16, and its
+# generate route then fills the context).
+
+ROUTE_BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "Hello!"}]}),
+    ("/v1/chat/completions/render", {
+        "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 5, "temperature": 0,
+        "seed": 3, "stop": ["x"], "stream": True, "stream_options": {"include_usage": True},
+        "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions/render", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "n": 2, "top_k": 5,
+        "presence_penalty": 0.5, "stop": ["END", "x"]}),
+    ("/v1/chat/completions/render", {
+        "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 20, "tools": TOOLS}),
+    ("/v1/chat/completions/render", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+        "structured_outputs": {"regex": "[a-z]+"}}),
+    ("/v1/completions/render", {"prompt": ["Hello", "World"], "max_tokens": 7, "n": 2,
+                                "stream": True}),
+    ("/v1/messages/render", {"max_tokens": 100, "system": "Be brief", "stop_sequences": ["END"],
+                             "temperature": 0.5, "top_k": 5, "stream": True,
+                             "messages": [{"role": "user", "content": "Hello"}]}),
+    ("/v1/responses/render", {"input": "Hello", "instructions": "Be brief.",
+                              "max_output_tokens": 20}),
+]  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def render_routes(
+    vllm_bus: Bus, vllm_render_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
+    """tokenway's ingress and render stage with the render server's model and flags."""
+    settings = make_settings(
+        tmp_path_factory.mktemp("render-routes"),
+        model_dir=str(vllm_render_server.model_dir),
+        served_model_name=SERVED_NAME,
+        tool_call_parser=TOOL_PARSER,
+        enable_auto_tool_choice=True,
+    )
+    stack = await start_stack(vllm_bus.observer, settings, ["ingress", "render"])
+    yield stack.url
+    await stack.close()
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTE_BODIES)
+async def test_tokenways_render_routes_answer_vllms_json(
+    vllm_render_server: VllmServer, render_routes: str, path: str, body: dict[str, Any]
+) -> None:
+    sent = {"model": SERVED_NAME, **body}
+    answers = []
+    for url in (vllm_render_server.url, render_routes):
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+            resp = await http.post(path, json=sent)
+        assert resp.status_code == 200, resp.text
+        doc = resp.json()
+        answers.append([{k: v for k, v in d.items() if k != "request_id"}
+                        for d in (doc if isinstance(doc, list) else [doc])])  # fmt: skip
+    theirs, ours = answers
+    assert ours == theirs

@@ -187,7 +187,7 @@ async def _chat(renderer: Renderer, derenderer: Derenderer, body: d.ChatDerender
     )
     entries = [_entry(ctx, c, c.index, None, ids, False) for c in whole.choices]
     (first, *_) = await _derendered(derenderer, entries)
-    return msgspec.Raw(first.chunks[0])
+    return _with_nulls(msgspec.json.decode(first.chunks[0]), _CHAT_NULLS)
 
 
 async def _completion(
@@ -220,7 +220,39 @@ async def _completion(
         entries += [_entry(ctx, c, j, None, ids, False) for j, c in enumerate(whole.choices)]
     done = await _derendered(derenderer, entries)
     docs = [r.chunks[0] for r in done if r.chunks]
-    return msgspec.Raw(combine_responses(docs, same_prompt=False))
+    combined = msgspec.json.decode(combine_responses(docs, same_prompt=False))
+    return _with_nulls(combined, _COMPLETION_NULLS)
+
+
+# The keys vLLM's derender writes null where tokenway's documents leave them out: the
+# response's, each choice's, and (chat) each message's
+_USAGE_NULLS = ("prompt_tokens_details", "completion_tokens_details")
+_CHAT_NULLS = (
+    ("service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids",
+     "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics"),
+    ("routed_experts",),
+    ("refusal", "annotations", "audio", "function_call", "reasoning"),
+)  # fmt: skip
+_COMPLETION_NULLS = (
+    ("service_tier", "system_fingerprint", "kv_transfer_params", "ec_transfer_params",
+     "metrics"),
+    ("prompt_logprobs", "routed_experts"),
+    (),
+)  # fmt: skip
+
+
+def _with_nulls(doc: dict[str, Any], nulls: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    top, per_choice, per_message = nulls
+    for key in top:
+        doc.setdefault(key, None)
+    for choice in doc["choices"]:
+        for key in per_choice:
+            choice.setdefault(key, None)
+        for key in per_message:
+            choice["message"].setdefault(key, None)
+    for key in _USAGE_NULLS:
+        doc["usage"].setdefault(key, None)
+    return doc
 
 
 # -- streams ------------------------------------------------------------------------------------
@@ -259,13 +291,18 @@ def _state_out(raw: bytes | None, role_sent: bool) -> dict[str, Any]:
     }
 
 
-def _usage(chunk: d.GenerateChunk, prompt_tokens: int | None) -> dict[str, int] | None:
+def _usage(chunk: d.GenerateChunk, prompt_tokens: int | None) -> dict[str, Any] | None:
     """A generate event's usage, with the request's prompt count where the caller gave it."""
     if chunk.usage is None:
         return None
     prompt = chunk.usage.prompt_tokens if prompt_tokens is None else prompt_tokens
     done = chunk.usage.completion_tokens
-    return {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + done,
+        "completion_tokens": done,
+        **dict.fromkeys(_USAGE_NULLS),
+    }
 
 
 async def _chat_stream(renderer: Renderer, derenderer: Derenderer, body: d.ChatDerender) -> Any:
@@ -307,6 +344,7 @@ async def _one_chunk(
         stream=True,
         logprobs=choice is not None and choice.logprobs is not None,
     )
+    chat = kind == "chat.completion.chunk"
     envelope: dict[str, Any] = {
         "id": ctx.response_id,
         "object": kind,
@@ -315,9 +353,10 @@ async def _one_chunk(
         "choices": [],
         "usage": _usage(chunk, body.prompt_tokens),
         "system_fingerprint": None,
-        "prompt_token_ids": None,
         "metrics": None,
     }
+    if chat:  # a completion's prompt IDs are its choice's
+        envelope |= {"prompt_token_ids": None, "prompt_text": None}
     if choice is None:  # a usage event: nothing of the output, the state as it was
         carried = body.stream_state
         kept = msgspec.to_builtins(carried) if carried is not None else _state_out(None, False)
@@ -326,13 +365,13 @@ async def _one_chunk(
     docs = [msgspec.json.decode(c) for c in done.chunks]
     opened = any("role" in c.get("delta", {}) for doc in docs for c in doc["choices"])
     merged = _merged(kind, choice.index, docs)
-    if kind == "chat.completion.chunk":
-        envelope["prompt_text"] = None
-        if opened:
-            merged["delta"] = {"role": "assistant", **merged["delta"]}
-    for doc in docs:
-        if doc.get("prompt_token_ids") is not None:
-            envelope["prompt_token_ids"] = doc["prompt_token_ids"]
+    if chat:  # vLLM names the role on a choice's first chunk, and null after
+        merged["delta"] = {"role": "assistant" if opened else None, **merged["delta"]}
+    prompt = next((doc["prompt_token_ids"] for doc in docs if doc.get("prompt_token_ids")), None)
+    if chat:
+        envelope["prompt_token_ids"] = prompt
+    else:
+        merged["prompt_token_ids"] = prompt
     envelope["choices"] = [merged]
     role_sent = opened or (body.stream_state is not None and body.stream_state.role_sent)
     return {"chunk": envelope, "stream_state": _state_out(done.state, role_sent)}

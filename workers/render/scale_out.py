@@ -14,7 +14,7 @@ context with output.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from msgspec import Struct
@@ -25,6 +25,13 @@ from tokenway.wire import GenerateRequest, SamplingParams, StreamOptions
 CHAT_PREFIX = "chatcmpl-"
 
 
+class Streamed(Struct, kw_only=True):
+    """Stream options as vLLM's render writes them: both keys."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
 class Rendered(Struct, kw_only=True):
     """vLLM's `GenerateRequest` as its render server answers it (every field written)."""
 
@@ -33,18 +40,55 @@ class Rendered(Struct, kw_only=True):
     token_offsets: None = None
     features: None = None
     content_parts: None = None
-    sampling_params: SamplingParams
+    sampling_params: dict[str, Any]  # as vLLM serializes them (`sampling_json`)
     model: str | None
     reasoning_ended: bool | None = None
     reasoning_parser_kwargs: None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens"] = "tokens"
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: Streamed | None = None
     cache_salt: str | None = None
     priority: int = 0
     kv_transfer_params: dict[str, object] | None = None
     ec_transfer_params: None = None
+
+
+# The float parameters vLLM's serialization keeps even at their defaults, and those its
+# greedy sampling (a temperature under 1e-5) resets to their defaults, which it leaves out
+_FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature")
+_GREEDY_RESET = ("top_p", "top_k", "min_p")
+_GREEDY = 1e-5
+
+
+def sampling_json(params: SamplingParams, stream: bool, extra_args: bool) -> dict[str, Any]:
+    """The sampling parameters as vLLM 0.33's render serializes them: what differs from its
+    defaults, its floats always, empty lists for its stop lists, and the fields its
+    generate route overwrites (`output_kind`, `skip_clone`, …). Deliberately unlike it,
+    `max_tokens` is always written (vLLM leaves out a 16). `extra_args`: written empty (a
+    Responses request's, which vLLM always writes)."""
+    out: dict[str, Any] = msgspec.to_builtins(params)
+    for name in (*_FLOATS, "top_p", "min_p"):
+        out[name] = float(getattr(params, name))
+    if params.temperature < _GREEDY:
+        for name in _GREEDY_RESET:
+            out.pop(name, None)
+    out.setdefault("stop", [])
+    out.setdefault("stop_token_ids", [])
+    out["bad_words"] = []
+    out["output_kind"] = 1 if stream else 2  # vLLM's delta and final-only outputs
+    out["skip_clone"] = True
+    out["skip_reading_prefix_cache"] = params.prompt_logprobs is not None
+    held = max((len(s) for s in params.stop), default=0) - 1
+    if held > 0 and not params.include_stop_str_in_output:
+        out["output_text_buffer_length"] = held  # the text a stop string may still need
+    if extra_args:
+        out["extra_args"] = {}
+    so = params.structured_outputs
+    if so is not None:  # dumped whole, the state vLLM keeps in it too
+        fields = msgspec.structs.asdict(so)
+        out["structured_outputs"] = fields | {"_backend": None, "_backend_was_auto": False}
+    return out
 
 
 class _Named(Struct):
@@ -87,15 +131,20 @@ def rendered(generate: GenerateRequest, body: bytes) -> list[Rendered]:
 def _one(
     g: GenerateRequest, rid: str, ids: list[int], params: SamplingParams, model: str | None
 ) -> Rendered:
+    opts = g.stream_options
     return Rendered(
         request_id=rid,
         token_ids=ids,
-        sampling_params=params,
+        sampling_params=sampling_json(params, g.stream, g.context.api == "responses"),
         model=model,
         reasoning_ended=g.reasoning_ended,
         return_token_ids=g.return_token_ids,
         stream=g.stream,
-        stream_options=g.stream_options,
+        stream_options=None
+        if opts is None
+        else Streamed(
+            include_usage=opts.include_usage, continuous_usage_stats=opts.continuous_usage_stats
+        ),
         cache_salt=g.cache_salt,
         priority=g.priority,
         kv_transfer_params=g.kv_transfer_params,
