@@ -312,3 +312,19 @@ async def test_an_abort_posted_to_another_ingress_ends_the_request(
         aborted = await other.post(ABORT, json={"request_ids": ["generate-tokens-mine"]})
         assert aborted.status_code == 200
     assert (await _rest(*mine))[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+async def test_a_generate_stream_resumes_after_the_events_its_client_has(
+    http: httpx.AsyncClient,
+) -> None:
+    """`GET /v1/streams/{id}` with `Last-Event-ID`: the rest of a generate stream, read back
+    from the ledger, as for any stream."""
+    body = {"token_ids": await _prompt(http), "stream": True,
+            "sampling_params": {"max_tokens": 12, "temperature": 0},
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    resp = await http.post(GENERATE, json=body)
+    whole = _events(resp.text)
+    stream_id = resp.headers["x-tokenway-stream-id"]
+    resumed = await http.get(f"/v1/streams/{stream_id}", headers={"Last-Event-ID": "2"})
+    assert resumed.status_code == 200, resumed.text
+    assert _events(resumed.text) == whole[2:]

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Bus, make_settings, start_stack
+from tests.conftest import make_settings, provisioned_bus, start_stack
 from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, TOOL_PARSER, VllmServer
 from tokenway.errors import InvalidRequest
 from tokenway.model import load_model_info
@@ -180,19 +180,23 @@ ROUTE_BODIES: list[tuple[str, dict[str, Any]]] = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def render_routes(
-    vllm_bus: Bus, vllm_render_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
+    vllm_render_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    """tokenway's ingress and render stage with the render server's model and flags."""
-    settings = make_settings(
-        tmp_path_factory.mktemp("render-routes"),
-        model_dir=str(vllm_render_server.model_dir),
-        served_model_name=SERVED_NAME,
-        tool_call_parser=TOOL_PARSER,
-        enable_auto_tool_choice=True,
-    )
-    stack = await start_stack(vllm_bus.observer, settings, ["ingress", "render"])
-    yield stack.url
-    await stack.close()
+    """tokenway's ingress and render stage with the render server's model and flags, on a
+    bus of their own (the tier's stack has a reasoning parser too, and its render workers
+    would answer these routes' calls as well)."""
+    folder = tmp_path_factory.mktemp("render-routes")
+    async with provisioned_bus(folder / "bus") as bus:
+        settings = make_settings(
+            folder / "data",
+            model_dir=str(vllm_render_server.model_dir),
+            served_model_name=SERVED_NAME,
+            tool_call_parser=TOOL_PARSER,
+            enable_auto_tool_choice=True,
+        )
+        stack = await start_stack(bus.observer, settings, ["ingress", "render"])
+        yield stack.url
+        await stack.close()
 
 
 @pytest.mark.parametrize(("path", "body"), ROUTE_BODIES)

@@ -845,3 +845,57 @@ async def test_tokenways_abort_requests_ends_a_generate_stream_as_vllms_does(
     last = rest[-1]["choices"][0]
     assert last["finish_reason"] == "abort" and last["token_ids"] == []
     assert 1 + len(rest) < budget
+
+
+async def test_a_generate_stream_goes_on_after_its_engine_stops_with_vllms_own_tokens(
+    vllm_server: VllmServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two engines (bridges to the one vLLM server) on a bus of the test's own; the one
+    running a greedy generate stream stops after its first tokens (its work cut, its entry
+    gone): the owner relays the rest to the other, on the prompt plus the committed token
+    IDs, and the client's IDs are those vLLM's own route gives the request run whole."""
+    from engines.bridge import Bridge
+    from engines.vllm_http import VllmEndpoint, VllmEngine
+    from tests.conftest import make_settings, provisioned_bus, start_stack, wait_engines
+    from tests.vllm.conftest import ENGINE_TTL
+
+    params = {"temperature": 0, "max_tokens": 160, "ignore_eos": True}
+    [theirs] = await post(vllm_server.url, GENERATE, {"token_ids": PROMPT_IDS,
+                                                      "sampling_params": params})  # fmt: skip
+    expected = theirs["choices"][0]["token_ids"]
+    async with provisioned_bus(tmp_path / "bus", engine_ttl=ENGINE_TTL) as b:
+        settings = make_settings(tmp_path / "data", model_dir=str(vllm_server.model_dir),
+                                 served_model_name=SERVED_NAME, engine_ttl=ENGINE_TTL)  # fmt: skip
+        stack = await start_stack(b.observer, settings, ["ingress", "render", "schedule"])
+        engines = [
+            VllmEngine(
+                VllmEndpoint(url=vllm_server.url, id=f"relay-{i}", model=SERVED_NAME, max_seqs=8)
+            )
+            for i in range(2)
+        ]
+        bridges = [Bridge(stack.role("engine"), e) for e in engines]
+        stops = [asyncio.Event() for _ in bridges]
+        runs = [asyncio.create_task(br.run(stack.settings.nats, st))
+                for br, st in zip(bridges, stops, strict=True)]  # fmt: skip
+        try:
+            await wait_engines(stack.ingress.registry, 2)
+            body = {"token_ids": PROMPT_IDS, "sampling_params": params, "stream": True}
+            async with local_http(base_url=stack.url) as http:
+                async with http.stream("POST", GENERATE, json=body) as resp:
+                    events = sse_events(resp)
+                    first = await anext(events)
+                    (running,) = [i for i, br in enumerate(bridges) if br.owners]
+                    stops[running].set()  # its attempt cut, its entry gone
+                    rest = [e async for e in events]
+            got = [t for e in [first, *rest] for c in e["choices"] for t in c["token_ids"]]
+            assert got == expected
+            assert rest[-1]["choices"][0]["finish_reason"] == "length"
+            relays = [r for r in caplog.messages if "relaying after" in r]
+            assert len(relays) == 1, relays  # it was relayed, once
+        finally:
+            for stop in stops:
+                stop.set()
+            await asyncio.gather(*runs)
+            for engine in engines:
+                await engine.aclose()
+            await stack.close()
