@@ -75,8 +75,16 @@ async def test_what_render_refuses_is_vllms_error_for_it(http: httpx.AsyncClient
     assert_error(await http.post("/v1/chat/completions/render", json=unknown), 404)
     assert_error(await http.post("/v1/chat/completions/render", json={"messages": []}), 400)
     too_many = {"prompt": "Hi", "max_tokens": 10**7}
-    error = assert_error(await http.post("/v1/completions/render", json=too_many), 400)
+    error = assert_error(await http.post("/v1/completions/render", json=too_many), 400,
+                         "cannot be greater than max_model_len")  # fmt: skip
     assert error["param"] == "max_tokens"
+    # vLLM's render server cuts a budget past what the context leaves (not past the context)
+    counted = (await http.post("/tokenize", json={"messages": CHAT})).json()
+    context, prompt = counted["max_model_len"], counted["count"]
+    near = {"messages": CHAT, "max_completion_tokens": context - 1}
+    resp = await http.post("/v1/chat/completions/render", json=near)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["sampling_params"]["max_tokens"] == context - prompt
     assert_error(await http.post("/v1/completions/render", json={"prompt": []}), 400)
     assert_error(await http.post("/v1/completions/render", content=b"{not json"), 400, "JSON")
     assert_error(await http.get("/v1/completions/render"), 405)

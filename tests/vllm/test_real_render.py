@@ -168,6 +168,8 @@ ROUTE_BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions/render", {
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
         "structured_outputs": {"regex": "[a-z]+"}}),
+    ("/v1/chat/completions/render", {  # past what the context leaves: cut to it
+        "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 32767}),
     ("/v1/completions/render", {"prompt": ["Hello", "World"], "max_tokens": 7, "n": 2,
                                 "stream": True}),
     ("/v1/messages/render", {"max_tokens": 100, "system": "Be brief", "stop_sequences": ["END"],
@@ -214,3 +216,20 @@ async def test_tokenways_render_routes_answer_vllms_json(
                         for d in (doc if isinstance(doc, list) else [doc])])  # fmt: skip
     theirs, ours = answers
     assert ours == theirs
+
+
+async def test_tokenways_render_routes_refuse_what_vllms_refuses(
+    vllm_render_server: VllmServer, render_routes: str
+) -> None:
+    """A budget past the whole context: the same 400, parameter and words."""
+    sent = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 100_000}  # fmt: skip
+    errors = []
+    for url in (vllm_render_server.url, render_routes):
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+            resp = await http.post("/v1/chat/completions/render", json=sent)
+        assert resp.status_code == 400, resp.text
+        errors.append(resp.json()["error"])
+    theirs, ours = errors
+    assert ours["param"] == theirs["param"] == "max_tokens"
+    assert ours["message"] in theirs["message"]  # vLLM adds the parameter's name and value

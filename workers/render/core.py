@@ -126,6 +126,9 @@ class RequestBuilder:
     flags: ParserFlags = field(default_factory=ParserFlags)
     clip_budget: bool = False
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may make the process build
+    # vLLM's render routes' budget: one past what the context leaves is cut to it, one past
+    # the whole context refused in vLLM's words
+    as_render_server: bool = False
 
     def parse(self, request: RenderRequest) -> Parsed:
         """The decoded body and its constraint, refused (400/404) before anything is
@@ -300,11 +303,18 @@ class RequestBuilder:
         asked = "max_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens:
             asked = "max_completion_tokens"
+        requested, context = requested_max_tokens(req), self.info.context_length
+        if self.as_render_server and requested is not None and requested > context:
+            raise InvalidRequest(
+                f"{_param(api, asked)}={requested} cannot be greater than "
+                f"max_model_len={context}. Please request fewer output tokens.",
+                param=_param(api, asked),
+            )
         left = budget(
             len(ids),
-            requested_max_tokens(req),
-            self.info.context_length,
-            self.clip_budget,
+            requested,
+            context,
+            self.clip_budget or self.as_render_server,
             prompt_param=_param(api, "messages" if chat else "prompt"),
             budget_param=_param(api, asked),
         )
@@ -377,7 +387,11 @@ class Renderer:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
         return list(prompt)
 
-    def render(self, request: RenderRequest) -> GenerateRequest:
-        parsed = self.builder.parse(request)
+    def render(
+        self, request: RenderRequest, builder: RequestBuilder | None = None
+    ) -> GenerateRequest:
+        """`builder`: one of the renderer's own, made otherwise (vLLM's render routes')."""
+        builder = builder or self.builder
+        parsed = builder.parse(request)
         ids = self.prompt_ids(parsed.req, request.api)
-        return self.builder.build(request, parsed, ids, self.vocab)
+        return builder.build(request, parsed, ids, self.vocab)

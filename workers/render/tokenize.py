@@ -4,6 +4,7 @@ are the ones a request would get."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -73,7 +74,8 @@ def tokenize(
             created=int(time.time()),
             client_request_id=call.client_id or None,
         )
-        each = rendered(renderer.render(request), call.body)
+        as_vllm = dataclasses.replace(renderer.builder, as_render_server=True)
+        each = rendered(renderer.render(request, as_vllm), call.body)
         return each if api == "completion" else each[0]
     if call.route == "detokenize":
         req = decode_detokenize(call.body)
