@@ -132,3 +132,23 @@ async def test_a_responses_request_renders_under_its_own_id_statelessly(
     error = assert_error(await http.post("/v1/responses/render", json=going_on), 400,
                          "not supported by the stateless render endpoint")  # fmt: skip
     assert error["param"] == "previous_response_id"
+
+
+async def test_a_chat_render_says_whether_its_prompt_leaves_reasoning_open(
+    http: httpx.AsyncClient,
+) -> None:
+    """The bundled model has a reasoning parser: vLLM's `reasoning_ended` on every chat
+    render (thinking on: the prompt leaves reasoning open), and the template kwargs the
+    prompt was rendered with for the engine's reasoning parser."""
+    thinking = {"messages": CHAT, "chat_template_kwargs": {"thinking": True}}
+    doc = (await http.post("/v1/chat/completions/render", json=thinking)).json()
+    assert doc["reasoning_ended"] is False
+    rendered_with = {"thinking": True, "add_generation_prompt": True,
+                     "continue_final_message": False}  # fmt: skip
+    assert doc["reasoning_parser_kwargs"] == {"chat_template_kwargs": rendered_with}
+    plain = (await http.post("/v1/chat/completions/render", json={"messages": CHAT})).json()
+    assert plain["reasoning_ended"] is True
+    hidden = thinking | {"include_reasoning": False}
+    assert (await http.post("/v1/chat/completions/render", json=hidden)).json()["reasoning_ended"]
+    responses = (await http.post("/v1/responses/render", json={"input": "Hi"})).json()
+    assert responses["reasoning_ended"] is None  # left to the engine, as vLLM's

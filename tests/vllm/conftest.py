@@ -102,6 +102,7 @@ def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vll
         "--host", "127.0.0.1",
         "--port", str(port),
         *TOOL_PARSING,
+        *REASONING,
     ]  # fmt: skip
     log = _log_path(tmp_path_factory, "render")
     with launched(command, port, model, log, yield_cpu=True) as server:

@@ -26,7 +26,13 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import make_settings, provisioned_bus, start_stack
-from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, TOOL_PARSER, VllmServer
+from tests.vllm.conftest import (
+    MAX_MODEL_LEN,
+    REASONING_PARSER,
+    SERVED_NAME,
+    TOOL_PARSER,
+    VllmServer,
+)
 from tokenway.errors import InvalidRequest
 from tokenway.model import load_model_info
 from tokenway.parsers import ParserFlags
@@ -170,6 +176,15 @@ ROUTE_BODIES: list[tuple[str, dict[str, Any]]] = [
         "structured_outputs": {"regex": "[a-z]+"}}),
     ("/v1/chat/completions/render", {  # past what the context leaves: cut to it
         "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 32767}),
+    ("/v1/chat/completions/render", {  # thinking on: the prompt leaves reasoning open
+        "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 9,
+        "chat_template_kwargs": {"thinking": True}}),
+    ("/v1/chat/completions/render", {
+        "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 9,
+        "chat_template_kwargs": {"thinking": True}, "include_reasoning": False}),
+    ("/v1/chat/completions/render", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
+        "chat_template_kwargs": {"thinking": True}, "structured_outputs": {"regex": "[a-z]+"}}),
     ("/v1/completions/render", {"prompt": ["Hello", "World"], "max_tokens": 7, "n": 2,
                                 "stream": True}),
     ("/v1/messages/render", {"max_tokens": 100, "system": "Be brief", "stop_sequences": ["END"],
@@ -195,6 +210,7 @@ async def render_routes(
             served_model_name=SERVED_NAME,
             tool_call_parser=TOOL_PARSER,
             enable_auto_tool_choice=True,
+            reasoning_parser=REASONING_PARSER,
         )
         stack = await start_stack(bus.observer, settings, ["ingress", "render"])
         yield stack.url
@@ -215,7 +231,15 @@ async def test_tokenways_render_routes_answer_vllms_json(
         answers.append([{k: v for k, v in d.items() if k != "request_id"}
                         for d in (doc if isinstance(doc, list) else [doc])])  # fmt: skip
     theirs, ours = answers
+    for doc in (*theirs, *ours):  # vLLM's own spelling and server defaults; said below
+        kwargs = doc.pop("reasoning_parser_kwargs")
     assert ours == theirs
+    if kwargs is not None:  # the kwargs the prompt rendered with, for the engine's parser
+        asked = sent.get("chat_template_kwargs", {})
+        assert kwargs["chat_template_kwargs"] == asked | {
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+        }
 
 
 async def test_tokenways_render_routes_refuse_what_vllms_refuses(

@@ -79,7 +79,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts  # type: ignore[return-value]
 
 
-def _reasoning_ended(
+def reasoning_ended(
     req: OpenAIRequest, parse: ParseContext | None, parser: str | None
 ) -> bool | None:
     """Whether a constraint applies from the first output token, as vLLM tells its engine:
@@ -193,7 +193,7 @@ class RequestBuilder:
             return_token_ids=req.return_token_ids,
             context=context,
             prompts=several,
-            reasoning_ended=_reasoning_ended(req, parse, self.flags.reasoning_parser)
+            reasoning_ended=reasoning_ended(req, parse, self.flags.reasoning_parser)
             if params.structured_outputs
             else None,
         )
@@ -387,11 +387,7 @@ class Renderer:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
         return list(prompt)
 
-    def render(
-        self, request: RenderRequest, builder: RequestBuilder | None = None
-    ) -> GenerateRequest:
-        """`builder`: one of the renderer's own, made otherwise (vLLM's render routes')."""
-        builder = builder or self.builder
-        parsed = builder.parse(request)
+    def render(self, request: RenderRequest) -> GenerateRequest:
+        parsed = self.builder.parse(request)
         ids = self.prompt_ids(parsed.req, request.api)
-        return builder.build(request, parsed, ids, self.vocab)
+        return self.builder.build(request, parsed, ids, self.vocab)

@@ -20,7 +20,10 @@ import msgspec
 from msgspec import Struct
 
 from tokenway.api.anthropic import MESSAGE_ID_PREFIX
-from tokenway.wire import GenerateRequest, SamplingParams, StreamOptions
+from tokenway.api.openai import ChatCompletionRequest, OpenAIRequest
+from tokenway.parsers import ParserFlags
+from tokenway.wire import Api, GenerateRequest, ParseContext, SamplingParams, StreamOptions
+from workers.render.core import reasoning_ended
 
 CHAT_PREFIX = "chatcmpl-"
 
@@ -43,7 +46,7 @@ class Rendered(Struct, kw_only=True):
     sampling_params: dict[str, Any]  # as vLLM serializes them (`sampling_json`)
     model: str | None
     reasoning_ended: bool | None = None
-    reasoning_parser_kwargs: None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens"] = "tokens"
     stream: bool = False
@@ -101,7 +104,33 @@ _named = msgspec.json.Decoder(_Named)
 _MESSAGES_STREAM = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
 
-def rendered(generate: GenerateRequest, body: bytes) -> list[Rendered]:
+Reasoning = tuple[bool | None, dict[str, Any] | None]  # vLLM's reasoning_ended and kwargs
+
+
+def reasoning_fields(
+    api: Api, req: OpenAIRequest, parse: ParseContext | None, flags: ParserFlags
+) -> Reasoning:
+    """vLLM's `reasoning_ended` (whether structured output applies from the first token) for
+    a chat or Messages render (a Responses render leaves it to the engine, as vLLM's), and
+    with a reasoning parser `reasoning_parser_kwargs`: the template kwargs the request
+    rendered with (its own, its API's thinking switch, then the generation-prompt
+    switches), which the engine's reasoning parser reads. Not vLLM's spelling of them: its
+    server adds defaults of its own (`cohere_format`) and says a thinking switch as
+    `reasoning_effort`; these are the kwargs that rendered the prompt."""
+    ended = None if api == "responses" else reasoning_ended(req, parse, flags.reasoning_parser)
+    if not isinstance(req, ChatCompletionRequest) or not flags.reasoning_parser:
+        return ended, None
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs |= {
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+    }
+    return ended, {"chat_template_kwargs": kwargs}
+
+
+def rendered(
+    generate: GenerateRequest, body: bytes, reasoning: Reasoning = (None, None)
+) -> list[Rendered]:
     """One per prompt, in order (chat, Messages and Responses requests have one). `model` is
     the body's, as sent (null when it named none), as vLLM answers it."""
     named = _named.decode(body)
@@ -115,7 +144,9 @@ def rendered(generate: GenerateRequest, body: bytes) -> list[Rendered]:
         base = named.request_id or base
         generate = msgspec.structs.replace(generate, stream_options=None)
     if generate.prompts is None:
-        return [_one(generate, base, generate.token_ids, generate.sampling_params, model)]
+        one = _one(generate, base, generate.token_ids, generate.sampling_params, model)
+        one.reasoning_ended, one.reasoning_parser_kwargs = reasoning
+        return [one]
     return [
         _one(
             generate,
@@ -137,7 +168,6 @@ def _one(
         token_ids=ids,
         sampling_params=sampling_json(params, g.stream, g.context.api == "responses"),
         model=model,
-        reasoning_ended=g.reasoning_ended,
         return_token_ids=g.return_token_ids,
         stream=g.stream,
         stream_options=None

@@ -32,7 +32,7 @@ from workers.render import derender_routes
 from workers.render.backend import worked
 from workers.render.chat import apply_template
 from workers.render.core import Renderer
-from workers.render.scale_out import Rendered, rendered
+from workers.render.scale_out import Rendered, reasoning_fields, rendered
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,12 @@ def tokenize(
             created=int(time.time()),
             client_request_id=call.client_id or None,
         )
-        as_vllm = dataclasses.replace(renderer.builder, as_render_server=True)
-        each = rendered(renderer.render(request, as_vllm), call.body)
+        builder = dataclasses.replace(renderer.builder, as_render_server=True)
+        parsed = builder.parse(request)
+        ids = renderer.prompt_ids(parsed.req, api)
+        generate = builder.build(request, parsed, ids, renderer.vocab)
+        reasoning = reasoning_fields(api, parsed.req, generate.context.parse, builder.flags)
+        each = rendered(generate, call.body, reasoning)
         return each if api == "completion" else each[0]
     if call.route == "detokenize":
         req = decode_detokenize(call.body)
