@@ -265,12 +265,13 @@ async def test_an_abort_without_ids_or_json_is_a_400_and_unknown_ids_are_ignored
 
 
 KEY_ACME, KEY_RIVAL = "sk-acme-generate-0123456789ab", "sk-rival-generate-0123456789ab"
+KEY_METERED = "sk-metered-generate-0123456789ab"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """A second ingress on the session's bus, with the keys of two tenants."""
-    keys = f"acme {KEY_ACME}\nrival {KEY_RIVAL}\n"
+    keys = f"acme {KEY_ACME}\nrival {KEY_RIVAL}\nmetered {KEY_METERED} tokens_per_minute=100\n"
     async with keyed_ingress(stack, tmp_path_factory.mktemp("generate"), keys) as ingress:
         yield ingress
 
@@ -328,3 +329,20 @@ async def test_a_generate_stream_resumes_after_the_events_its_client_has(
     resumed = await http.get(f"/v1/streams/{stream_id}", headers={"Last-Event-ID": "2"})
     assert resumed.status_code == 200, resumed.text
     assert _events(resumed.text) == whole[2:]
+
+
+async def test_a_tenants_token_limit_charges_a_generate_request_as_any(
+    http: httpx.AsyncClient, keyed: Stack
+) -> None:
+    """Its prompt and budget against the tenant's tokens per minute: within them it runs,
+    past them a 429 that says when, and no budget at all (the context) a 400."""
+    ids = await _prompt(http)
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=60,
+                                 headers=_key(KEY_METERED)) as metered:  # fmt: skip
+        small = {"token_ids": ids, "sampling_params": {"max_tokens": 60}}  # 64 of 100
+        assert (await metered.post(GENERATE, json=small)).status_code == 200
+        refused = await metered.post(GENERATE, json=small)
+        assert_error(refused, 429, "100 tokens per minute")
+        assert int(refused.headers["retry-after"]) >= 1
+        endless = {"token_ids": ids, "sampling_params": {}}
+        assert_error(await metered.post(GENERATE, json=endless), 400, "needs")

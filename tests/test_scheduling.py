@@ -82,6 +82,25 @@ async def test_pd_handoff_passes_the_prefill_kv_params_to_the_decode_leg(
         assert handed["remote_engine_id"] == "pre-0"
 
 
+async def test_a_generate_request_runs_split_over_a_pd_pair_with_its_token_ids(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """vLLM's token-in/token-out route gets the pool's P/D split like any request: the
+    prefill leg's KV parameters reach the decode leg, the client gets the decode leg's
+    token IDs and none of the prefill's."""
+    engines = [sim("pre-g", "prefill"), sim("dec-g", "decode")]
+    async with pipeline(nats_url, tmp_path, engines) as (stack, (prefill, decode)):
+        body = {"token_ids": [6366, 33, 1201], "sampling_params": {"max_tokens": 12}}
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+            resp = await http.post("/inference/v1/generate", json=body)
+        assert resp.status_code == 200, resp.text
+        (choice,) = resp.json()["choices"]
+        assert len(choice["token_ids"]) == 12 and choice["finish_reason"] == "length"
+        assert [w.kv_transfer_params for w in prefill.received] == [{"do_remote_decode": True}]
+        [work] = decode.received
+        assert work.kv_transfer_params is not None and work.token_ids == [6366, 33, 1201]
+
+
 async def test_a_failing_prefill_ends_in_a_clear_error_not_a_hang(
     nats_url: str, tmp_path: Path
 ) -> None:
