@@ -38,6 +38,7 @@ from tokenway.wire import (
     OutputContext,
     RenderRequest,
 )
+from workers.render.backend import worked
 from workers.render.core import Renderer
 
 # A request body standing in for a client that sent none (no parser configured: plain text)
@@ -58,11 +59,11 @@ class Failed(TokenwayError):
 
 async def answer(renderer: Renderer, derenderer: Derenderer, route: str, body: bytes) -> Any:
     """The route's answer (JSON-encodable); `TokenwayError` for the caller's mistakes."""
-    if route == "chat_derender":
-        chat = d.decode_chat(body)
+    if route == "chat_derender":  # a big body decodes off the event loop
+        chat = await worked(len(body), d.decode_chat, body)
         check_model(chat.model, renderer.builder.model)
         return await _chat(renderer, derenderer, chat)
-    completion = d.decode_completion(body)
+    completion = await worked(len(body), d.decode_completion, body)
     check_model(completion.model, renderer.builder.model)
     if isinstance(completion, d.CompletionStreamDerender):
         return await _completion_stream(renderer, derenderer, completion)
