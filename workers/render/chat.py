@@ -7,7 +7,7 @@ from typing import Any
 import jinja2
 import msgspec
 
-from tokenway.api.openai import ChatCompletionRequest, Message, TokenizeChatRequest
+from tokenway.api.openai import ChatCompletionRequest, Message, TokenizeChatRequest, Tool
 from tokenway.errors import InvalidRequest
 
 # What a chat template is applied to: a chat request, or the messages `/tokenize` is given.
@@ -59,6 +59,22 @@ def conversation(req: Chat) -> list[dict[str, Any]]:
     return out
 
 
+def template_tool(tool: Tool) -> dict[str, Any]:
+    """A tool as vLLM hands it to a chat template, whatever order the client wrote it in:
+    `type`, then `function` with `name`, `description` and `parameters` (null when absent)
+    and `strict` when given. A template that writes tools as JSON (Qwen's do) then renders
+    the prompt vLLM renders."""
+    fn = tool.function
+    function: dict[str, Any] = {
+        "name": fn.name,
+        "description": fn.description,
+        "parameters": fn.parameters,
+    }
+    if fn.strict is not None:
+        function["strict"] = fn.strict
+    return {"type": tool.type, "function": function}
+
+
 def template_kwargs(req: Chat) -> dict[str, Any]:
     kwargs = dict(req.chat_template_kwargs or {})
     clash = _RESERVED.intersection(kwargs)
@@ -75,7 +91,7 @@ def apply_template(tokenizer: Any, req: Chat) -> str:
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
-    tools = msgspec.to_builtins(req.tools) if req.tools else None
+    tools = [template_tool(t) for t in req.tools] if req.tools else None
     try:
         return tokenizer.apply_chat_template(
             conversation(req),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -469,3 +470,39 @@ async def test_a_big_body_is_tokenized_off_the_event_loop(
     monkeypatch.setattr(renderer, "prompt_ids", recording)
     assert (await LocalBackend(renderer).render(body)).token_ids == expected
     assert (threads != [threading.get_ident()]) == off_loop
+
+
+# A template that writes each tool as JSON, as Qwen's do: the prompt then depends on how the
+# tool is handed to it.
+JSON_TOOLS = (
+    "{%- for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+
+
+def test_a_template_gets_each_tool_as_vllm_hands_it_whatever_the_clients_order(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 36: tokenway wrote `function` before `type` and left absent keys out, so a
+    template writing tools as JSON rendered another prompt than vLLM's. vLLM 0.32's render
+    server, with this template, renders exactly the text asserted here."""
+    shutil.copytree(model_dir, tmp_path / "m")
+    config_path = tmp_path / "m" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"chat_template": JSON_TOOLS}))
+    renderer = Renderer(load_model_info(tmp_path / "m"), "deepseek-v4")
+    tools = [
+        {"function": {"parameters": {"properties": {"city": {"type": "string"}}, "type": "object"},
+                      "name": "get_weather"}, "type": "function"},
+        {"type": "function", "function": {"name": "w", "strict": True}},
+    ]  # fmt: skip
+    ids = render(renderer, messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                 tool_choice="none")  # fmt: skip
+    text = renderer.tokenizer.decode(ids.token_ids)
+    assert text == (
+        '{"type": "function", "function": {"name": "get_weather", "description": null, '
+        '"parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}}\n'
+        '{"type": "function", "function": {"name": "w", "description": null, '
+        '"parameters": null, "strict": true}}\n'
+        "user: Weather?\n"
+    )
