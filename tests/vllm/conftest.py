@@ -13,6 +13,7 @@ Without the first two, every test marked `vllm` is skipped and nothing is starte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -89,9 +90,11 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
         yield server
 
 
-@pytest.fixture(scope="session")
-def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """vLLM's GPU-less render server (`vllm launch render`) on the tiny model."""
+@contextlib.contextmanager
+def render_server(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str
+) -> Iterator[VllmServer]:
+    """vLLM's GPU-less render server (`vllm launch render`) on the tiny model, with `flags`."""
     python, model = _require_vllm()
     port = free_port()
     command = [
@@ -101,11 +104,16 @@ def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vll
         "--max-model-len", str(MAX_MODEL_LEN),
         "--host", "127.0.0.1",
         "--port", str(port),
-        *TOOL_PARSING,
-        *REASONING,
+        *flags,
     ]  # fmt: skip
-    log = _log_path(tmp_path_factory, "render")
-    with launched(command, port, model, log, yield_cpu=True) as server:
+    with launched(command, port, model, _log_path(tmp_path_factory, name), yield_cpu=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def vllm_render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The render server with the parsers tokenway's tier stack is given."""
+    with render_server(tmp_path_factory, "render", *TOOL_PARSING, *REASONING) as server:
         yield server
 
 

@@ -18,7 +18,8 @@ max_model_len=32768. …", "type": "BadRequestError", "param": "max_tokens", "co
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import shutil
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -32,6 +33,7 @@ from tests.vllm.conftest import (
     SERVED_NAME,
     TOOL_PARSER,
     VllmServer,
+    render_server,
 )
 from tokenway.errors import InvalidRequest
 from tokenway.model import load_model_info
@@ -257,3 +259,52 @@ async def test_tokenways_render_routes_refuse_what_vllms_refuses(
     theirs, ours = errors
     assert ours["param"] == theirs["param"] == "max_tokens"
     assert ours["message"] in theirs["message"]  # vLLM adds the parameter's name and value
+
+
+# A template that writes each tool as JSON, as Qwen's do: the prompt depends on how each tool
+# is handed to it (issue 36's first finding).
+JSON_TOOLS = (
+    "{%- for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def json_tools(
+    vllm_render_server: VllmServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, Renderer]]:
+    """A render server with that template, and tokenway's renderer of a model directory that
+    has it as its own."""
+    folder = tmp_path_factory.mktemp("json-tools")
+    (folder / "tools.jinja").write_text(JSON_TOOLS)
+    model = folder / "model"
+    shutil.copytree(vllm_render_server.model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": JSON_TOOLS}))
+    renderer = Renderer(load_model_info(model, MAX_MODEL_LEN), SERVED_NAME)
+    flags = ("--chat-template", str(folder / "tools.jinja"))
+    with render_server(tmp_path_factory, "render-json-tools", *flags) as server:
+        yield server, renderer
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        TOOLS,
+        [{"function": {"parameters": {"properties": {"city": {"type": "string"}},
+                                      "type": "object"}, "name": "w"}, "type": "function"}],
+        [{"type": "function", "function": {"name": "bare"}}],
+    ],
+    ids=["as-written", "function-first", "bare"],
+)  # fmt: skip
+async def test_a_template_writing_tools_as_json_renders_vllms_prompt(
+    json_tools: tuple[VllmServer, Renderer], tools: list[dict[str, Any]]
+) -> None:
+    server, renderer = json_tools
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": tools, "tool_choice": "none"}  # fmt: skip
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
+        resp = await http.post("/v1/chat/completions/render", json=body)
+    assert resp.status_code == 200, resp.text
+    ours = renderer.render(request("chat", body)).token_ids
+    assert ours == resp.json()["token_ids"]
