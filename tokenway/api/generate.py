@@ -108,17 +108,17 @@ class GenerateSampling(Struct, kw_only=True):
 
 
 _NOT_CARRIED = frozenset({"stop", "stop_token_ids", "thinking_token_budget"})
-# Set to anything but its default, each is refused: (the parameter, why)
+# Set to anything but its default, each is refused: (the parameter, what it asks for)
 _UNSUPPORTED = (
-    ("prompt_logprobs", "prompt logprobs"),
-    ("prompt_logprob_token_ids", "prompt logprobs"),
-    ("prompt_logprob_start", "prompt logprobs"),
-    ("logprob_token_ids", "logprobs of chosen token ids"),
-    ("allowed_token_ids", "allowed_token_ids"),
-    ("bad_words", "bad_words"),
-    ("repetition_detection", "repetition detection"),
-    ("trace_decode_token_ids", "forced decoding"),
-    ("watermarking", "watermarking"),
+    ("prompt_logprobs", "prompt logprobs are"),
+    ("prompt_logprob_token_ids", "prompt logprobs are"),
+    ("prompt_logprob_start", "prompt logprobs are"),
+    ("logprob_token_ids", "logprobs of chosen token ids are"),
+    ("allowed_token_ids", "allowed_token_ids are"),
+    ("bad_words", "bad_words are"),
+    ("repetition_detection", "repetition detection is"),
+    ("trace_decode_token_ids", "forced decoding is"),
+    ("watermarking", "watermarking is"),
 )
 
 
@@ -215,9 +215,7 @@ def _refuse_unsupported(req: GenerateBody) -> None:
         value = getattr(params, name)
         if value is not None and value != [] and value is not False:
             raise InvalidRequest(
-                f"{what} are not supported by tokenway's engines"
-                if what.endswith("s")
-                else f"{what} is not supported by tokenway's engines",
+                f"{what} not supported by tokenway's engines",
                 param=f"sampling_params.{name}",
             )
 

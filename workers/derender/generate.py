@@ -14,6 +14,7 @@ from msgspec import UNSET, Struct
 from tokenway.api import generate as g
 from tokenway.errors import InvalidRequest
 from tokenway.wire import Derendered, DerenderEntry, OutputContext
+from workers.derender.state import bounded
 
 # a count in msgpack: a few bytes; far more is not this module's state
 _MAX_STATE_BYTES = 16
@@ -31,12 +32,7 @@ _json = msgspec.json.Encoder()
 def _state(raw: bytes | None) -> GenerateState:
     if raw is None:
         return GenerateState()
-    try:
-        if len(raw) > _MAX_STATE_BYTES:
-            raise msgspec.DecodeError(f"{len(raw)} bytes")
-        state = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"malformed stream_state: {exc}", param="stream_state") from exc
+    state = bounded(raw, _decoder, _MAX_STATE_BYTES)
     if state.completion_tokens < 0:
         raise InvalidRequest("stream_state holds values out of range", param="stream_state")
     return state

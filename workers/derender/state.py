@@ -6,6 +6,8 @@ header) carries it as opaque bytes, so its shape can change with derender alone.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 from msgspec import Struct
 
@@ -16,6 +18,8 @@ from workers.derender.logprobs import LogprobState
 from workers.derender.reasoning import ReasoningState
 from workers.derender.stops import StopState
 from workers.derender.tools import ToolState
+
+T = TypeVar("T")
 
 MAX_WINDOW_TOKENS = 512
 # A few hundred bytes plus the tool call being streamed; far more is tampering or a bug.
@@ -64,16 +68,21 @@ def encode(state: StreamState) -> bytes:
     return _encoder.encode(state)
 
 
-def decode(raw: bytes, vocab_size: int, ctx: OutputContext) -> StreamState:
-    """A state from the wire; refuse one that no derender could have produced."""
-    if len(raw) > MAX_STATE_BYTES:
+def bounded(raw: bytes, decoder: msgspec.msgpack.Decoder[T], limit: int) -> T:
+    """A carried state of at most `limit` bytes, decoded; the client's 400 otherwise."""
+    if len(raw) > limit:
         raise InvalidRequest(
-            f"stream_state of {len(raw)} bytes is over {MAX_STATE_BYTES}", param="stream_state"
+            f"stream_state of {len(raw)} bytes is over {limit}", param="stream_state"
         )
     try:
-        state = _decoder.decode(raw)
+        return decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"malformed stream_state: {exc}", param="stream_state") from exc
+
+
+def decode(raw: bytes, vocab_size: int, ctx: OutputContext) -> StreamState:
+    """A state from the wire; refuse one that no derender could have produced."""
+    state = bounded(raw, _decoder, MAX_STATE_BYTES)
     problem = _problem(state, vocab_size) or _parts_problem(state, ctx)
     if problem:
         raise InvalidRequest(problem, param="stream_state")

@@ -34,6 +34,7 @@ from tokenway.wire import (
     Derendered,
     DerenderEntry,
     DerenderFailed,
+    ErrorInfo,
     FinishReason,
     OutputContext,
     RenderRequest,
@@ -49,12 +50,14 @@ _json = msgspec.json.Encoder()
 
 
 class Failed(TokenwayError):
-    """An entry derender refused: its error, as it was."""
+    """An entry derender refused: its error, as it was (`retry_after` too)."""
 
     def __init__(self, failed: DerenderFailed) -> None:
-        info = failed.error
-        super().__init__(info.message, info.param, info.code)
-        self.status, self.type = info.status, info.type
+        super().__init__(failed.error.message, failed.error.param, failed.error.code)
+        self.error = failed.error
+
+    def info(self) -> ErrorInfo:
+        return self.error
 
 
 async def answer(renderer: Renderer, derenderer: Derenderer, route: str, body: bytes) -> Any:
