@@ -15,7 +15,15 @@ from typing import Literal
 from tokenway.wire import ReasoningStart
 
 REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "deepseek_v3", "qwen3")
-TOOL_PARSERS: tuple[str, ...] = ("deepseek_v31", "hermes")
+TOOL_PARSERS: tuple[str, ...] = (
+    "deepseek_v31",
+    "glm45",
+    "glm47",
+    "hermes",
+    "minimax_m2",
+    "qwen3_coder",
+    "qwen3_xml",
+)
 # vLLM's --tool-strict-level: how much of a forced call a structural tag holds the model to
 StrictLevel = Literal["auto", "function", "parameter"]
 

@@ -84,6 +84,14 @@ ReasoningStart = Literal["off", "open", "closed"]
 ToolChoice = Literal["none", "auto", "required", "named"]
 
 
+class ToolParams(Struct, array_like=True, omit_defaults=True):
+    """A request's tool as a markup tool parser reads its calls: the name, and each
+    parameter's JSON Schema types (what a parameter's raw text is converted to)."""
+
+    name: str
+    types: dict[str, list[str]] = {}
+
+
 class ParseContext(Struct, kw_only=True, omit_defaults=True):
     """How derender parses a chat output: decided by render from the flags and the request."""
 
@@ -99,6 +107,9 @@ class ParseContext(Struct, kw_only=True, omit_defaults=True):
     # a forced call ("named", "required") comes in `tool_parser`'s own syntax (a structural
     # tag constrained it), not as JSON: that parser reads it
     native_calls: bool = False
+    # the request's tools, for a tool parser whose calls are markup (values as raw text,
+    # typed by the tool's schema; calls to tools not listed dropped): empty for the others
+    tools: list[ToolParams] = []
 
 
 # How many last prompt tokens travel in `OutputContext.prompt_tail`: what derender seeds its

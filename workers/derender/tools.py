@@ -30,6 +30,8 @@ from msgspec import Meta
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import TOOL_PARSERS
 from tokenway.wire import ParseContext, ToolChoice
+from workers.derender import tool_markup
+from workers.derender.tool_markup import MarkupState
 
 CALL_ID_PREFIX = "chatcmpl-tool-"
 
@@ -113,6 +115,7 @@ class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
     key: Annotated[str, Meta(max_length=MAX_KEY)] = ""
     # Arguments that came before the name (JSON formats): held until the name is known.
     pending: str = ""
+    markup: MarkupState | None = None  # a markup family's parser (tool_markup.py)
 
 
 def call_id(response_id: str, index: int) -> str:
@@ -139,6 +142,8 @@ def start(ctx: ParseContext) -> ToolState | None:
             f"unknown tool parser {ctx.tool_parser!r}; known: {', '.join(TOOL_PARSERS)}",
             param="tool_parser",
         )
+    if ctx.tool_parser in tool_markup.FAMILIES:
+        return ToolState(markup=MarkupState())
     return ToolState()
 
 
@@ -160,6 +165,11 @@ def step(
         _deepseek(s, text, out, ctx.parallel_tool_calls)
     elif choice == "auto" and ctx.tool_parser == "hermes":
         _hermes(s, text, out, ctx.parallel_tool_calls)
+    elif choice == "auto" and (family := tool_markup.FAMILIES.get(ctx.tool_parser or "")):
+        assert state.markup is not None
+        s.markup = msgspec.structs.replace(state.markup)
+        sink = _Sink(s, out)
+        tool_markup.step(family, ctx.tools, s.markup, text, sink, ctx.parallel_tool_calls)
     else:
         raise InvalidRequest(
             f"no tool parsing for tool_choice {choice!r} with parser {ctx.tool_parser!r}",
@@ -178,6 +188,10 @@ def finish(
         if not s.announced:  # a forced call is always reported, even on empty output
             _announce(s, out, ctx.tool_name or "")
             _args(s, out, "{}")
+    elif s.markup is not None:
+        family = tool_markup.FAMILIES[ctx.tool_parser or ""]
+        markup = msgspec.structs.replace(s.markup)
+        tool_markup.finish(family, ctx.tools, markup, _Sink(s, out))
     elif s.phase == Phase.CONTENT:
         out.content.append(s.held)
     elif s.phase == Phase.ARGS:
@@ -253,6 +267,22 @@ class _Out:
             if args and not forced:
                 out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
         return out
+
+
+class _Sink:
+    """A markup parser's output, as calls numbered by the tool state."""
+
+    __slots__ = ("content", "out", "s")
+
+    def __init__(self, s: ToolState, out: _Out) -> None:
+        self.s, self.out, self.content = s, out, out.content
+
+    def call(self, name: str) -> None:
+        self.out.announce(self.s.calls, name)
+        self.s.calls += 1
+
+    def args(self, text: str) -> None:
+        self.out.args(self.s.calls - 1, text)
 
 
 def _reading(ctx: ParseContext) -> ToolChoice:

@@ -14,6 +14,7 @@ from tokenway import parsers
 from tokenway.api.openai import ChatCompletionRequest, NamedToolChoice
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import ParserFlags
+from tokenway.tool_params import MARKUP_PARSERS, params_of
 from tokenway.wire import ParseContext, StructuredOutputs
 from workers.render import tool_tags
 from workers.render.structured import ToolTags
@@ -65,8 +66,10 @@ def _tool_choice(req: ChatCompletionRequest, flags: ParserFlags) -> ParseContext
                 "and --tool-call-parser",
                 param="tool_choice",
             )
+        parser = flags.tool_call_parser
+        tools = params_of(req.tools or ()) if parser in MARKUP_PARSERS else []
         return ParseContext(
-            tool_choice="auto", tool_parser=flags.tool_call_parser, parallel_tool_calls=parallel
+            tool_choice="auto", tool_parser=parser, parallel_tool_calls=parallel, tools=tools
         )
     return ParseContext(tool_choice=choice, parallel_tool_calls=parallel)
 

@@ -16,7 +16,7 @@ import pytest
 from tokenway.errors import InvalidRequest
 from tokenway.model import ModelInfo, load_model_info
 from tokenway.parsers import ParserFlags
-from tokenway.wire import RenderRequest
+from tokenway.wire import ParseContext, RenderRequest, ToolParams
 from workers.render.core import RequestBuilder
 from workers.render.parse import parse_context
 
@@ -34,6 +34,7 @@ FLAGS = {
     "deepseek-not-strict": ParserFlags("deepseek_v3", "deepseek_v31", True,
                                        strict_tool_calling=False),
     "hermes-function": ParserFlags(None, "hermes", True, tool_strict_level="function"),
+    "qwen3-coder": ParserFlags("qwen3", "qwen3_coder", True),
 }  # fmt: skip
 TOOLS: list[Any] = [None, [], [F], [G], [F, G], [NAMELESS]]
 CHOICES: list[Any] = [None, "none", "auto", "required", {"type": "function", "function":
@@ -59,13 +60,23 @@ def info(model_dir: Path) -> ModelInfo:
     return load_model_info(model_dir)
 
 
-def parsed(builder: RequestBuilder, **body: Any) -> None:
+def parsed(builder: RequestBuilder, **body: Any) -> ParseContext | None:
     """Render's core up to the parse plan: the body decoded and checked, its constraint,
     and the plan derender gets."""
     request = RenderRequest(api="chat", request_id="r", created=1,
                             body=json.dumps({"messages": MESSAGES, **body}).encode())  # fmt: skip
     done = builder.parse(request)
-    parse_context(done.req, [1, 2], builder.flags, {}, done.constraint)  # type: ignore[arg-type]
+    return parse_context(done.req, [1, 2], builder.flags, {}, done.constraint)  # type: ignore[arg-type]
+
+
+def test_a_markup_tool_parser_gets_the_tools_parameter_types(info: ModelInfo) -> None:
+    builder = RequestBuilder(info, "m", FLAGS["qwen3-coder"])
+    plan = parsed(builder, tools=[F, G])
+    assert plan is not None and plan.tool_parser == "qwen3_coder"
+    assert plan.tools == [ToolParams("f"), ToolParams("g", {"a": ["string"]})]
+    # other parsers read JSON: their plans do not carry the tools
+    hermes = parsed(RequestBuilder(info, "m", FLAGS["hermes-function"]), tools=[F, G])
+    assert hermes is not None and hermes.tools == []
 
 
 @pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())

@@ -1,0 +1,231 @@
+"""Markup tool parsers (Qwen3-Coder, MiniMax-M2, GLM-4.5/4.7): the message they make, and
+the same message for every chunking of the output."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenway.parsers import TOOL_PARSERS
+from tokenway.tool_params import MARKUP_PARSERS, coerce, types_of
+from tokenway.wire import ParseContext, ToolParams
+from workers.derender import tool_markup, tools
+
+WEATHER = ToolParams(
+    name="get_weather",
+    types={"city": ["string"], "days": ["integer"], "opts": ["object"], "hot": ["boolean"]},
+)
+SEARCH = ToolParams(name="search", types={"query": ["string"]})
+
+
+def ctx(parser: str, parallel: bool = True) -> ParseContext:
+    return ParseContext(
+        tool_choice="auto",
+        tool_parser=parser,
+        parallel_tool_calls=parallel,
+        tools=[WEATHER, SEARCH],
+    )
+
+
+def run(c: ParseContext, pieces: list[str]) -> tuple[str | None, list[dict]]:
+    state = tools.start(c)
+    content, deltas = [], []
+    for piece in pieces:
+        text, more, state = tools.step(c, state, piece, "chatcmpl-1")
+        content.append(text)
+        deltas += more
+    text, more = tools.finish(c, state, "chatcmpl-1")
+    content.append(text)
+    calls = [
+        {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+        for call in tools.merge(deltas + more)
+    ]
+    return "".join(content) or None, calls
+
+
+def qwen_call(name: str, **args: str) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def minimax_call(name: str, **args: str) -> str:
+    params = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args.items())
+    return f'<invoke name="{name}">\n{params}</invoke>\n'
+
+
+def glm_call(name: str, **args: str) -> str:
+    params = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()
+    )
+    return f"<tool_call>{name}\n{params}</tool_call>"
+
+
+CASES = {
+    "qwen3_coder": "I will look.\n\n"
+    + qwen_call("get_weather", city="San Francisco", days="3", opts='{"unit": "c"}')
+    + "\n"
+    + qwen_call("search", query='東京 "tower"\n\nhistory'),
+    "minimax_m2": "I will look.\n<minimax:tool_call>\n"
+    + minimax_call("get_weather", city="San Francisco", days="3", opts='{"unit": "c"}')
+    + minimax_call("search", query='東京 "tower"\n\nhistory')
+    + "</minimax:tool_call>",
+    "glm47": "I will look.\n"
+    + glm_call("get_weather", city="San Francisco", days="3", opts='{"unit": "c"}')
+    + glm_call("search", query='東京 "tower"\n\nhistory'),
+}
+EXPECTED_CALLS = [
+    {
+        "name": "get_weather",
+        "arguments": '{"city": "San Francisco", "days": 3, "opts": {"unit": "c"}}',
+    },
+    {"name": "search", "arguments": '{"query": "東京 \\"tower\\"\\n\\nhistory"}'},
+]
+
+
+def test_every_markup_family_is_a_tool_parser_the_flags_take() -> None:
+    assert set(tool_markup.FAMILIES) == MARKUP_PARSERS
+    assert MARKUP_PARSERS <= set(TOOL_PARSERS)
+
+
+@pytest.mark.parametrize("parser", sorted(CASES))
+def test_text_then_two_calls_gives_content_and_typed_arguments(parser: str) -> None:
+    # vLLM 0.33's whole answer: content before the call, stripped; values as the schema types
+    # them (an integer, an object); strings escaped as JSON
+    assert run(ctx(parser), [CASES[parser]]) == ("I will look.", EXPECTED_CALLS)
+    for call in EXPECTED_CALLS:
+        json.loads(call["arguments"])
+
+
+@pytest.mark.parametrize("parser", sorted(CASES))
+def test_one_call_when_parallel_calls_are_off(parser: str) -> None:
+    assert run(ctx(parser, parallel=False), [CASES[parser]]) == (
+        "I will look.",
+        EXPECTED_CALLS[:1],
+    )
+
+
+def test_whitespace_alone_before_a_call_is_no_content() -> None:
+    # the issue's finding: reasoning then calls left "\n\n" where vLLM's whole answer has null
+    text = "\n\n" + qwen_call("search", query="x")
+    assert run(ctx("qwen3_coder"), [text]) == (
+        None,
+        [{"name": "search", "arguments": '{"query": "x"}'}],
+    )
+
+
+def test_text_without_a_call_keeps_its_whitespace() -> None:
+    assert run(ctx("qwen3_coder"), ["\n\nNo tools needed.\n"]) == ("\n\nNo tools needed.\n", [])
+
+
+def test_markers_that_mean_nothing_where_they_stand_are_text() -> None:
+    text = "a > b and </function> and <parameter=x> stay."
+    assert run(ctx("qwen3_coder"), [text]) == (text, [])
+
+
+def test_a_call_to_a_tool_the_request_lacks_is_dropped_where_the_family_checks() -> None:
+    unknown = minimax_call("rm_rf", path="/")
+    text = f"<minimax:tool_call>{unknown}{minimax_call('search', query='x')}</minimax:tool_call>"
+    assert run(ctx("minimax_m2"), [text]) == (
+        None,
+        [{"name": "search", "arguments": '{"query": "x"}'}],
+    )
+    # Qwen's parser takes any name (vLLM does not check it there)
+    assert run(ctx("qwen3_coder"), [qwen_call("rm_rf", path="/")])[1] == [
+        {"name": "rm_rf", "arguments": '{"path": "/"}'}
+    ]
+
+
+def test_a_call_without_arguments_has_an_empty_object() -> None:
+    assert run(ctx("glm47"), ["<tool_call>search</tool_call>"]) == (
+        None,
+        [{"name": "search", "arguments": "{}"}],
+    )
+
+
+def test_a_value_without_its_closing_tag_ends_at_the_next_key() -> None:
+    text = (
+        "<tool_call><function=get_weather><parameter=city>Oslo"
+        "<parameter=days>2</parameter></function></tool_call>"
+    )
+    assert run(ctx("qwen3_coder"), [text])[1] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+    ]
+
+
+def test_a_call_cut_by_max_tokens_is_closed_with_what_came() -> None:
+    # decided: the call is reported with its arguments so far, closed as JSON (a stream
+    # cannot take back what it sent; finish_reason "length" says it was cut)
+    text = "<tool_call>\n<function=search>\n<parameter=query>\nweather in Os"
+    assert run(ctx("qwen3_coder"), [text])[1] == [
+        {"name": "search", "arguments": '{"query": "weather in Os"}'}
+    ]
+
+
+def test_a_value_that_is_not_its_type_stays_text() -> None:
+    text = glm_call("get_weather", days="three", hot="1")
+    assert run(ctx("glm47"), [text])[1] == [
+        {"name": "get_weather", "arguments": '{"days": "three", "hot": true}'}
+    ]
+
+
+def test_a_typed_value_too_long_to_hold_streams_as_a_string() -> None:
+    big = "[" + ",".join(["1"] * 3000) + "]"
+    c = ctx("qwen3_coder")
+    _, _, state = tools.step(c, tools.start(c), qwen_call("get_weather", opts=big[:-1]), "c")
+    assert state.markup is not None and len(state.markup.value) <= tool_markup.MAX_TYPED
+    assert run(c, [qwen_call("get_weather", opts=big)])[1] == [
+        {"name": "get_weather", "arguments": json.dumps({"opts": big}, ensure_ascii=False)}
+    ]
+
+
+def test_schema_types_as_vllm_reads_them() -> None:
+    assert sorted(types_of({"enum": ["a", 1, None, True]})) == [
+        "boolean",
+        "integer",
+        "null",
+        "string",
+    ]
+    assert types_of({"anyOf": [{"type": "integer"}, {"type": "null"}]}) == ["integer", "null"]
+    assert types_of({}) == ["string"]
+    assert coerce("null", ["integer", "null"]) is None
+    assert coerce("5.0", ["number"]) == 5 and coerce("2.5", ["float"]) == 2.5
+    assert coerce("1e999", ["number"]) == "1e999"  # not finite: kept as text
+    assert coerce("[1]", ["string", "array"]) == [1]
+
+
+# -- every chunking gives the same message ---------------------------------------------------
+
+ALL_CASES = [(p, CASES[p]) for p in CASES] + [
+    ("qwen3_coder", "Sure." + qwen_call("get_weather", city="\n", days="x<y", hot="false")),
+    ("qwen3_coder", "<function=search><parameter=query>a</para</parameter></function>tail"),
+    (
+        "minimax_m2",
+        "<minimax:tool_call><invoke name='search'><parameter name=query>q</parameter></invoke>",
+    ),
+    (
+        "glm45",
+        "<tool_call> search \n<arg_key> query </arg_key>  <arg_value>v</arg_value></tool_call>",
+    ),
+    ("glm47", "Text only, with <arg_key> and </tool_call> in it."),
+]
+
+
+def cut(text: str, points: list[int]) -> list[str]:
+    edges = [0, *sorted({p % (len(text) + 1) for p in points}), len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@pytest.mark.parametrize(("parser", "text"), ALL_CASES)
+def test_one_character_at_a_time_equals_the_whole(parser: str, text: str) -> None:
+    assert run(ctx(parser), list(text)) == run(ctx(parser), [text])
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=st.sampled_from(ALL_CASES), points=st.lists(st.integers(min_value=0), max_size=40))
+def test_any_cut_equals_the_whole(case: tuple[str, str], points: list[int]) -> None:
+    parser, text = case
+    assert run(ctx(parser), cut(text, points)) == run(ctx(parser), [text])
