@@ -19,7 +19,18 @@ from tokenway.wire import ToolParams
 
 # The tool parsers that read calls as markup (workers/derender/tool_markup.py): render hands
 # them the request's tools' parameter types.
-MARKUP_PARSERS = frozenset(("glm45", "glm47", "minimax_m2", "qwen3_coder", "qwen3_xml"))
+MARKUP_PARSERS = frozenset(
+    (
+        "deepseek_v32",
+        "deepseek_v4",
+        "glm45",
+        "glm47",
+        "kimi_k2",
+        "minimax_m2",
+        "qwen3_coder",
+        "qwen3_xml",
+    )
+)
 
 # Type names models and schemas write for the JSON Schema ones.
 _ALIASES = {
@@ -82,6 +93,29 @@ def streams_as_text(types: Sequence[str] | None) -> bool:
     """Whether a value of these types is a JSON string whatever its text (so it can be
     streamed before it ends); None: a parameter the schema does not type."""
     return types is None or _normal(types) == {"string"}
+
+
+def typed(text: str, types: Sequence[str] | None, as_json: bool = False) -> Any:
+    """A parameter's value: its text (read as JSON first where `as_json`: DSML's values
+    not marked `string="true"`), then converted to its schema's types if it has any.
+    JSON objects and arrays stand as they read."""
+    value: Any = text
+    if as_json:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if not _finite(value):
+            value = text
+    if not types:
+        return value
+    if isinstance(value, str):
+        return coerce(value, types)
+    if isinstance(value, (dict, list)):
+        return value
+    converted = coerce(json.dumps(value), types)
+    same = type(converted) is type(value) and converted == value
+    return value if same else converted
 
 
 def coerce(text: str, types: Sequence[str]) -> Any:

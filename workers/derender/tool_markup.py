@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Protocol
 
 import msgspec
 from msgspec import Meta
 
-from tokenway.tool_params import coerce, streams_as_text
+from tokenway.tool_params import streams_as_text, typed
 from tokenway.wire import ToolParams
 
 MAX_NAME = 512  # as tools.py: a longer name is not a function name
@@ -65,6 +66,7 @@ class Where(enum.IntEnum):
     KEY = 1  # in a parameter's key
     GAP = 2  # after a key, before its value's opening tag
     VALUE = 3  # in a value
+    ATTRS = 4  # after a key, its attributes up to ">" (DSML's string="true")
 
 
 class MarkupState(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -74,6 +76,7 @@ class MarkupState(msgspec.Struct, array_like=True, omit_defaults=True):
     held: Annotated[str, Meta(max_length=64)] = ""  # may start a marker
     space: Annotated[str, Meta(max_length=MAX_SPACE)] = ""  # content whitespace held back
     called: bool = False  # a call was reported: content is over
+    spoke: bool = False  # content other than whitespace went out
     name: Annotated[str, Meta(max_length=MAX_NAME)] = ""
     live: bool = False  # the current call was reported (its arguments are streamed)
     # the argument scanner
@@ -82,8 +85,11 @@ class MarkupState(msgspec.Struct, array_like=True, omit_defaults=True):
     close: Annotated[int, Meta(ge=0)] = 0  # the key's closing tag, by index in ParamTags
     key: Annotated[str, Meta(max_length=MAX_KEY)] = ""
     params: Annotated[int, Meta(ge=0)] = 0  # parameters written into the JSON object
+    attrs: Annotated[str, Meta(max_length=MAX_KEY)] = ""
+    as_json: bool = False  # the value reads as JSON first (DSML without string="true")
     typed: bool = False  # the value is held for conversion (else streams as a string)
-    value: Annotated[str, Meta(max_length=MAX_TYPED)] = ""  # a typed value so far
+    # a typed value so far; JSON arguments: whitespace held back at their end
+    value: Annotated[str, Meta(max_length=MAX_TYPED)] = ""
     fresh: bool = True  # nothing of the value seen yet (a leading newline is markup)
     newline: bool = False  # a newline held back (a trailing one is markup)
 
@@ -93,7 +99,7 @@ class Sink(Protocol):
 
     content: list[str]
 
-    def call(self, name: str) -> None: ...  # a call starts (its arguments follow)
+    def call(self, name: str, cid: str | None = None) -> None: ...  # a call starts
 
     def args(self, text: str) -> None: ...  # the current call's arguments, more of them
 
@@ -109,6 +115,7 @@ class ParamTags:
     open_ends_value: bool  # a new key's tag also ends an open value (no closing tag)
     trim_newlines: bool  # one leading and one trailing newline of a value are markup
     strip_key: bool
+    attrs: bool = False  # attributes follow the key up to ">" (DSML)
 
     @property
     def enders(self) -> tuple[str, ...]:
@@ -116,13 +123,21 @@ class ParamTags:
         return (self.value_close, *self.opens) if self.open_ends_value else (self.value_close,)
 
 
+def _plain(header: str) -> tuple[str, str | None] | None:
+    name = header.strip()
+    return (name, None) if name else None
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     moves: Mapping[tuple[Phase, str], tuple[Phase, Act]]
-    params: ParamTags
+    params: ParamTags | None  # None: arguments are JSON, passed on as written
     check_names: bool  # a call to a tool the request does not have is dropped
     # markers whose text goes on into the phase they lead to (GLM's first `<arg_key>`)
     keep: frozenset[str] = frozenset()
+    strip: bool = True  # content before a call loses its whitespace at the end
+    # a call's name (and the model's own id for it) from the text that names it
+    header: Callable[[str], tuple[str, str | None] | None] = _plain
     markers: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,12 +214,75 @@ _GLM = Family(
     check_names=True,
     keep=frozenset({"<arg_key>"}),
 )
+_KIMI_ID = re.compile(r"(.+:\d+)")
+
+
+def _kimi(header: str) -> tuple[str, str | None] | None:
+    """`functions.NAME:N` names the call and is its id (Kimi's templates write it back)."""
+    m = _KIMI_ID.match(header.strip())
+    if m is None:
+        return None
+    cid = m.group(1).strip()
+    name = cid.split(":")[0].removeprefix("functions.")
+    return (name, cid) if name else None
+
+
+_SECTION, _SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+_KIMI_FAMILY = Family(
+    moves=_moves(
+        ((_C,), (_SECTION,), _P, _NONE),
+        ((_P, _B), ("<|tool_call_begin|>",), _N, _START),
+        ((_P, _B), (_SECTION_END,), _P, _NONE),
+        ((_N,), ("<|tool_call_argument_begin|>",), _A, _NONE),
+        ((_A,), ("<|tool_call_end|>",), _B, _END),
+        ((_A,), (_SECTION_END,), _P, _END),
+    ),
+    params=None,
+    check_names=False,
+    strip=False,
+    header=_kimi,
+)
+
+
+def _dsml(blocks: tuple[str, ...], block_end: str) -> Family:
+    """DeepSeek's DSML: `<｜DSML｜invoke name="…">` calls in a block, parameters typed by
+    their `string` attribute (V3.2: `function_calls` blocks; V4: `tool_calls`, and two
+    spellings of its opening seen from the model)."""
+    d = "｜DSML｜"
+    invoke = f'<{d}invoke name="'
+    opens, closes = tuple(f"<{d}{b}>" for b in blocks), (f"</{d}{block_end}>",)
+    return Family(
+        moves=_moves(
+            ((_C, _B), opens, _P, _NONE),
+            ((_C, _P, _B), (invoke,), _N, _START),
+            ((_N,), ('">',), _A, _NONE),
+            ((_A,), (f"</{d}invoke>", *closes), _B, _END),
+            ((_B,), closes, _B, _NONE),
+        ),
+        params=ParamTags(
+            opens=(f'<{d}parameter name="',),
+            closes=('"',),
+            value_open=None,
+            value_close=f"</{d}parameter>",
+            open_ends_value=True,
+            trim_newlines=False,
+            strip_key=False,
+            attrs=True,
+        ),
+        check_names=False,
+        strip=False,
+    )
+
+
 FAMILIES: dict[str, Family] = {
-    "qwen3_coder": _QWEN,
-    "qwen3_xml": _QWEN,
-    "minimax_m2": _MINIMAX,
+    "deepseek_v32": _dsml(("function_calls",), "function_calls"),
+    "deepseek_v4": _dsml(("tool_calls", "toolcalls", "tool"), "tool_calls"),
     "glm45": _GLM,
     "glm47": _GLM,
+    "kimi_k2": _KIMI_FAMILY,
+    "minimax_m2": _MINIMAX,
+    "qwen3_coder": _QWEN,
+    "qwen3_xml": _QWEN,
 }
 
 
@@ -291,22 +369,32 @@ def _text(family: Family, tools: list[ToolParams], s: MarkupState, text: str, ou
     if not text:
         return
     if s.phase == Phase.CONTENT:
-        _content(s, text, out)
+        _content(family, s, text, out)
     elif s.phase == Phase.NAME:
         s.name = (s.name + text)[:MAX_NAME]
     elif s.phase == Phase.ARGS and s.live:
-        _args(family.params, _types(tools, s.name), s, text, out)
+        if family.params is None:
+            _json_args(s, text, out)
+        else:
+            _args(family.params, _types(tools, s.name), s, text, out)
 
 
-def _content(s: MarkupState, text: str, out: Sink) -> None:
-    """Content before the first call; whitespace at its end held until more content
-    (released), a call (dropped) or the end (released) says what it is."""
+def _content(family: Family, s: MarkupState, text: str, out: Sink) -> None:
+    """Content before the first call. Whitespace at its end is held until more content
+    (released), a call (dropped: content before calls is stripped, or whitespace alone is
+    none) or the end (released) says what it is."""
     if s.called:
+        return
+    if s.spoke and not family.strip:
+        out.content.append(text)
         return
     body = text.rstrip()
     if body:
         out.content.append(s.space + body)
-        s.space = ""
+        s.space, s.spoke = "", True
+        if not family.strip:
+            out.content.append(text[len(body) :])
+            return
     s.space += text[len(body) :]
     if len(s.space) > MAX_SPACE:
         out.content.append(s.space)
@@ -318,12 +406,13 @@ def _content(s: MarkupState, text: str, out: Sink) -> None:
 
 def _named(family: Family, tools: list[ToolParams], s: MarkupState, out: Sink) -> None:
     """The name is complete: report the call, unless it has no name or names no tool."""
-    name = s.name.strip()
+    header = family.header(s.name)
+    name, cid = header if header is not None else ("", None)
     known = not family.check_names or not tools or any(t.name == name for t in tools)
     s.live = bool(name) and known
     if s.live:
-        s.name, s.called, s.space = name, True, ""  # whitespace before a call is not content
-        out.call(name)
+        s.name, s.called, s.space = name, True, ""
+        out.call(name, cid)
 
 
 def _end_call(
@@ -334,22 +423,45 @@ def _end_call(
     if s.phase == Phase.NAME:
         _named(family, tools, s, out)
     if s.live:
-        types = _types(tools, s.name)
-        tag, s.tag = s.tag, ""
-        if s.where == Where.VALUE:
-            _value_text(family.params, types, s, tag, out)
-            _close_value(types, s, out)
-        out.args("}" if s.params else "{}")
+        if family.params is None:
+            out.args("" if s.params else "{}")
+        else:
+            types = _types(tools, s.name)
+            tag, s.tag = s.tag, ""
+            if s.where == Where.VALUE:
+                _value_text(family.params, types, s, tag, out)
+                _close_value(types, s, out)
+            out.args("}" if s.params else "{}")
         if not parallel:
             s.phase = Phase.DONE
     s.live, s.name, s.where, s.params, s.key, s.tag = False, "", Where.OUT, 0, "", ""
+    s.value, s.fresh = "", True
 
 
 def _types(tools: list[ToolParams], name: str) -> Mapping[str, list[str]]:
     return next((t.types for t in tools if t.name == name), {})
 
 
-# -- arguments ---------------------------------------------------------------------------------
+def _json_args(s: MarkupState, text: str, out: Sink) -> None:
+    """Arguments written as JSON go out as written, less the whitespace around them."""
+    if s.fresh:
+        text = text.lstrip()
+        if not text:
+            return
+        s.fresh = False
+    body = text.rstrip()
+    if body:
+        out.args(s.value + body)
+        s.value, s.params = "", 1
+    s.value += text[len(body) :]
+    if len(s.value) > MAX_SPACE:
+        out.args(s.value)
+        s.value = ""
+
+
+# -- arguments written as tags -------------------------------------------------------------------
+
+_STRING_ATTR = re.compile(r'string="([^"]*)"')
 
 
 def _args(
@@ -374,10 +486,24 @@ def _args(
                 s.tag = text[end:]
                 return
             i = j + len(close)
-            if tags.value_open is None:
+            if tags.attrs:
+                s.where, s.attrs = Where.ATTRS, ""
+            elif tags.value_open is None:
                 _open_value(tags, types, s, out)
             else:
                 s.where = Where.GAP
+        elif s.where == Where.ATTRS:
+            j = text.find(">", i)
+            s.attrs = (s.attrs + text[i : len(text) if j < 0 else j])[:MAX_KEY]
+            if j < 0:
+                return
+            i = j + 1
+            attrs = s.attrs.strip()
+            declared = _STRING_ATTR.fullmatch(attrs)
+            if attrs and declared is None:  # not a parameter tag: its value is dropped
+                s.key = ""
+            s.as_json = declared is None or declared.group(1) != "true"
+            _open_value(tags, types, s, out)
         elif s.where == Where.GAP:
             assert tags.value_open is not None
             rest = text[i:].lstrip()
@@ -408,7 +534,7 @@ def _open_value(tags: ParamTags, types: Mapping[str, list[str]], s: MarkupState,
         s.key = s.key.strip()
     if not s.key:  # not an argument: its value is read and dropped
         return
-    s.typed = not streams_as_text(types.get(s.key))
+    s.typed = s.as_json or not streams_as_text(types.get(s.key))
     head = "{" if not s.params else ", "
     out.args(head + json.dumps(s.key, ensure_ascii=False) + (": " if s.typed else ': "'))
     s.params += 1
@@ -438,10 +564,11 @@ def _value_text(
 def _close_value(types: Mapping[str, list[str]], s: MarkupState, out: Sink) -> None:
     if s.key:
         if s.typed:
-            out.args(json.dumps(coerce(s.value, types.get(s.key) or ()), ensure_ascii=False))
+            value = typed(s.value, types.get(s.key), s.as_json)
+            out.args(json.dumps(value, ensure_ascii=False))
         else:
             out.args('"')
-    s.key, s.value, s.typed = "", "", False
+    s.key, s.value, s.typed, s.as_json = "", "", False, False
 
 
 def _escaped(text: str) -> str:

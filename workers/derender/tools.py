@@ -241,28 +241,29 @@ class _Out:
 
     def __init__(self) -> None:
         self.content: list[str] = []
-        self.calls: list[tuple[int, str | None, list[str]]] = []
+        # (index, name when the call starts here, argument pieces, the model's own call id)
+        self.calls: list[tuple[int, str | None, list[str], str | None]] = []
 
-    def announce(self, index: int, name: str) -> None:
-        self.calls.append((index, name, []))
+    def announce(self, index: int, name: str, cid: str | None = None) -> None:
+        self.calls.append((index, name, [], cid))
 
     def args(self, index: int, text: str) -> None:
         if self.calls and self.calls[-1][0] == index:
             self.calls[-1][2].append(text)
         else:
-            self.calls.append((index, None, [text]))
+            self.calls.append((index, None, [text], None))
 
     def deltas(self, response_id: str, forced: bool) -> list[ToolCallDelta]:
         """vLLM's shapes: auto announces id, type and name alone (arguments follow in their
         own delta); a forced call's first delta also carries its arguments so far."""
         out: list[ToolCallDelta] = []
-        for index, name, parts in self.calls:
+        for index, name, parts, own in self.calls:
             args = "".join(parts)
             if name is None:
                 out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
                 continue
             head = FunctionDelta(name=name, arguments=args if forced else None)
-            cid = call_id(response_id, index)
+            cid = own or call_id(response_id, index)
             out.append(ToolCallDelta(index=index, id=cid, type="function", function=head))
             if args and not forced:
                 out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
@@ -277,8 +278,8 @@ class _Sink:
     def __init__(self, s: ToolState, out: _Out) -> None:
         self.s, self.out, self.content = s, out, out.content
 
-    def call(self, name: str) -> None:
-        self.out.announce(self.s.calls, name)
+    def call(self, name: str, cid: str | None = None) -> None:
+        self.out.announce(self.s.calls, name, cid)
         self.s.calls += 1
 
     def args(self, text: str) -> None:

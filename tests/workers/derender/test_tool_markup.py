@@ -64,6 +64,23 @@ def glm_call(name: str, **args: str) -> str:
     return f"<tool_call>{name}\n{params}</tool_call>"
 
 
+def kimi_call(name: str, index: int, args: str) -> str:
+    head = f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>"
+    return f"{head}{args}<|tool_call_end|>"
+
+
+def dsml_call(name: str, **args: tuple[str, bool]) -> str:
+    params = "".join(
+        f'<｜DSML｜parameter name="{k}" string="{str(is_str).lower()}">{v}</｜DSML｜parameter>\n'
+        for k, (v, is_str) in args.items()
+    )
+    return f'<｜DSML｜invoke name="{name}">\n{params}</｜DSML｜invoke>\n'
+
+
+DSML_TWO = dsml_call(
+    "get_weather", city=("San Francisco", True), days=("3", False), opts=('{"unit": "c"}', False)
+) + dsml_call("search", query=('東京 "tower"\n\nhistory', True))
+
 CASES = {
     "qwen3_coder": "I will look.\n\n"
     + qwen_call("get_weather", city="San Francisco", days="3", opts='{"unit": "c"}')
@@ -73,10 +90,20 @@ CASES = {
     + minimax_call("get_weather", city="San Francisco", days="3", opts='{"unit": "c"}')
     + minimax_call("search", query='東京 "tower"\n\nhistory')
     + "</minimax:tool_call>",
+    "deepseek_v32": "I will look.<｜DSML｜function_calls>\n"
+    + DSML_TWO
+    + "</｜DSML｜function_calls>",
+    "deepseek_v4": "I will look.<｜DSML｜tool_calls>\n" + DSML_TWO + "</｜DSML｜tool_calls>",
     "glm47": "I will look.\n"
     + glm_call("get_weather", city="San Francisco", days="3", opts='{"unit": "c"}')
     + glm_call("search", query='東京 "tower"\n\nhistory'),
 }
+KIMI = (
+    "I will look.<|tool_calls_section_begin|>"
+    + kimi_call("get_weather", 0, ' {"city": "San Francisco", "days": 3, "opts": {"unit": "c"}}\n')
+    + kimi_call("search", 1, json.dumps({"query": '東京 "tower"\n\nhistory'}, ensure_ascii=False))
+    + "<|tool_calls_section_end|>"
+)
 EXPECTED_CALLS = [
     {
         "name": "get_weather",
@@ -98,6 +125,41 @@ def test_text_then_two_calls_gives_content_and_typed_arguments(parser: str) -> N
     assert run(ctx(parser), [CASES[parser]]) == ("I will look.", EXPECTED_CALLS)
     for call in EXPECTED_CALLS:
         json.loads(call["arguments"])
+
+
+def test_kimi_calls_are_json_as_written_and_keep_the_models_ids() -> None:
+    c = ctx("kimi_k2")
+    assert run(c, [KIMI]) == ("I will look.", EXPECTED_CALLS)
+    state = tools.start(c)
+    _, deltas, _ = tools.step(c, state, KIMI, "chatcmpl-1")
+    # Kimi's templates write a call's id back into the prompt: the model's own is kept
+    assert [d.id for d in deltas if d.id] == ["functions.get_weather:0", "functions.search:1"]
+
+
+def test_kimi_keeps_content_as_written_before_calls_and_drops_what_follows() -> None:
+    text = "Checking. \n<|tool_calls_section_begin|>" + kimi_call("search", 0, '{"query": "x"}')
+    text += "<|tool_calls_section_end|>trailing"
+    assert run(ctx("kimi_k2"), [text]) == (
+        "Checking. \n",
+        [{"name": "search", "arguments": '{"query": "x"}'}],
+    )
+    # a header without `:N` names no call
+    bad = "<|tool_calls_section_begin|><|tool_call_begin|>search<|tool_call_argument_begin|>{}"
+    assert run(ctx("kimi_k2"), [bad + "<|tool_call_end|>"]) == (None, [])
+
+
+def test_dsml_values_are_typed_by_their_string_attribute_then_the_schema() -> None:
+    # not marked a string: read as JSON (a number, an object), else kept as text; marked a
+    # string but the schema says integer: converted; an unknown attribute is no parameter
+    text = dsml_call("get_weather", city=("5", False), days=("7", True), opts=("not json", False))
+    assert run(ctx("deepseek_v4"), [text])[1] == [
+        {"name": "get_weather", "arguments": '{"city": "5", "days": 7, "opts": "not json"}'}
+    ]
+    odd = (
+        '<｜DSML｜invoke name="search"><｜DSML｜parameter name="query" lang="en">x'
+        "</｜DSML｜parameter></｜DSML｜invoke>"
+    )
+    assert run(ctx("deepseek_v32"), [odd])[1] == [{"name": "search", "arguments": "{}"}]
 
 
 @pytest.mark.parametrize("parser", sorted(CASES))
@@ -211,6 +273,9 @@ ALL_CASES = [(p, CASES[p]) for p in CASES] + [
         "<tool_call> search \n<arg_key> query </arg_key>  <arg_value>v</arg_value></tool_call>",
     ),
     ("glm47", "Text only, with <arg_key> and </tool_call> in it."),
+    ("kimi_k2", KIMI),
+    ("kimi_k2", "  \n<|tool_calls_section_begin|>" + kimi_call("search", 0, '{"q": "}"}  ')),
+    ("deepseek_v4", "<｜DSML｜tool>" + dsml_call("search", query=('a"b', False))),
 ]
 
 
