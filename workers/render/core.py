@@ -46,7 +46,7 @@ from tokenway.wire import (
 )
 from workers.render import structured
 from workers.render.chat import apply_template
-from workers.render.parse import call_tags, check_tool_choice, parse_context
+from workers.render.parse import call_tags, check_tool_choice, keeps_special_tokens, parse_context
 from workers.render.sampling import (
     keep_output_fields,
     reject_unsupported,
@@ -140,6 +140,8 @@ class RequestBuilder:
             completion_prompts(req)
         else:  # before its constraint reads the tools
             check_tool_choice(req)
+            if keeps_special_tokens(req, self.flags):
+                req.skip_special_tokens = False
         try:
             return Parsed(req, structured.constraint(req, call_tags(self.flags)))
         except InvalidRequest as exc:

@@ -29,6 +29,30 @@ def call_tags(flags: ParserFlags) -> ToolTags | None:
     return ToolTags(parser, flags.tool_strict_level)
 
 
+# vLLM 0.33's parsers built on its parser engine have the output decoded with its special
+# tokens (a family's markers may be special tokens, skipped otherwise); hermes and kimi_k2
+# only where the request may call a tool.
+_ENGINE_REASONING = frozenset(
+    ("glm45", "glm47", "kimi_k2", "minimax_m2", "mistral", "qwen3", "seed_oss")
+)
+_ENGINE_TOOLS = MARKUP_PARSERS - {"kimi_k2"}
+_WITH_TOOLS = frozenset(("hermes", "kimi_k2"))
+
+
+def keeps_special_tokens(req: ChatCompletionRequest, flags: ParserFlags) -> bool:
+    """Whether this request's output is decoded with special tokens for its parsers.
+
+    vLLM adjusts a request for its parsers when a reasoning parser is set or the request
+    may call a tool; each parser's adjustment then decides."""
+    calls = bool(req.tools) and req.tool_choice != "none"
+    if flags.reasoning_parser in _ENGINE_REASONING:
+        return True
+    parser = flags.tool_call_parser
+    if parser in _ENGINE_TOOLS:
+        return calls or flags.reasoning_parser is not None
+    return parser in _WITH_TOOLS and calls
+
+
 def check_tool_choice(req: ChatCompletionRequest) -> None:
     """A `tool_choice` the request's `tools` cannot meet is the client's 400, as vLLM 0.33
     refuses it: checked before anything reads the tools for the call it forces."""

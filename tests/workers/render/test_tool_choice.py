@@ -126,3 +126,31 @@ def test_no_combination_of_tools_choice_and_constraint_is_a_server_error(
         except InvalidRequest as exc:
             assert exc.status == 400 and exc.param, (body, exc)
     assert answered  # the product holds requests that are served, not only refusals
+
+
+@pytest.mark.parametrize(
+    ("flags", "body", "skip"),
+    [
+        (ParserFlags("deepseek_v3", "deepseek_v31", True), {"tools": [F]}, True),
+        (ParserFlags(None, "hermes", True), {"tools": [F]}, False),
+        (ParserFlags(None, "hermes", True), {"tools": [F], "tool_choice": "none"}, True),
+        (ParserFlags(None, "hermes", True), {}, True),
+        (ParserFlags(None, "kimi_k2", True), {"tools": [F]}, False),
+        (ParserFlags(None, "kimi_k2", True), {}, True),
+        (ParserFlags(None, "qwen3_coder", True), {"tools": [F]}, False),
+        (ParserFlags(None, "qwen3_coder", True), {}, True),
+        (ParserFlags("deepseek_r1", "qwen3_coder", True), {}, False),
+        (ParserFlags("qwen3", None, False), {}, False),
+    ],
+)  # fmt: skip
+def test_parsers_that_read_special_tokens_have_them_decoded(
+    info: ModelInfo, flags: ParserFlags, body: dict[str, Any], skip: bool
+) -> None:
+    """As vLLM 0.33 adjusts a request for its parsers: those built on its parser engine
+    decode the output with special tokens (a family's markers may be special tokens), hermes
+    and kimi_k2 do so where the request may call a tool; a marker skipped as special would
+    leave a call as text."""
+    builder = RequestBuilder(info, "m", flags)
+    request = RenderRequest(api="chat", request_id="r", created=1,
+                            body=json.dumps({"messages": MESSAGES, **body}).encode())  # fmt: skip
+    assert builder.parse(request).req.skip_special_tokens is skip
