@@ -26,7 +26,7 @@ from tokenway.model import tokenizer_of
 from tokenway.nats_users import NatsUsers
 from tokenway.natsd import EmbeddedNats
 from tokenway.obfuscation import Permutation
-from tokenway.served import ServedModel, obfuscation, parser_flags, served_models
+from tokenway.served import ServedModel, obfuscation, parser_flags, parsers_said, served_models
 
 if TYPE_CHECKING:
     from engines.bridge import Bridge
@@ -89,6 +89,8 @@ def _stages(
         from workers.derender.backend import LocalBackend
         from workers.render.service import RenderService
 
+        for m in models:
+            log.info(parsers_said(s, m))
         # vLLM's derender routes: tokenway's own derender core, in the render worker
         return [
             RenderService(

@@ -9,6 +9,7 @@ from pathlib import Path
 from tokenway import bus
 from tokenway.config import Settings
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
+from tokenway.model_parsers import picked
 from tokenway.obfuscation import ObfuscationError, Permutation, load_key
 from tokenway.parsers import ParserFlags
 
@@ -87,10 +88,20 @@ def _check(s: Settings, models: list[ServedModel]) -> None:
                 )
 
 
+def _base(model: ServedModel) -> ParserFlags:
+    """What a model brings when no flag names its parsers: the bundled tokenizer's
+    defaults, or what a directory's chat template speaks (auto tool choice with a tool
+    parser)."""
+    if model.bundled:
+        return DEFAULT_PARSERS
+    reasoning, tools = picked(model.info.path)
+    return ParserFlags(reasoning, tools, enable_auto_tool_choice=tools is not None)
+
+
 def parser_flags(s: Settings, model: ServedModel) -> ParserFlags:
-    """The flags as given (for every model of the process); for the bundled tokenizer, its
-    defaults fill what was not given."""
-    base = DEFAULT_PARSERS if model.bundled else ParserFlags()
+    """The flags as given (for every model of the process); what the model brings
+    (`_base`) fills what was not given."""
+    base = _base(model)
     auto = s.enable_auto_tool_choice
     flags = ParserFlags(
         reasoning_parser=s.reasoning_parser or base.reasoning_parser,
@@ -104,6 +115,28 @@ def parser_flags(s: Settings, model: ServedModel) -> ParserFlags:
     except ValueError as exc:
         raise SystemExit(f"tokenway: {exc}") from exc
     return flags
+
+
+def parsers_said(s: Settings, model: ServedModel) -> str:
+    """The start-up line that says how a model's output is parsed, and where that came from."""
+    flags, base = parser_flags(s, model), _base(model)
+    source = "the bundled tokenizer's" if model.bundled else "its chat template's"
+
+    def one(kind: str, name: str | None, given: str | None) -> str:
+        if name is None:
+            return f"no {kind} parser"
+        return f"{kind} parser {name} ({'as given' if given else source})"
+
+    auto = "on" if flags.enable_auto_tool_choice else "off"
+    return (
+        f"model {model.name!r}: {one('reasoning', flags.reasoning_parser, s.reasoning_parser)}, "
+        f"{one('tool-call', flags.tool_call_parser, s.tool_call_parser)}, auto tool choice {auto}"
+        + (
+            ""
+            if base == ParserFlags() or model.bundled
+            else " (--reasoning-parser and --tool-call-parser override what the template speaks)"
+        )
+    )
 
 
 def obfuscation(s: Settings, model: ModelInfo) -> Permutation | None:

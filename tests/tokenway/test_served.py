@@ -19,9 +19,10 @@ def test_models_are_named_with_their_directories_in_the_order_given(tmp_path: Pa
     a, b = served_models(make_settings(tmp_path, models=f"a, b={bundled}"))
     assert (a.name, a.bundled, b.name, b.bundled) == ("a", True, "b", False)
     assert a.info.path == b.info.path == bundled
-    # the bundled tokenizer brings its parsers; a directory given brings none of its own
+    # the bundled tokenizer brings its parsers; a directory given, what its template speaks
+    # (here the same template: DeepSeek's formats)
     assert parser_flags(make_settings(tmp_path), a) == DEFAULT_PARSERS
-    assert parser_flags(make_settings(tmp_path), b).reasoning_parser is None
+    assert parser_flags(make_settings(tmp_path), b) == DEFAULT_PARSERS
     (one,) = served_models(make_settings(tmp_path))
     assert (one.name, one.bundled) == (DEFAULT_MODEL_NAME, True)
     (named,) = served_models(make_settings(tmp_path, model_dir=str(bundled)))
