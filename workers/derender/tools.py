@@ -48,6 +48,7 @@ _MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 MAX_HELD = max(len(m) for m in (*_MARKERS, HERMES_BEGIN, HERMES_END)) - 1
 MAX_NAME = 512  # OpenAI caps function names at 64 characters; a longer one is not a name
 MAX_KEY = 32  # longer than any key we look for, so a capped key never matches one
+MAX_SPACE = 256  # leading whitespace held back; past it, it is content
 
 
 class Phase(enum.IntEnum):
@@ -116,6 +117,9 @@ class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
     # Arguments that came before the name (JSON formats): held until the name is known.
     pending: str = ""
     markup: MarkupState | None = None  # a markup family's parser (tool_markup.py)
+    # content so far is whitespace alone: held, as no content if a call follows
+    space: Annotated[str, Meta(max_length=MAX_SPACE)] = ""
+    spoke: bool = False  # content other than whitespace went out
 
 
 def call_id(response_id: str, index: int) -> str:
@@ -193,7 +197,7 @@ def finish(
         markup = msgspec.structs.replace(s.markup)
         tool_markup.finish(family, ctx.tools, markup, _Sink(s, out))
     elif s.phase == Phase.CONTENT:
-        out.content.append(s.held)
+        out.content.append(s.space + s.held)
     elif s.phase == Phase.ARGS:
         _args(s, out, s.held)
     return "".join(out.content), out.deltas(response_id, _forced(ctx))
@@ -383,11 +387,22 @@ def _content_until(s: ToolState, text: str, i: int, out: _Out, marker: str, then
     """Content up to `marker` (holding back a partial one); where parsing goes on, or -1."""
     j = text.find(marker, i)
     if j < 0:
-        out.content.append(text[i : _hold(s, text, i, (marker,))])
+        _say(s, out, text[i : _hold(s, text, i, (marker,))])
         return -1
-    out.content.append(text[i:j])
-    s.phase = then
+    _say(s, out, text[i:j])
+    s.phase, s.space = then, ""  # whitespace alone before a call is no content (vLLM 0.33)
     return j + len(marker)
+
+
+def _say(s: ToolState, out: _Out, piece: str) -> None:
+    """Content; while it is whitespace alone it is held (a call may follow)."""
+    if s.spoke:
+        out.content.append(piece)
+    elif piece.strip() or len(s.space) + len(piece) > MAX_SPACE:
+        out.content.append(s.space + piece)
+        s.space, s.spoke = "", True
+    else:
+        s.space += piece
 
 
 def _deepseek(s: ToolState, text: str, out: _Out, parallel: bool) -> None:

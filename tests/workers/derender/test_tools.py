@@ -570,3 +570,22 @@ def test_rendered_assistant_tool_calls_parse_back(renderer: Renderer, tokenizer:
     for chunks in ([turn], token_deltas(tokenizer, turn)):
         r = run(DEEPSEEK, chunks)
         assert (r.content, parsed(r)) == ("Checking.", calls)
+
+
+@pytest.mark.parametrize(
+    ("ctx", "write"), [(DEEPSEEK, deepseek_text), (HERMES, hermes_text)], ids=["deepseek", "hermes"]
+)
+def test_whitespace_alone_before_calls_is_no_content(ctx: ParseContext, write: Any) -> None:
+    """vLLM 0.33's whole answer gives null content where only whitespace precedes the calls
+    (issue 36's finding: reasoning, then "\\n\\n", then two parallel hermes calls); text
+    before a call, and whitespace without one, stay as written, for every chunking."""
+    calls = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    for chunks in (
+        [write("\n\n", calls)],
+        list(write("\n\n", calls)),
+        cut(write("\n\n", calls), [3]),
+    ):
+        r = run(ctx, chunks)
+        assert (r.content, parsed(r)) == ("", calls)
+    assert run(ctx, list(write("\n\nLet me check. ", calls))).content == "\n\nLet me check. "
+    assert run(ctx, list("\n\n  \n")).content == "\n\n  \n"
