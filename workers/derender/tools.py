@@ -30,7 +30,8 @@ from msgspec import Meta
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import TOOL_PARSERS
 from tokenway.wire import ParseContext, ToolChoice
-from workers.derender import tool_markup
+from workers.derender import json_canon, tool_markup
+from workers.derender.json_canon import CanonState
 from workers.derender.tool_markup import MarkupState
 
 CALL_ID_PREFIX = "chatcmpl-tool-"
@@ -120,6 +121,8 @@ class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
     # content so far is whitespace alone: held, as no content if a call follows
     space: Annotated[str, Meta(max_length=MAX_SPACE)] = ""
     spoke: bool = False  # content other than whitespace went out
+    # a JSON call's arguments value, rewritten as vLLM's whole answer writes it back
+    canon: CanonState | None = None
 
 
 def call_id(response_id: str, index: int) -> str:
@@ -156,6 +159,8 @@ def step(
 ) -> tuple[str, list[ToolCallDelta], ToolState]:
     """Parse the next piece of output text: (content delta, call deltas, next state)."""
     s = msgspec.structs.replace(state)
+    if s.canon is not None:  # stepped in place: the caller's state stays as it was
+        s.canon = msgspec.structs.replace(s.canon)
     out = _Out()
     choice = _reading(ctx)
     if choice == "named":
@@ -200,6 +205,8 @@ def finish(
         out.content.append(s.space + s.held)
     elif s.phase == Phase.ARGS:
         _args(s, out, s.held)
+    elif s.canon is not None:  # cut inside a JSON call's arguments: what the rewrite held
+        _args(s, out, json_canon.finish(msgspec.structs.replace(s.canon)))
     return "".join(out.content), out.deltas(response_id, _forced(ctx))
 
 
@@ -590,6 +597,8 @@ def _object(s: ToolState, text: str, i: int, out: _Out, parallel: bool, fmt: _Fo
         else:  # a value starts
             s.expect, s.depth = Expect.IN_VALUE, 1 if ch in "{[" else 0
             s.in_string = ch == '"'
+            if s.role == Role.ARGS:
+                s.canon = CanonState()
             _piece(s, out, ch)
     return i
 
@@ -648,12 +657,15 @@ def _value(s: ToolState, text: str, i: int, out: _Out, fmt: _Format) -> int:
 
 def _piece(s: ToolState, out: _Out, piece: str) -> None:
     if s.role == Role.ARGS:
-        _args(s, out, piece)
+        _args(s, out, piece if s.canon is None else json_canon.step(s.canon, piece))
     elif s.role == Role.NAME:
         s.name = (s.name + piece)[:MAX_NAME]
 
 
 def _end_value(s: ToolState, out: _Out, fmt: _Format) -> None:
+    if s.role == Role.ARGS and s.canon is not None:
+        _args(s, out, json_canon.finish(s.canon))
+        s.canon = None
     if s.role == Role.NAME:
         try:
             name = json.loads(s.name)

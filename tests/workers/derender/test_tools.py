@@ -589,3 +589,25 @@ def test_whitespace_alone_before_calls_is_no_content(ctx: ParseContext, write: A
         assert (r.content, parsed(r)) == ("", calls)
     assert run(ctx, list(write("\n\nLet me check. ", calls))).content == "\n\nLet me check. "
     assert run(ctx, list("\n\n  \n")).content == "\n\n  \n"
+
+
+RAW_ARGS = '{"city":"Par\\u00eds","n":1.50,"l":[ 1E2 ]}'
+
+
+@pytest.mark.parametrize(
+    ("ctx", "text"),
+    [
+        (HERMES, f'<tool_call>{{"name":"f","arguments":{RAW_ARGS}}}</tool_call>'),
+        (REQUIRED, f'[{{"name":"f","parameters":{RAW_ARGS}}}]'),
+    ],
+    ids=["hermes", "required"],
+)  # fmt: skip
+def test_json_arguments_come_out_as_vllms_whole_answer_writes_them(
+    ctx: ParseContext, text: str
+) -> None:
+    """vLLM 0.33's whole answer loads a hermes call's arguments (and a "required" call's
+    parameters) and dumps them again: spacing, escapes and numbers as Python writes them.
+    A stream of the model's raw text gave other arguments than the whole answer."""
+    for chunks in ([text], list(text), cut(text, [5, 2])):
+        (call,) = tools.merge(run(ctx, chunks).deltas)
+        assert call["function"]["arguments"] == '{"city": "París", "n": 1.5, "l": [100.0]}'
