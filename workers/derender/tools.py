@@ -63,6 +63,7 @@ class Phase(enum.IntEnum):
     BETWEEN = 7  # hermes: after </tool_call>; required: in the list, between objects
     LIST = 8  # required: before the list opens
     DONE = 9  # the calls are over: the rest of the output is dropped
+    PLAIN = 10  # llama3_json: the output did not open with a call: all of it is content
 
 
 class Expect(enum.IntEnum):
@@ -174,6 +175,8 @@ def step(
         _deepseek(s, text, out, ctx.parallel_tool_calls)
     elif choice == "auto" and ctx.tool_parser == "hermes":
         _hermes(s, text, out, ctx.parallel_tool_calls)
+    elif choice == "auto" and ctx.tool_parser in ("llama3_json", "llama4_json"):
+        _llama(s, text, out, ctx.parallel_tool_calls)
     elif choice == "auto" and (family := tool_markup.FAMILIES.get(ctx.tool_parser or "")):
         assert state.markup is not None
         s.markup = msgspec.structs.replace(state.markup)
@@ -201,7 +204,7 @@ def finish(
         family = tool_markup.FAMILIES[ctx.tool_parser or ""]
         markup = msgspec.structs.replace(s.markup)
         tool_markup.finish(family, ctx.tools, markup, _Sink(s, out))
-    elif s.phase == Phase.CONTENT:
+    elif s.phase in (Phase.CONTENT, Phase.PLAIN):
         out.content.append(s.space + s.held)
     elif s.phase == Phase.ARGS:
         _args(s, out, s.held)
@@ -312,13 +315,14 @@ def _forced(ctx: ParseContext) -> bool:
 class _Format:
     """How a JSON call object reads: its arguments key, and when its call is announced."""
 
-    args_key: str
+    args_keys: tuple[str, ...]
     eager: bool  # announce once the name is known (hermes), not once arguments start too
     after: Phase  # where the scanner goes when the object closes
 
 
-_HERMES = _Format("arguments", eager=True, after=Phase.AFTER)
-_REQUIRED = _Format("parameters", eager=False, after=Phase.BETWEEN)
+_HERMES = _Format(("arguments",), eager=True, after=Phase.AFTER)
+_REQUIRED = _Format(("parameters",), eager=False, after=Phase.BETWEEN)
+_LLAMA = _Format(("arguments", "parameters"), eager=True, after=Phase.BETWEEN)
 
 
 def _announce(s: ToolState, out: _Out, name: str) -> None:
@@ -489,6 +493,41 @@ def _hermes(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
             return
 
 
+# -- llama3_json ------------------------------------------------------------------------------
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+def _llama(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+    """Llama 3/4's JSON calls: an output that opens with `<|python_tag|>` or `{` is
+    `{"name": ..., "parameters": {...}}` objects (`arguments` too), `;` between them; any
+    other output is content (vLLM's streaming rule: its whole answer also finds calls after
+    text, which a stream that sent the text cannot)."""
+    if s.phase == Phase.CONTENT:  # the output's first characters decide
+        text, s.held = s.held + text, ""
+        if text.startswith(PYTHON_TAG):
+            text, s.phase = text[len(PYTHON_TAG) :], Phase.BETWEEN
+        elif text.startswith("{"):
+            s.phase = Phase.BETWEEN
+        elif PYTHON_TAG.startswith(text):  # it may still be the tag (or nothing came yet)
+            s.held = text
+            return
+        else:
+            s.phase = Phase.PLAIN
+    if s.phase == Phase.PLAIN:
+        out.content.append(text)
+        return
+    i = 0
+    while i < len(text) and s.phase != Phase.DONE:
+        if s.phase == Phase.BETWEEN:
+            j = text.find("{", i)
+            if j < 0:
+                return
+            i, s.phase, s.expect = j + 1, Phase.OBJECT, Expect.KEY
+        else:
+            i = _object(s, text, i, out, parallel, _LLAMA)
+
+
 # -- required ---------------------------------------------------------------------------------
 
 _LIST_OPEN = re.compile(r"[\[{]")
@@ -612,7 +651,7 @@ def _role(s: ToolState, key: str, fmt: _Format) -> Role:
     if key == "name" and not s.name_done:
         s.name = ""
         return Role.NAME
-    if key == fmt.args_key and not s.has_args:
+    if key in fmt.args_keys and not s.has_args:
         return Role.ARGS
     return Role.OTHER
 

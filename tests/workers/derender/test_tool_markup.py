@@ -276,7 +276,14 @@ ALL_CASES = [(p, CASES[p]) for p in CASES] + [
     ("kimi_k2", KIMI),
     ("kimi_k2", "  \n<|tool_calls_section_begin|>" + kimi_call("search", 0, '{"q": "}"}  ')),
     ("deepseek_v4", "<｜DSML｜tool>" + dsml_call("search", query=('a"b', False))),
-]
+    # the JSON parsers (tools.py) hold the same property
+    ("hermes", '\n\n<tool_call>\n{"name":"search","arguments":{"query":"\\u00e9 1.50","n":1.50}}\n'
+     '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'),
+    ("deepseek_v31", "Look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>"
+     '{"query": "x"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("llama3_json", '<|python_tag|>{"name": "search", "parameters": {"query":"a;b"}}; '
+     '{"name": "get_weather", "arguments": {"days": 2e1}}'),
+]  # fmt: skip
 
 
 def cut(text: str, points: list[int]) -> list[str]:

@@ -611,3 +611,38 @@ def test_json_arguments_come_out_as_vllms_whole_answer_writes_them(
     for chunks in ([text], list(text), cut(text, [5, 2])):
         (call,) = tools.merge(run(ctx, chunks).deltas)
         assert call["function"]["arguments"] == '{"city": "París", "n": 1.5, "l": [100.0]}'
+
+
+LLAMA = ParseContext(tool_choice="auto", tool_parser="llama3_json")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "parameters": {"city":"Paris"}}; {"name": "get_time", '
+        '"arguments": {"tz": "CET"}}',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}};\n'
+        '{"name": "get_time", "parameters": {"tz":"CET"}}',
+    ],
+    ids=["bare", "python-tag"],
+)
+def test_llama_json_calls_are_the_output(text: str) -> None:
+    """Llama 3/4 open their output with the calls: each object's name and parameters (or
+    arguments), written back as vLLM's whole answer writes them, for every chunking."""
+    for chunks in ([text], list(text), cut(text, [4, 9])):
+        r = run(LLAMA, chunks)
+        assert r.content == ""
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in
+                tools.merge(r.deltas)] == [("get_weather", '{"city": "Paris"}'),
+                                           ("get_time", '{"tz": "CET"}')]  # fmt: skip
+
+
+def test_llama_output_that_does_not_open_with_a_call_is_content() -> None:
+    text = 'The weather: {"name": "get_weather", "parameters": {}} is a call shape.'
+    for chunks in ([text], list(text)):
+        r = run(LLAMA, chunks)
+        assert (r.content, r.deltas) == (text, [])
+    assert run(LLAMA, ["<|pyth"]).content == "<|pyth"
+    one = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'
+    single = ParseContext(tool_choice="auto", tool_parser="llama3_json", parallel_tool_calls=False)
+    assert [c["function"]["name"] for c in tools.merge(run(single, [one]).deltas)] == ["a"]
