@@ -204,7 +204,8 @@ def parsers(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output parsing (as `vllm serve` names it)")
     g.add_argument(
         "--reasoning-parser",
-        help="deepseek_r1, deepseek_v3 or qwen3 (bundled model: deepseek_v3)",
+        help="deepseek_r1, deepseek_v3, qwen3, glm45, glm47, kimi_k2, minimax_m2, "
+        "minimax_m2_append_think, mistral or seed_oss (bundled model: deepseek_v3)",
     )
     g.add_argument(
         "--tool-call-parser", help="deepseek_v31 or hermes (bundled model: deepseek_v31)"

@@ -9,12 +9,11 @@ simulated engine reads them to end a thinking budget.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tokenway.wire import ReasoningStart
 
-REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "deepseek_v3", "qwen3")
 TOOL_PARSERS: tuple[str, ...] = (
     "deepseek_v31",
     "glm45",
@@ -58,32 +57,130 @@ class ParserFlags:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
+# How a request's chat_template_kwargs switch a parser's reasoning on (vLLM reads them when it
+# builds the parser for the request):
+#   "always": no switch;
+#   "opt_in": `thinking` or `enable_thinking` true, else off (deepseek_v3);
+#   "enable_thinking": `enable_thinking`, on unless given and false (Qwen3Parser);
+#   "either": `thinking` or `enable_thinking` true when either is given, on when neither is
+#   (Glm47MoeParser, KimiK2Parser).
+Switch = Literal["always", "opt_in", "enable_thinking", "either"]
+# What the rendered prompt says about where the output starts:
+#   "last_marker": its last reasoning marker token (is_reasoning_end of the <think> parsers);
+#   "this_turn": a closing marker token after its last turn boundary token closes reasoning
+#   (ParserEngine.set_prompt_token_ids), when the vocabulary has the boundary tokens;
+#   "ignored": nothing, the output starts where the parser starts.
+PromptRule = Literal["last_marker", "this_turn", "ignored"]
+
+
 @dataclass(frozen=True, slots=True)
-class Markers:
-    """Where a reasoning parser's reasoning starts and ends in the output text."""
+class ToolCallSpan:
+    """Tool-call markup whose closer a parser drops from content unless a call is open."""
+
+    opens: tuple[str, ...]
+    closes: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    """One `--reasoning-parser`: where reasoning starts and ends in the output text, how the
+    request and its prompt decide where the output starts, and what content still reads."""
 
     start: str
     end: str
+    switch: Switch = "always"
+    prompt: PromptRule = "ignored"
+    starts_in_reasoning: bool = True  # where output starts when the prompt does not say
+    # Markers that end reasoning and stay content, for the tool parser (a tool call's start).
+    implicit_ends: tuple[str, ...] = ()
+    # Whether content is still parsed (vLLM's parser engine): a later end marker is dropped;
+    # otherwise (the <think> parsers) everything after reasoning is content as it is.
+    parses_content: bool = False
+    reopens: bool = False  # a start marker in content opens reasoning again
+    tool_call: ToolCallSpan | None = None
+    strips_whitespace: bool = False  # reasoning's trailing whitespace is not reasoning
+    turn_boundaries: tuple[str, ...] = ()
+    # Tokens the vocabulary must have, or vLLM refuses the model.
+    required_tokens: tuple[str, ...] = ()
+    off_without_start_token: bool = False  # no start token: the parser parses nothing
+    prefix: str = ""  # put before the content, which is all of the output
 
-    @property
-    def longest(self) -> int:
-        return max(len(self.start), len(self.end))
 
-    def could_begin(self, tail: str) -> bool:
-        """Whether `tail` is a proper prefix of a marker (it may complete in the next delta)."""
-        return (len(tail) < len(self.start) and self.start.startswith(tail)) or (
-            len(tail) < len(self.end) and self.end.startswith(tail)
-        )
+_THINK = ReasoningFormat(
+    THINK_START, THINK_END, prompt="last_marker", required_tokens=(THINK_START, THINK_END)
+)
+# vLLM's parser engine (parser/glm47_moe.py, kimi_k2.py, minimax_m2.py, mistral.py, seed_oss.py):
+# the whole answer is one pass over the output text, with reasoning's trailing whitespace
+# stripped (strip_trailing_reasoning_whitespace) but for the Qwen3 grammar's seed_oss.
+_GLM = ReasoningFormat(
+    THINK_START,
+    THINK_END,
+    switch="either",
+    prompt="this_turn",
+    implicit_ends=("<tool_call>",),
+    parses_content=True,
+    reopens=True,
+    strips_whitespace=True,
+    turn_boundaries=("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"),
+)
+_FORMATS: dict[str, ReasoningFormat] = {
+    "deepseek_r1": _THINK,
+    "deepseek_v3": replace(_THINK, switch="opt_in"),
+    # The qwen3 engine matches text, so it needs no tokens.
+    "qwen3": replace(_THINK, switch="enable_thinking", required_tokens=()),
+    "glm45": _GLM,
+    "glm47": _GLM,
+    "kimi_k2": ReasoningFormat(
+        THINK_START,
+        THINK_END,
+        switch="either",
+        implicit_ends=("<|tool_calls_section_begin|>",),
+        parses_content=True,
+        strips_whitespace=True,
+    ),
+    # MiniMax M2 never writes <think>: its output starts in reasoning.
+    "minimax_m2": ReasoningFormat(
+        THINK_START,
+        THINK_END,
+        implicit_ends=("<minimax:tool_call>",),
+        parses_content=True,
+        tool_call=ToolCallSpan(
+            opens=("<minimax:tool_call>", "<invoke name="), closes="</minimax:tool_call>"
+        ),
+        strips_whitespace=True,
+    ),
+    # The whole output is content, after the <think> the model did not write (owed from
+    # the "open" start on).
+    "minimax_m2_append_think": ReasoningFormat(THINK_START, THINK_END, prefix=THINK_START),
+    # A Hugging Face tokenizer: [THINK] as a token, or no reasoning (vLLM's "text" encoding
+    # needs mistral_common's tokenizer). The output starts in content.
+    "mistral": ReasoningFormat(
+        "[THINK]",
+        "[/THINK]",
+        starts_in_reasoning=False,
+        implicit_ends=("[TOOL_CALLS]",),
+        parses_content=True,
+        reopens=True,
+        strips_whitespace=True,
+        required_tokens=("[TOOL_CALLS]",),
+        off_without_start_token=True,
+    ),
+    "seed_oss": ReasoningFormat(
+        "<seed:think>",
+        "</seed:think>",
+        switch="enable_thinking",
+        prompt="this_turn",
+        implicit_ends=("<seed:tool_call>",),
+        parses_content=True,
+        turn_boundaries=("<seed:bos>", "<seed:eos>"),
+    ),
+}
+REASONING_PARSERS: tuple[str, ...] = tuple(_FORMATS)
 
 
-_THINK = Markers(THINK_START, THINK_END)
-# Every parser we know marks reasoning with <think>…</think>.
-_MARKERS: dict[str, Markers] = {"deepseek_r1": _THINK, "deepseek_v3": _THINK, "qwen3": _THINK}
-
-
-def markers_of(parser: str) -> Markers:
-    """The reasoning parser's markers; ValueError for a parser we do not know."""
-    found = _MARKERS.get(parser)
+def reasoning_format(parser: str) -> ReasoningFormat:
+    """The reasoning parser's format; ValueError for a parser we do not know."""
+    found = _FORMATS.get(parser)
     if found is None:
         raise ValueError(
             f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}"
@@ -91,17 +188,17 @@ def markers_of(parser: str) -> Markers:
     return found
 
 
-def _thinking(parser: str, kwargs: Mapping[str, object]) -> bool:
-    """Whether the request asked this parser to separate reasoning at all."""
-    if parser == "deepseek_v3":
-        # deepseek_v3_reasoning_parser.py: `thinking` or `enable_thinking` picks the R1 parser,
-        # otherwise the identity parser (everything is content).
+def _thinking(switch: Switch, kwargs: Mapping[str, object]) -> bool:
+    """Whether the request asked the parser to separate reasoning at all."""
+    if switch == "opt_in":
         return bool(kwargs.get("thinking", False)) or bool(kwargs.get("enable_thinking", False))
-    if parser == "qwen3":
-        # parser/qwen3.py (Qwen3Parser): `enable_thinking`, default on; off starts in content
-        # and is_reasoning_end is always true, so nothing is ever reasoning.
+    if switch == "enable_thinking":
+        # off starts in content and is_reasoning_end is always true: nothing is reasoning
         return bool(kwargs.get("enable_thinking", True))
-    return True  # deepseek_r1 always parses
+    if switch == "either":
+        thinking, enable = kwargs.get("thinking"), kwargs.get("enable_thinking")
+        return (thinking is None and enable is None) or bool(thinking) or bool(enable)
+    return True
 
 
 def start_mode(
@@ -112,26 +209,55 @@ def start_mode(
 ) -> ReasoningStart:
     """How the output starts: "off" (no parsing), "open" (in reasoning) or "closed" (content).
 
-    Decided once, by render, from the rendered prompt. Raises ValueError for an unknown parser,
-    or for deepseek parsers whose markers are not single tokens of the vocabulary.
+    Decided once, by render, from the rendered prompt, as vLLM's whole (non-streaming) answer
+    decides it. Raises ValueError for an unknown parser, or for a model whose vocabulary
+    lacks the tokens the parser needs.
     """
-    markers = markers_of(parser)
-    if not _thinking(parser, chat_template_kwargs):
+    fmt = reasoning_format(parser)
+    if not _thinking(fmt.switch, chat_template_kwargs):
         return "off"
-    start_id, end_id = vocab.get(markers.start), vocab.get(markers.end)
-    if parser != "qwen3" and (start_id is None or end_id is None):
-        # basic_parsers.py: a <think>/</think> parser refuses a tokenizer without both tokens
-        # (the qwen3 engine matches text, so it goes on and finds no marker in the prompt).
+    if any(t not in vocab for t in fmt.required_tokens):
+        # basic_parsers.py: a <think>/</think> parser refuses a tokenizer without both
+        # tokens; MistralParser one without [TOOL_CALLS].
+        tokens = " and ".join(fmt.required_tokens)
+        some = "tokens" if len(fmt.required_tokens) > 1 else "a token"
         raise ValueError(
-            f"reasoning parser {parser!r} needs {markers.start} and {markers.end} as tokens "
-            "of the model's vocabulary"
+            f"reasoning parser {parser!r} needs {tokens} as {some} of the model's vocabulary"
         )
-    # is_reasoning_end(prompt) in basic_parsers.py and parser_engine.py: the prompt's last
-    # marker decides; abstract_parser.py parse_delta then skips reasoning parsing altogether.
-    # No marker in the prompt: deepseek_r1 takes output without <think> as reasoning until
-    # </think> (deepseek_r1_reasoning_parser.py); qwen3 with thinking starts in REASONING.
-    last = last_marker(prompt_token_ids, start_id, end_id)
-    return "closed" if last is not None and last == end_id else "open"
+    if fmt.off_without_start_token and fmt.start not in vocab:
+        return "off"
+    if fmt.prompt == "last_marker":
+        # is_reasoning_end(prompt) in basic_parsers.py and parser/qwen3.py: the prompt's last
+        # marker decides; abstract_parser.py parse_delta then skips reasoning parsing
+        # altogether. No marker: deepseek_r1 takes output without <think> as reasoning
+        # until </think> (deepseek_r1_reasoning_parser.py); qwen3 starts in REASONING.
+        end = vocab.get(fmt.end)
+        last = last_marker(prompt_token_ids, vocab.get(fmt.start), end)
+        return "closed" if last is not None and last == end else "open"
+    if fmt.prompt == "this_turn" and _closed_this_turn(fmt, prompt_token_ids, vocab):
+        return "closed"
+    return "open" if fmt.starts_in_reasoning else "closed"
+
+
+def _closed_this_turn(
+    fmt: ReasoningFormat, prompt_token_ids: Sequence[int], vocab: Mapping[str, int]
+) -> bool:
+    """Whether the prompt's turn closed reasoning already (continue_final_message, a template
+    that closes an empty block): an end token after the turn's last start token. The end
+    tokens are the end marker's and, with it, the implicit ends' that are tokens; without
+    boundary tokens vLLM cannot tell this turn from an earlier one and does not look."""
+    boundaries = {vocab[t] for t in fmt.turn_boundaries if t in vocab}
+    end = vocab.get(fmt.end)
+    if not boundaries or end is None:
+        return False
+    ends = {end, *(vocab[t] for t in fmt.implicit_ends if t in vocab)}
+    start = vocab.get(fmt.start)
+    for token in reversed(prompt_token_ids):
+        if token in ends:
+            return True
+        if token == start or token in boundaries:
+            return False
+    return False
 
 
 def last_marker(
