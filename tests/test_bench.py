@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 
 from bench import (
     batch_interference,
+    derender,
     derender_route,
     e2e,
     ledger_read,
@@ -20,6 +21,7 @@ from bench import (
 from tests.conftest import Stack
 from tokenway import ledger
 from tokenway.model import default_model_dir, load_model_info
+from tokenway.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -172,3 +174,19 @@ async def test_tiny_derender_route_benchmark_carries_a_state_that_stays_small(
     ours = result["tokenway"]
     assert result["tokens"] == ours["calls"] == 120 and ours["text_chars"] > 0
     assert ours["state_bytes_late"] < 2 * ours["state_bytes_early"]
+
+
+def test_tiny_derender_benchmark_measures_every_parser_with_a_state_that_stays_small() -> None:
+    # run() also derenders each tool row whole and raises unless it is the write_file call
+    report = derender.run(1_200)
+    assert set(report) == {
+        "plain",
+        *(f"reasoning {p}" for p in REASONING_PARSERS),
+        *(f"tool {p}" for p in TOOL_PARSERS),
+    }
+    for name, row in report.items():
+        assert row["tokens"] >= 1_200 and row["chunk1_tok_s"] > 0 and row["chunk8_tok_s"] > 0
+        sizes = row["state_bytes"]
+        assert set(sizes) == {100, 1_000, "end"}, name
+        assert max(sizes.values()) <= sizes[100] + 64, (name, sizes)
+    assert "| tool qwen3_coder |" in derender.table(report)
