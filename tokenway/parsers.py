@@ -16,10 +16,17 @@ from tokenway.wire import ReasoningStart
 
 TOOL_PARSERS: tuple[str, ...] = (
     "deepseek_v31",
+    "deepseek_v32",
+    "deepseek_v4",
     "glm45",
     "glm47",
     "hermes",
+    "kimi_k2",
+    "llama3_json",
+    "llama4_json",
+    "llama4_pythonic",
     "minimax_m2",
+    "pythonic",
     "qwen3_coder",
     "qwen3_xml",
 )

@@ -30,11 +30,14 @@ from msgspec import Meta
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import TOOL_PARSERS
 from tokenway.wire import ParseContext, ToolChoice
-from workers.derender import json_canon, tool_markup
+from workers.derender import json_canon, tool_markup, tool_pythonic
 from workers.derender.json_canon import CanonState
 from workers.derender.tool_markup import MarkupState
+from workers.derender.tool_pythonic import PyState
 
 CALL_ID_PREFIX = "chatcmpl-tool-"
+# the parsers of a Python list of calls, and the marker that may come before it
+_PYTHONIC = {"pythonic": None, "llama4_pythonic": tool_pythonic.PYTHON_START}
 
 # DeepSeek-V3.1's markers: each one is a single (non-special) token of the vocabulary.
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -119,6 +122,7 @@ class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
     # Arguments that came before the name (JSON formats): held until the name is known.
     pending: str = ""
     markup: MarkupState | None = None  # a markup family's parser (tool_markup.py)
+    pythonic: PyState | None = None  # a Python list of calls (tool_pythonic.py)
     # content so far is whitespace alone: held, as no content if a call follows
     space: Annotated[str, Meta(max_length=MAX_SPACE)] = ""
     spoke: bool = False  # content other than whitespace went out
@@ -152,6 +156,8 @@ def start(ctx: ParseContext) -> ToolState | None:
         )
     if ctx.tool_parser in tool_markup.FAMILIES:
         return ToolState(markup=MarkupState())
+    if ctx.tool_parser in _PYTHONIC:
+        return ToolState(pythonic=PyState())
     return ToolState()
 
 
@@ -177,6 +183,11 @@ def step(
         _hermes(s, text, out, ctx.parallel_tool_calls)
     elif choice == "auto" and ctx.tool_parser in ("llama3_json", "llama4_json"):
         _llama(s, text, out, ctx.parallel_tool_calls)
+    elif choice == "auto" and ctx.tool_parser in _PYTHONIC:
+        assert state.pythonic is not None
+        s.pythonic = msgspec.structs.replace(state.pythonic)
+        opener = _PYTHONIC[ctx.tool_parser or ""]
+        tool_pythonic.step(s.pythonic, text, _Sink(s, out), ctx.parallel_tool_calls, opener)
     elif choice == "auto" and (family := tool_markup.FAMILIES.get(ctx.tool_parser or "")):
         assert state.markup is not None
         s.markup = msgspec.structs.replace(state.markup)
@@ -200,6 +211,8 @@ def finish(
         if not s.announced:  # a forced call is always reported, even on empty output
             _announce(s, out, ctx.tool_name or "")
             _args(s, out, "{}")
+    elif s.pythonic is not None:
+        tool_pythonic.finish(msgspec.structs.replace(s.pythonic), _Sink(s, out))
     elif s.markup is not None:
         family = tool_markup.FAMILIES[ctx.tool_parser or ""]
         markup = msgspec.structs.replace(s.markup)

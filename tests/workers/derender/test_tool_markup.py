@@ -281,6 +281,10 @@ ALL_CASES = [(p, CASES[p]) for p in CASES] + [
      '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'),
     ("deepseek_v31", "Look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>"
      '{"query": "x"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("pythonic", "[search(query='a\\'b\\x41\\u00e9', n=-2, l=[1, (2, 3)]), "
+     'get_weather(city="""x""")]'),
+    ("llama4_pythonic", "<|python_start|>[search(query=r'\\d+', q2=f'hi', "
+     "m={'a': {1, 2}})]<|python_end|>"),
     ("llama3_json", '<|python_tag|>{"name": "search", "parameters": {"query":"a;b"}}; '
      '{"name": "get_weather", "arguments": {"days": 2e1}}'),
 ]  # fmt: skip

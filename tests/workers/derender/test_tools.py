@@ -646,3 +646,42 @@ def test_llama_output_that_does_not_open_with_a_call_is_content() -> None:
     one = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'
     single = ParseContext(tool_choice="auto", tool_parser="llama3_json", parallel_tool_calls=False)
     assert [c["function"]["name"] for c in tools.merge(run(single, [one]).deltas)] == ["a"]
+
+
+PYTHONIC = ParseContext(tool_choice="auto", tool_parser="pythonic")
+LLAMA4 = ParseContext(tool_choice="auto", tool_parser="llama4_pythonic")
+PY_CALLS = (
+    "[get_weather(city='S\\u00e3o Paulo', days=3, hot=True, at=-1.5, tags=('a', \"b\"), "
+    "opts={'unit': None, 'hours': [6, 12]}, note='''line\\nnext'''), search(q=\"x \\\"y\\\"\", "
+    "raw=r'C:\\dir', n=null)]"
+)
+
+
+def test_pythonic_calls_are_json_objects_of_their_keyword_arguments() -> None:
+    """As vLLM reads each argument (Python literals; tuples as lists; JSON's null too),
+    dumped as JSON, for every chunking; `<|python_start|>` may open Llama 4's list."""
+    expected = [
+        ("get_weather", '{"city": "São Paulo", "days": 3, "hot": true, "at": -1.5, '
+         '"tags": ["a", "b"], "opts": {"unit": null, "hours": [6, 12]}, "note": "line\\nnext"}'),
+        ("search", '{"q": "x \\"y\\"", "raw": "C:\\\\dir", "n": null}'),
+    ]  # fmt: skip
+    for ctx, text in ((PYTHONIC, PY_CALLS), (LLAMA4, "<|python_start|>" + PY_CALLS)):
+        for chunks in ([text], list(text), cut(text, [2, 5, 1])):
+            r = run(ctx, chunks)
+            calls = [(c["function"]["name"], c["function"]["arguments"])
+                     for c in tools.merge(r.deltas)]  # fmt: skip
+            assert (r.content, calls) == ("", expected), chunks
+            for _, args in calls:
+                json.loads(args)
+
+
+def test_pythonic_output_that_is_no_list_is_content() -> None:
+    text = "I would call get_weather(city='Paris')."
+    assert run(PYTHONIC, list(text)).content == text
+    assert run(LLAMA4, ["<|python_"]).content == "<|python_"
+    # positional arguments are ignored, as vLLM ignores them; a value that is no literal
+    # comes out as its text
+    r = run(PYTHONIC, list("[f(1, 'two', x=compute(3), y=[1, 2])]"))
+    assert [c["function"]["arguments"] for c in tools.merge(r.deltas)] == [
+        '{"x": "compute(3)", "y": [1, 2]}'
+    ]
