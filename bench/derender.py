@@ -6,11 +6,11 @@ does, for:
 
 - plain text;
 - each reasoning parser in `REASONING_PARSERS`: half reasoning, its end marker, then content;
-- each tool parser in `TOOL_PARSERS`: a sentence of content (none for Llama, whose output is
-  calls only when it opens with one), then one `write_file` call in the parser's own syntax
-  whose `content` string argument is nearly all of the output, followed by an integer `mode`
-  (Qwen3-Coder writing a file). Before timing, the whole output is derendered once as a
-  non-streaming answer and must give exactly that call.
+- each tool parser in `TOOL_PARSERS`: a sentence of content (none for the Llama and pythonic
+  parsers, whose output is calls only when it opens with one), then one `write_file` call in
+  the parser's own syntax whose `content` string argument is nearly all of the output,
+  followed by an integer `mode` (Qwen3-Coder writing a file). Before timing, the whole output
+  is derendered once as a non-streaming answer and must give exactly that call.
 
 Each row's baseline, measured in the same run, is one `Tokenizer.decode` of the whole output
 (the best of three): the least any detokenizer must do; each rate is also given as a share of
@@ -57,8 +57,8 @@ WRITE_FILE = ToolParams(
     name="write_file", types={"path": ["string"], "content": ["string"], "mode": ["integer"]}
 )
 PREAMBLE = "I will write the file.\n\n"  # content before the call
-# an output is Llama's calls only if it opens with one: no content before it
-OPENS_WITH_CALL = frozenset({"llama3_json", "llama4_json"})
+# an output is these parsers' calls only if it opens with one: no content before it
+OPENS_WITH_CALL = frozenset({"llama3_json", "llama4_json", "llama4_pythonic", "pythonic"})
 
 
 def _json_args(content: str) -> str:
@@ -92,6 +92,15 @@ def _kimi(content: str) -> str:
 
 def _llama(content: str) -> str:
     return f'<|python_tag|>{{"name": "write_file", "parameters": {_json_args(content)}}}'
+
+
+def _pythonic(start: str) -> Callable[[str], str]:
+    def call(content: str) -> str:
+        # a JSON string is a Python literal too
+        literal = json.dumps(content, ensure_ascii=False)
+        return f'{start}[write_file(path="{PATH}", content={literal}, mode={MODE})]'
+
+    return call
 
 
 def _qwen(content: str) -> str:
@@ -140,7 +149,9 @@ CALLS: dict[str, Callable[[str], str]] = {
     "kimi_k2": _kimi,
     "llama3_json": _llama,
     "llama4_json": _llama,
+    "llama4_pythonic": _pythonic("<|python_start|>"),
     "minimax_m2": _minimax,
+    "pythonic": _pythonic(""),
     "qwen3_coder": _qwen,
     "qwen3_xml": _qwen,
 }
