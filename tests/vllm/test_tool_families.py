@@ -250,3 +250,41 @@ async def test_text_after_leading_whitespace_keeps_it_before_a_call(family: Any)
         assert theirs[:2] == ("I will look.", CALLS[1:])
     else:
         assert theirs[:2] == ours[:2]
+
+
+PY_CALLS = (
+    "[get_weather(city='S\\u00e3o Paulo', days=3, opts={'unit': None, 'hours': (6, 12)}, "
+    "at=-1.5, note='''line\\nnext'''), search(query=\"tower \\\"東京\\\"\", raw=r'C:\\dir')]"
+)
+
+
+@pytest.fixture(scope="module", params=["pythonic", "llama4_pythonic"])
+def pythonic(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
+    parser = request.param
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    with render_server(tmp_path_factory, f"tools-{parser}", *flags) as server:
+        info = load_model_info(server.model_dir, max_model_len=MAX_MODEL_LEN)
+        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, parser, True))
+        yield parser, (server, renderer, LocalBackend(server.model_dir))
+
+
+async def test_a_python_list_of_calls(pythonic: Any) -> None:
+    """Keyword arguments as JSON (Python literals: a tuple as a list, None as null, a signed
+    number, a triple-quoted and a raw string), as vLLM's whole answer reads them; text that
+    is no list is content."""
+    parser, _ = pythonic
+    text = ("<|python_start|>" if parser == "llama4_pythonic" else "") + PY_CALLS
+    # finish "length": no end token after the list (vLLM 0.32's derender decodes it into the
+    # text, and Python does not read it)
+    theirs, ours, streams = await _both(pythonic, text, finish="length")
+    assert ours[:2] == (None, [
+        ("get_weather", '{"city": "São Paulo", "days": 3, "opts": {"unit": null, "hours": '
+                        '[6, 12]}, "at": -1.5, "note": "line\\nnext"}'),
+        ("search", '{"query": "tower \\"東京\\"", "raw": "C:\\\\dir"}'),
+    ])  # fmt: skip
+    assert theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+    plain = "I would call get_weather(city='Paris')."
+    theirs, ours, streams = await _both(pythonic, plain, finish="length")
+    assert ours == theirs == (plain, [], "length")
+    assert all(s == ours for s in streams)
