@@ -133,8 +133,18 @@ _GLM = ReasoningFormat(
 _FORMATS: dict[str, ReasoningFormat] = {
     "deepseek_r1": _THINK,
     "deepseek_v3": replace(_THINK, switch="opt_in"),
-    # The qwen3 engine matches text, so it needs no tokens.
-    "qwen3": replace(_THINK, switch="enable_thinking", required_tokens=()),
+    # vLLM 0.33's Qwen3 grammar (parser/qwen3.py): it matches text, so it needs no tokens;
+    # a call's <tool_call> ends reasoning, a later </think> is dropped, the prompt is read
+    # back to the turn's start, reasoning's trailing whitespace stays.
+    "qwen3": ReasoningFormat(
+        THINK_START,
+        THINK_END,
+        switch="enable_thinking",
+        prompt="this_turn",
+        implicit_ends=("<tool_call>",),
+        parses_content=True,
+        turn_boundaries=("<|im_start|>", "<|im_end|>"),
+    ),
     "glm45": _GLM,
     "glm47": _GLM,
     "kimi_k2": ReasoningFormat(

@@ -31,7 +31,9 @@ from workers.render.core import Renderer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
-PARSERS = ["glm45", "glm47", "kimi_k2", "minimax_m2", "minimax_m2_append_think", "seed_oss"]
+PARSERS = [
+    "glm45", "glm47", "kimi_k2", "minimax_m2", "minimax_m2_append_think", "seed_oss", "qwen3",
+]  # fmt: skip
 PROMPT = [1, 2]  # no marker: every parser's stream starts where its whole answer does
 ANSWER = "Rivers carry water to the sea. Ünïcödé: 🌊."
 Split = tuple[str | None, str | None]  # (reasoning, content) as a message says them
@@ -77,6 +79,14 @@ CASES: list[tuple[str, str, dict[str, Any], Split]] = [
                "</parameter>\n</function>\n</seed:tool_call>")),
     ("seed_oss", "<seed:think>x</seed:think>y", {"enable_thinking": False},
      (None, "<seed:think>x</seed:think>y")),
+    # qwen3 keeps reasoning's trailing whitespace; a call's <tool_call> ends reasoning
+    ("qwen3", f"<think>Let me think. \n</think>\n\n{ANSWER}", {},
+     ("Let me think. \n", f"\n\n{ANSWER}")),
+    ("qwen3", "Plan.<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+              "</parameter>\n</function>\n</tool_call>", {},
+     ("Plan.", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+               "</parameter>\n</function>\n</tool_call>")),
+    ("qwen3", "<think>x</think>y", {"enable_thinking": False}, (None, "<think>x</think>y")),
 ]  # fmt: skip
 
 # Where vLLM's stream is not its whole answer: once a chunk has ended reasoning, it passes
@@ -94,6 +104,8 @@ CONTENT_MARKERS: list[tuple[str, str, Split, Split]] = [
      ("a", f"{LATER}</minimax:tool_call>c")),
     ("seed_oss", f"a</seed:think>{LATER}</seed:think>c", ("a", f"{LATER}c"),
      ("a", f"{LATER}</seed:think>c")),
+    ("qwen3", f"a</think>{LATER}</think>c<think>d", ("a", f"{LATER}c<think>d"),
+     ("a", f"{LATER}</think>c<think>d")),
 ]  # fmt: skip
 
 
