@@ -26,7 +26,7 @@ def call_tags(flags: ParserFlags) -> ToolTags | None:
     parser = flags.tool_call_parser
     if parser not in tool_tags.PARSERS or not flags.strict_tool_calling:
         return None
-    return ToolTags(parser, flags.tool_strict_level)
+    return ToolTags(parser, tool_tags.default_level(parser, flags.tool_strict_level))
 
 
 # vLLM 0.33's parsers built on its parser engine have the output decoded with its special
@@ -98,13 +98,21 @@ def _tool_choice(req: ChatCompletionRequest, flags: ParserFlags) -> ParseContext
     return ParseContext(tool_choice=choice, parallel_tool_calls=parallel)
 
 
-def _read_as_sent(plan: ParseContext, flags: ParserFlags, sent: StructuredOutputs | None) -> None:
+def _read_as_sent(
+    plan: ParseContext,
+    req: ChatCompletionRequest,
+    flags: ParserFlags,
+    sent: StructuredOutputs | None,
+) -> None:
     """A forced call the engine is held to a structural tag for comes in the tool parser's
-    syntax, which that parser reads (whoever built the tag: render, or a render server)."""
+    syntax, which that parser reads (whoever built the tag: render, or a render server),
+    with the tools' parameter types where its calls are markup, as for "auto"."""
     tagged = sent is not None and sent.structural_tag is not None
     parser = flags.tool_call_parser
     if plan.tool_choice in ("named", "required") and tagged and parser in tool_tags.PARSERS:
         plan.tool_parser, plan.native_calls = parser, True
+        if parser in MARKUP_PARSERS:
+            plan.tools = params_of(req.tools or ())
 
 
 def parse_context(
@@ -117,7 +125,7 @@ def parse_context(
     """The parse plan, or None when derender has nothing to parse (plain content). `sent`:
     the constraint the engine gets."""
     plan = _tool_choice(req, flags)
-    _read_as_sent(plan, flags, sent)
+    _read_as_sent(plan, req, flags, sent)
     plan.include_reasoning = req.include_reasoning
     if flags.reasoning_parser:
         plan.reasoning_parser = flags.reasoning_parser

@@ -3,22 +3,28 @@ one and strict tool calling is on (vLLM's default; `VLLM_ENFORCE_STRICT_TOOL_CAL
 turns it off there, `--no-strict-tool-calling` here).
 
 The tag constrains output to the model's own call syntax — DeepSeek-V3.1's
-`<｜tool▁calls▁begin｜>…` markers, Hermes' `<tool_call>{"name": …, "arguments": …}` — so a
-forced call comes out as the tool parser reads it, not as a JSON list. Each call's
-arguments follow the tool's schema where the tool is strict (`strict: true`, or
-`--tool-strict-level parameter`), and are any JSON otherwise. With `tool_choice`
-"auto" a tag is built only where something is strict (or the level says so), and it ORs
-the calls with the request's own structured-outputs constraint.
+`<｜tool▁calls▁begin｜>…` markers, Hermes' `<tool_call>{"name": …, "arguments": …}`, and
+the markup families' (Qwen3-Coder's `<function=…>`, MiniMax-M2's `<invoke name=…>`, GLM's
+`<arg_key>`, Kimi-K2's sections, DeepSeek's DSML) — so a forced call comes out as the tool
+parser reads it, not as a JSON list. Each call's arguments follow the tool's schema where
+the tool is strict (`strict: true`, or `--tool-strict-level parameter`), written in the
+family's own style (xgrammar's `qwen_xml`, `minimax_xml`, `glm_xml`, `deepseek_xml`), and
+are any value the syntax writes otherwise (GLM's tag still names a plain schema's keys and
+value types). With `tool_choice` "auto" a tag is built only where something is strict (or
+the level says so; GLM's parser starts at "function"), and it ORs the calls with the
+request's own structured-outputs constraint.
 
-The tag is xgrammar's structural-tag format, serialized field by field as vLLM's
-pydantic models dump it, so an engine receives the same bytes from tokenway as from
-vLLM's own frontend.
+The tag is xgrammar's structural-tag format, as vLLM builds it (xgrammar 0.2.8's builtin
+tags for Qwen3-Coder, Kimi-K2 and DeepSeek-V3.2/V4, vLLM's own for Hermes, MiniMax and
+GLM, always without a reasoning part), serialized field by field as vLLM's pydantic models
+dump it, so an engine receives the same bytes from tokenway as from vLLM's own frontend.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenway.api.openai import ChatCompletionRequest, NamedToolChoice, Tool
@@ -26,17 +32,47 @@ from tokenway.parsers import THINK_END, THINK_START, StrictLevel
 from tokenway.wire import StructuredOutputs
 
 STRICT_LEVELS: tuple[StrictLevel, ...] = ("auto", "function", "parameter")
-PARSERS = ("deepseek_v31", "hermes")  # the tool parsers with a structural tag
+# the level a parser's tags start from where the server leaves --tool-strict-level at "auto"
+DEFAULT_LEVELS: dict[str, StrictLevel] = {"glm45": "function", "glm47": "function"}
 
 Mode = Literal["auto", "required", "forced"]
+Format = dict[str, Any]
 
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 DS_CALLS_END = "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
 DS_CALL_END = "<｜tool▁call▁end｜>"
 DS_SEP = "<｜tool▁sep｜>"
-THINK_TAGS = [THINK_START, THINK_END]  # never free text inside DeepSeek's tag
+THINK_TAGS = [THINK_START, THINK_END]  # never free text inside these families' tags
 HERMES_BEGIN, HERMES_END = "<tool_call>", "</tool_call>"
+QWEN_BEGIN = "<tool_call>\n<function="
+QWEN_END = "\n</function>\n</tool_call>"
+MINIMAX_BEGIN, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+KIMI_CALL_END = "<|tool_call_end|>"
+GLM_BEGIN, GLM_END = "<tool_call>", "</tool_call>"
+GLM_MARKERS = [*THINK_TAGS, GLM_BEGIN, GLM_END, "<arg_key>", "</arg_key>", "<arg_value>",
+               "</arg_value>"]  # fmt: skip
+GLM_TEXT = [m for m in GLM_MARKERS if m != GLM_BEGIN]  # free text may still open a call
+# a schema GLM's loose tag cannot read as plain keys
+GLM_NOT_PLAIN = ("$ref", "allOf", "anyOf", "oneOf", "patternProperties")
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A tool as its calls are tagged: what its arguments follow (its schema where strict,
+    else `true`: anything), and its schema as given (GLM reads keys from it even so)."""
+
+    name: str
+    arguments: dict[str, Any] | bool
+    strict: bool
+    parameters: dict[str, Any] | None
+
+
+def default_level(parser: str, level: StrictLevel) -> StrictLevel:
+    """The level the parser's tags are built at: its own where the server says "auto"."""
+    return DEFAULT_LEVELS.get(parser, level) if level == "auto" else level
 
 
 def structural_tag(
@@ -45,7 +81,8 @@ def structural_tag(
     """The constraint that replaces `so` (the request's own), or None where no tag is
     built and `so` stands."""
     choice = "auto" if req.tool_choice is None else req.tool_choice  # as tools without one
-    if not req.tools or parser not in PARSERS or choice == "none":
+    build = BUILDERS.get(parser)
+    if not req.tools or build is None or choice == "none":
         return None
     tools = list(req.tools or ())
     auto = choice == "auto"
@@ -65,8 +102,7 @@ def structural_tag(
         tools = [t for t in tools if t.function.name == choice.function.name]
     else:
         mode = "required" if choice == "required" or output is not None else "auto"
-    calls = [(t.function.name, _arguments(t, rank == 2)) for t in tools]
-    fmt = _deepseek(calls, mode) if parser == "deepseek_v31" else _hermes(calls, mode)
+    fmt = build([_call(t, rank == 2) for t in tools], mode)
     if single:
         _stop_after_first(fmt)
     if output is not None:
@@ -74,29 +110,49 @@ def structural_tag(
     return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
 
 
-def _arguments(tool: Tool, pinned: bool) -> dict[str, Any] | bool:
-    """A strict tool's parameters schema; `true` (any JSON) for the others."""
-    if not (pinned or tool.function.strict is True) or tool.function.parameters is None:
-        return True
-    return tool.function.parameters
+def _call(tool: Tool, pinned: bool) -> Call:
+    """`pinned`: every tool strict (the "parameter" level)."""
+    fn = tool.function
+    strict = pinned or fn.strict is True
+    arguments = fn.parameters if strict and fn.parameters is not None else True
+    return Call(fn.name, arguments, strict, fn.parameters)
 
 
-def _schema(schema: object) -> dict[str, Any]:
+# -- the formats, each as xgrammar's pydantic model dumps it: every field, in its order -------
+
+
+def _schema(schema: object, style: str = "json") -> Format:
     return {
         "type": "json_schema",
         "json_schema": schema,
-        "style": "json",
+        "style": style,
         "any_order": False,
         "max_whitespace_cnt": None,
         "excludes": [],
     }
 
 
-def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
+def _tag(begin: str, content: Format, end: str) -> Format:
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
-def _calls(tags: list[dict[str, Any]], stop_after_first: bool = False) -> dict[str, Any]:
+def _const(value: str) -> Format:
+    return {"type": "const_string", "value": value}
+
+
+def _sequence(*elements: Format) -> Format:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _one_of(formats: list[Format]) -> Format:
+    return formats[0] if len(formats) == 1 else {"type": "or", "elements": formats}
+
+
+def _any_text(excludes: list[str]) -> Format:
+    return {"type": "any_text", "excludes": excludes, "max_tokens": None, "max_chars": None}
+
+
+def _calls(tags: list[Format], stop_after_first: bool = False) -> Format:
     return {
         "type": "tags_with_separator",
         "tags": tags,
@@ -106,36 +162,43 @@ def _calls(tags: list[dict[str, Any]], stop_after_first: bool = False) -> dict[s
     }
 
 
-def _triggered(trigger: str, tags: list[dict[str, Any]], excludes: list[str]) -> dict[str, Any]:
+def _triggered(
+    trigger: str, tags: list[Format], excludes: list[str], at_least_one: bool = False
+) -> Format:
     return {
         "type": "triggered_tags",
         "triggers": [trigger],
         "tags": tags,
-        "at_least_one": False,
+        "at_least_one": at_least_one,
         "stop_after_first": False,
         "excludes": excludes,
     }
 
 
-def _deepseek(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
+# -- each family's calls ----------------------------------------------------------------------
+
+
+def _deepseek(calls: Sequence[Call], mode: Mode) -> Format:
     if mode == "forced":
-        name, args = calls[0]
-        begin = f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}{name}{DS_SEP}"
-        return _tag(begin, _schema(args), DS_CALL_END + DS_CALLS_END)
-    tags = [_tag(f"{DS_CALL_BEGIN}{name}{DS_SEP}", _schema(a), DS_CALL_END) for name, a in calls]
+        call = calls[0]
+        begin = f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}{call.name}{DS_SEP}"
+        return _tag(begin, _schema(call.arguments), DS_CALL_END + DS_CALLS_END)
+    tags = [
+        _tag(f"{DS_CALL_BEGIN}{c.name}{DS_SEP}", _schema(c.arguments), DS_CALL_END) for c in calls
+    ]
     block = _tag(DS_CALLS_BEGIN, _calls(tags), DS_CALLS_END)
     return block if mode == "required" else _triggered(DS_CALLS_BEGIN, [block], THINK_TAGS)
 
 
-def _hermes(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
+def _hermes(calls: Sequence[Call], mode: Mode) -> Format:
     # a call on lines of its own, or on one line: both are what Hermes models write
     shapes = (
         (HERMES_BEGIN + '\n{"name": "', "}\n" + HERMES_END),
         (HERMES_BEGIN + '{"name": "', "}" + HERMES_END),
     )
     tags = [
-        _tag(begin + name + '", "arguments": ', _schema(args), end)
-        for name, args in calls
+        _tag(begin + c.name + '", "arguments": ', _schema(c.arguments), end)
+        for c in calls
         for begin, end in shapes
     ]
     if mode == "auto":
@@ -143,7 +206,141 @@ def _hermes(calls: Sequence[tuple[str, object]], mode: Mode) -> dict[str, Any]:
     return _calls(tags, stop_after_first=mode == "forced")
 
 
-def _stop_after_first(fmt: dict[str, Any]) -> None:
+def _qwen(calls: Sequence[Call], mode: Mode) -> Format:
+    """Each call its own `<tool_call>`; "required" is at least one of them, with text between."""
+    tags = [
+        _tag(f"{QWEN_BEGIN}{c.name}>\n", _schema(c.arguments, "qwen_xml"), QWEN_END) for c in calls
+    ]
+    if mode == "forced":
+        return tags[0]
+    return _triggered(QWEN_BEGIN, tags, THINK_TAGS, at_least_one=mode == "required")
+
+
+def _block(
+    tags: list[Format], mode: Mode, begin: str, end: str, opening: str, excludes: list[str]
+) -> Format:
+    """Calls inside one block (`begin`…`end`). "auto": free text until `begin`, then the
+    block, opened as `opening` writes it without its leading newlines. A forced call or
+    "required": the whole output is the block, from `opening` (with those newlines)."""
+    if mode == "auto":
+        return _triggered(begin, [_tag(opening.lstrip("\n"), _calls(tags), end)], excludes)
+    inner = tags[0] if mode == "forced" else _calls(tags)
+    return _sequence(_const(opening), inner, _const(end))
+
+
+def _minimax(calls: Sequence[Call], mode: Mode) -> Format:
+    tags = [
+        _tag(f'<invoke name="{c.name}">\n', _schema(c.arguments, "minimax_xml"), "</invoke>\n")
+        for c in calls
+    ]
+    opening = f"\n{MINIMAX_BEGIN}\n"
+    if mode == "forced":  # vLLM's tag keeps the list here, stopped after its one call
+        return _sequence(_const(opening), _calls(tags, True), _const(MINIMAX_END))
+    return _block(tags, mode, MINIMAX_BEGIN, MINIMAX_END, opening, THINK_TAGS)
+
+
+def _kimi(calls: Sequence[Call], mode: Mode) -> Format:
+    """Kimi-K2's arguments are JSON; a call's id (`functions.NAME:N`) ends in its index."""
+    tags = [
+        _tag(
+            f"{KIMI_CALL}functions.{c.name}:",
+            _sequence(
+                {"type": "regex", "pattern": r"\d+"}, _const(KIMI_ARGS), _schema(c.arguments)
+            ),
+            KIMI_CALL_END,
+        )
+        for c in calls
+    ]
+    return _block(tags, mode, KIMI_BEGIN, KIMI_END, KIMI_BEGIN, [*THINK_TAGS, KIMI_CALL])
+
+
+def _dsml(block: str) -> Callable[[Sequence[Call], Mode], Format]:
+    """DeepSeek-V3.2's (`function_calls`) and V4's (`tool_calls`) DSML blocks."""
+    begin, end = f"<｜DSML｜{block}>", f"</｜DSML｜{block}>"
+
+    def build(calls: Sequence[Call], mode: Mode) -> Format:
+        tags = [
+            _tag(
+                f'<｜DSML｜invoke name="{c.name}">\n',
+                _schema(c.arguments, "deepseek_xml"),
+                "</｜DSML｜invoke>\n",
+            )
+            for c in calls
+        ]
+        return _block(tags, mode, begin, end, f"\n\n{begin}\n", THINK_TAGS)
+
+    return build
+
+
+def _glm(calls: Sequence[Call], mode: Mode) -> Format:
+    """A strict tool's arguments follow its schema in GLM's syntax; another's keys and plain
+    value types are still pinned. Where every tool is strict the tag is xgrammar's own GLM
+    tag (a forced call its one tag, "required" triggered calls); otherwise vLLM's list."""
+    tags = [_tag(GLM_BEGIN + c.name, _glm_arguments(c), GLM_END) for c in calls]
+    if mode == "auto":
+        return _triggered(GLM_BEGIN, tags, GLM_TEXT)
+    if all(c.strict for c in calls):
+        return tags[0] if mode == "forced" else _triggered(GLM_BEGIN, tags, GLM_TEXT, True)
+    return _calls(tags, stop_after_first=mode == "forced")
+
+
+def _glm_arguments(call: Call) -> Format:
+    if call.strict:
+        return _schema(call.arguments, "glm_xml")
+    props = _plain_properties(call.parameters or {})
+    if props is None:
+        return _schema(True, "glm_xml")
+    pairs = [
+        _sequence(
+            _const(f"<arg_key>{key}</arg_key><arg_value>"), _glm_value(prop), _const("</arg_value>")
+        )
+        for key, prop in props.items()
+    ]
+    return {"type": "star", "content": _one_of(pairs)}
+
+
+def _plain_properties(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """An object schema's properties where it says no more than them, else None."""
+    props = schema.get("properties")
+    if not isinstance(props, dict) or not props or schema.get("additionalProperties") is True:
+        return None
+    return None if any(key in schema for key in GLM_NOT_PLAIN) else props
+
+
+def _glm_value(prop: object) -> Format:
+    """A value as GLM writes it: an enum's values as written (a string bare, else its
+    JSON), a string any text between the markers, another type its JSON."""
+    schema = prop if isinstance(prop, dict) else {}
+    if isinstance(schema.get("enum"), list):
+        return _one_of([_const(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"]])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        values = [_glm_value({"type": k}) for k in kind if k != "string"]
+        if "string" in kind:
+            values.append(_any_text(GLM_MARKERS))
+        return _one_of(values)
+    if kind is None or kind == "string":
+        return _any_text(GLM_MARKERS)
+    return _schema({"type": kind})
+
+
+# the tool parsers with a structural tag, and how each tags its calls
+BUILDERS: dict[str, Callable[[Sequence[Call], Mode], Format]] = {
+    "deepseek_v31": _deepseek,
+    "hermes": _hermes,
+    "qwen3_coder": _qwen,
+    "qwen3_xml": _qwen,
+    "minimax_m2": _minimax,
+    "glm45": _glm,
+    "glm47": _glm,
+    "kimi_k2": _kimi,
+    "deepseek_v32": _dsml("function_calls"),
+    "deepseek_v4": _dsml("tool_calls"),
+}
+PARSERS = tuple(BUILDERS)
+
+
+def _stop_after_first(fmt: Format) -> None:
     """`parallel_tool_calls: false`: every list of calls ends after its first."""
     if fmt.get("type") in ("triggered_tags", "tags_with_separator", "token_triggered_tags"):
         fmt["stop_after_first"] = True
@@ -154,7 +351,7 @@ def _stop_after_first(fmt: dict[str, Any]) -> None:
                 _stop_after_first(node)
 
 
-def _format_of(so: StructuredOutputs) -> dict[str, Any] | None:
+def _format_of(so: StructuredOutputs) -> Format | None:
     """The request's own constraint as a structural-tag format (None for a grammar)."""
     if so.json_object:
         return _schema({"type": "object"})
@@ -163,7 +360,7 @@ def _format_of(so: StructuredOutputs) -> dict[str, Any] | None:
     if so.regex is not None:
         return {"type": "regex", "pattern": so.regex}
     if so.choice is not None:
-        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in so.choice]}
+        return {"type": "or", "elements": [_const(c) for c in so.choice]}
     if so.structural_tag is not None:
         tag = json.loads(so.structural_tag)
         if "structures" in tag:  # the older form: triggers and begin/schema/end structures
