@@ -256,6 +256,36 @@ def start_mode(
     return "open" if fmt.starts_in_reasoning else "closed"
 
 
+def prompt_ends_reasoning(
+    parser: str,
+    prompt_token_ids: Sequence[int],
+    chat_template_kwargs: Mapping[str, object],
+    vocab: Mapping[str, int],
+) -> bool:
+    """Whether the engine's constraint applies from the first output token, as vLLM's
+    `is_reasoning_end(prompt)` tells it (its structured-output gate, not its parse).
+
+    The <think> parsers read the prompt's last marker, as `start_mode`. vLLM's parser
+    engine reads back to the turn's start: an end token (or a call's start that is a
+    token) says reasoning ended, a start token that it is open; none, that the engine
+    still waits for reasoning, which is not the start the engine's whole answer takes for
+    Kimi, MiniMax and Mistral."""
+    mode = start_mode(parser, prompt_token_ids, chat_template_kwargs, vocab)
+    fmt = reasoning_format(parser)
+    if mode == "off" or not fmt.parses_content:
+        return mode != "open"
+    end = vocab.get(fmt.end)
+    ends = set() if end is None else {end, *(vocab[t] for t in fmt.implicit_ends if t in vocab)}
+    start = vocab.get(fmt.start)
+    boundaries = {vocab[t] for t in fmt.turn_boundaries if t in vocab}
+    for token in reversed(prompt_token_ids):
+        if token in ends:
+            return True
+        if token == start or token in boundaries:
+            return False
+    return False
+
+
 def _closed_this_turn(
     fmt: ReasoningFormat, prompt_token_ids: Sequence[int], vocab: Mapping[str, int]
 ) -> bool:

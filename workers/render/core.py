@@ -8,13 +8,13 @@ A remote renderer (`workers/render/backend.py`) supplies the prompt tokens in it
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tokenway import token_only
+from tokenway import parsers, token_only
 from tokenway.api import generate as generate_api
 from tokenway.api import responses
 from tokenway.api.anthropic import MESSAGE_ID_PREFIX
@@ -80,18 +80,20 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def reasoning_ended(
-    req: OpenAIRequest, parse: ParseContext | None, parser: str | None
+    req: OpenAIRequest, parser: str | None, prompt_ids: Sequence[int], vocab: Mapping[str, int]
 ) -> bool | None:
     """Whether a constraint applies from the first output token, as vLLM tells its engine:
-    reasoning is not shown, or the prompt leaves none open (closed, or thinking off); None
-    without a reasoning parser (and for completions: the engine judges from the prompt)."""
+    reasoning is not shown, or the prompt leaves none open (`parsers.prompt_ends_reasoning`);
+    None without a reasoning parser (and for completions: the engine judges from the
+    prompt)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
     if not req.include_reasoning:
         return True
     if parser is None:
         return None
-    return parse is None or parse.reasoning_start != "open"
+    kwargs = req.chat_template_kwargs or {}
+    return parsers.prompt_ends_reasoning(parser, prompt_ids, kwargs, vocab)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +197,7 @@ class RequestBuilder:
             return_token_ids=req.return_token_ids,
             context=context,
             prompts=several,
-            reasoning_ended=reasoning_ended(req, parse, self.flags.reasoning_parser)
+            reasoning_ended=reasoning_ended(req, self.flags.reasoning_parser, ids, vocab)
             if params.structured_outputs
             else None,
         )

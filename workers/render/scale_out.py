@@ -14,6 +14,7 @@ context with output.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -22,7 +23,7 @@ from msgspec import Struct
 from tokenway.api.anthropic import MESSAGE_ID_PREFIX
 from tokenway.api.openai import ChatCompletionRequest, OpenAIRequest
 from tokenway.parsers import ParserFlags
-from tokenway.wire import Api, GenerateRequest, ParseContext, SamplingParams, StreamOptions
+from tokenway.wire import Api, GenerateRequest, SamplingParams, StreamOptions
 from workers.render.core import reasoning_ended
 
 CHAT_PREFIX = "chatcmpl-"
@@ -108,7 +109,11 @@ Reasoning = tuple[bool | None, dict[str, Any] | None]  # vLLM's reasoning_ended 
 
 
 def reasoning_fields(
-    api: Api, req: OpenAIRequest, parse: ParseContext | None, flags: ParserFlags
+    api: Api,
+    req: OpenAIRequest,
+    flags: ParserFlags,
+    prompt_ids: Sequence[int],
+    vocab: Mapping[str, int],
 ) -> Reasoning:
     """vLLM's `reasoning_ended` (whether structured output applies from the first token) for
     a chat or Messages render (a Responses render leaves it to the engine, as vLLM's), and
@@ -117,7 +122,8 @@ def reasoning_fields(
     switches), which the engine's reasoning parser reads. Not vLLM's spelling of them: its
     server adds defaults of its own (`cohere_format`) and says a thinking switch as
     `reasoning_effort`; these are the kwargs that rendered the prompt."""
-    ended = None if api == "responses" else reasoning_ended(req, parse, flags.reasoning_parser)
+    parser = flags.reasoning_parser
+    ended = None if api == "responses" else reasoning_ended(req, parser, prompt_ids, vocab)
     if not isinstance(req, ChatCompletionRequest) or not flags.reasoning_parser:
         return ended, None
     kwargs = dict(req.chat_template_kwargs or {})

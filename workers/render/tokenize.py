@@ -78,7 +78,7 @@ def tokenize(
         parsed = builder.parse(request)
         ids = renderer.prompt_ids(parsed.req, api)
         generate = builder.build(request, parsed, ids, renderer.vocab)
-        reasoning = reasoning_fields(api, parsed.req, generate.context.parse, builder.flags)
+        reasoning = reasoning_fields(api, parsed.req, builder.flags, ids[0], renderer.vocab)
         each = rendered(generate, call.body, reasoning)
         return each if api == "completion" else each[0]
     if call.route == "detokenize":

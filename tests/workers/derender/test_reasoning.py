@@ -803,3 +803,42 @@ def test_every_reasoning_parser_is_a_flag_value() -> None:
         parsers.ParserFlags(reasoning_parser=parser).check()
     with pytest.raises(ValueError, match=r"known: deepseek_r1, .*, seed_oss"):
         parsers.ParserFlags(reasoning_parser="granite").check()
+
+
+# A vocabulary with each family's markers as tokens (a model's own tokenizer has them).
+GATE_VOCAB = {t: i for i, t in enumerate(
+    ["<think>", "</think>", "<|im_start|>", "<|im_end|>", "[THINK]", "[/THINK]", "[TOOL_CALLS]",
+     "<|tool_calls_section_begin|>", "<minimax:tool_call>", "x"]
+)}  # fmt: skip
+
+
+def ids(*tokens: str) -> list[int]:
+    return [GATE_VOCAB[t] for t in tokens]
+
+
+@pytest.mark.parametrize(
+    ("parser", "prompt", "kwargs", "ended", "start"),
+    [
+        # the <think> parsers: the prompt's last marker, both ways
+        ("deepseek_r1", ids("x", "</think>"), {}, True, "closed"),
+        ("deepseek_r1", ids("</think>", "x", "<think>"), {}, False, "open"),
+        # the engine grammars read back to the turn's start; Kimi's and MiniMax's whole
+        # answer still starts in reasoning, while their constraint applies at once
+        ("kimi_k2", ids("x", "</think>", "x"), {}, True, "open"),
+        ("minimax_m2", ids("</think>"), {}, True, "open"),
+        ("kimi_k2", ids("x"), {}, False, "open"),
+        ("qwen3", ids("</think>", "<|im_end|>", "<|im_start|>", "x"), {}, False, "open"),
+        ("qwen3", ids("<|im_start|>", "x", "<think>", "x", "</think>"), {}, True, "closed"),
+        ("qwen3", ids("x"), {"enable_thinking": False}, True, "off"),
+        # Mistral starts in content but waits for reasoning to end before constraining
+        ("mistral", ids("x"), {}, False, "closed"),
+        ("mistral", ids("[THINK]", "x", "[/THINK]"), {}, True, "closed"),
+    ],
+)  # fmt: skip
+def test_the_constraint_gate_reads_the_prompt_as_vllm_tells_its_engine(
+    parser: str, prompt: list[int], kwargs: dict[str, object], ended: bool, start: str
+) -> None:
+    """vLLM's `is_reasoning_end(prompt)` (whether structured output applies from the first
+    token) and its whole answer's start are two rules for the parser-engine families."""
+    assert parsers.prompt_ends_reasoning(parser, prompt, kwargs, GATE_VOCAB) is ended
+    assert parsers.start_mode(parser, prompt, kwargs, GATE_VOCAB) == start
