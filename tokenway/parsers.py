@@ -26,9 +26,11 @@ TOOL_PARSERS: tuple[str, ...] = (
     "llama4_json",
     "llama4_pythonic",
     "minimax_m2",
+    "mistral",
     "pythonic",
     "qwen3_coder",
     "qwen3_xml",
+    "seed_oss",
 )
 # vLLM's --tool-strict-level: how much of a forced call a structural tag holds the model to
 StrictLevel = Literal["auto", "function", "parameter"]

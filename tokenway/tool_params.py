@@ -27,8 +27,10 @@ MARKUP_PARSERS = frozenset(
         "glm47",
         "kimi_k2",
         "minimax_m2",
+        "mistral",
         "qwen3_coder",
         "qwen3_xml",
+        "seed_oss",
     )
 )
 

@@ -42,9 +42,9 @@ QUERY = 'tower "東京"\n\nhistory'
 TYPED = ("days", "opts")  # the arguments whose schema types are not strings
 
 
-def _qwen(name: str, args: dict[str, str]) -> str:
+def _qwen(name: str, args: dict[str, str], block: str = "tool_call") -> str:
     params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
-    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    return f"<{block}>\n<function={name}>\n{params}</function>\n</{block}>"
 
 
 def _minimax(calls: list[tuple[str, dict[str, str]]]) -> str:
@@ -95,6 +95,8 @@ def _calls(parser: str, calls: list[tuple[str, dict[str, str]]]) -> str:
         return _kimi(calls)
     if parser.startswith("deepseek"):
         return _dsml("function_calls" if parser == "deepseek_v32" else "tool_calls", calls)
+    if parser == "seed_oss":
+        return "\n".join(_qwen(name, args, "seed:tool_call") for name, args in calls)
     write = _qwen if parser == "qwen3_coder" else _glm
     return "\n".join(write(name, args) for name, args in calls)
 
@@ -104,10 +106,18 @@ CALLS = [
     ("get_weather", '{"city": "São Paulo", "days": 3, "opts": {"unit": "c", "hours": [6, 12]}}'),
     ("search", json.dumps({"query": QUERY}, ensure_ascii=False)),
 ]
-PARSERS = ["qwen3_coder", "minimax_m2", "glm47", "kimi_k2", "deepseek_v32", "deepseek_v4"]
+PARSERS = [
+    "qwen3_coder",
+    "minimax_m2",
+    "glm47",
+    "kimi_k2",
+    "deepseek_v32",
+    "deepseek_v4",
+    "seed_oss",
+]
 # families whose content before a call is stripped (the others keep it as written; whitespace
 # alone before a call is no content in all)
-STRIPPED = {"qwen3_coder", "minimax_m2", "glm47"}
+STRIPPED = {"qwen3_coder", "minimax_m2", "glm47", "seed_oss"}
 
 
 def _before_call(parser: str, text: str) -> str:

@@ -36,6 +36,8 @@ from msgspec import Meta
 
 from tokenway.tool_params import streams_as_text, typed
 from tokenway.wire import ToolParams
+from workers.derender import json_canon
+from workers.derender.json_canon import CanonState
 
 MAX_NAME = 512  # as tools.py: a longer name is not a function name
 MAX_KEY = 256
@@ -90,6 +92,7 @@ class MarkupState(msgspec.Struct, array_like=True, omit_defaults=True):
     typed: bool = False  # the value is held for conversion (else streams as a string)
     # a typed value so far; JSON arguments: whitespace held back at their end
     value: Annotated[str, Meta(max_length=MAX_TYPED)] = ""
+    canon: CanonState | None = None  # JSON arguments rewritten as vLLM writes them back
     fresh: bool = True  # nothing of the value seen yet (a leading newline is markup)
     newline: bool = False  # a newline held back (a trailing one is markup)
 
@@ -136,6 +139,7 @@ class Family:
     # markers whose text goes on into the phase they lead to (GLM's first `<arg_key>`)
     keep: frozenset[str] = frozenset()
     strip: bool = True  # content before a call loses its whitespace at the end
+    canon: bool = False  # JSON arguments are written back as Python's json writes them
     # a call's name (and the model's own id for it) from the text that names it
     header: Callable[[str], tuple[str, str | None] | None] = _plain
     markers: tuple[str, ...] = field(init=False)
@@ -152,29 +156,34 @@ def _moves(*rows: tuple[tuple[Phase, ...], tuple[str, ...], Phase, Act]) -> dict
 _C, _P, _N, _A, _B = Phase.CONTENT, Phase.PREAMBLE, Phase.NAME, Phase.ARGS, Phase.BETWEEN
 _START, _END, _RESTART, _NONE = Act.START, Act.END, Act.RESTART, Act.NONE
 
-_QWEN = Family(
-    moves=_moves(
-        ((_C, _B), ("<tool_call>",), _P, _NONE),
-        ((_C, _B), ("<function=",), _N, _START),
-        ((_P,), ("<function=",), _N, _NONE),
-        ((_P, _B), ("</tool_call>",), _C, _NONE),
-        ((_N,), (">",), _A, _NONE),
-        ((_N, _A), ("</function>",), _B, _END),
-        ((_N,), ("</tool_call>",), _C, _END),
-        ((_N,), ("<tool_call>",), _P, _END),
-        ((_N, _A), ("<function=",), _N, _RESTART),
-    ),
-    params=ParamTags(
-        opens=("<parameter=",),
-        closes=(">",),
-        value_open=None,
-        value_close="</parameter>",
-        open_ends_value=True,
-        trim_newlines=True,
-        strip_key=False,
-    ),
-    check_names=False,
-)
+def _qwen(block: str, block_end: str) -> Family:
+    """Qwen3-Coder's XML calls in a block (`<tool_call>`; Seed-OSS: `<seed:tool_call>`)."""
+    return Family(
+        moves=_moves(
+            ((_C, _B), (block,), _P, _NONE),
+            ((_C, _B), ("<function=",), _N, _START),
+            ((_P,), ("<function=",), _N, _NONE),
+            ((_P, _B), (block_end,), _C, _NONE),
+            ((_N,), (">",), _A, _NONE),
+            ((_N, _A), ("</function>",), _B, _END),
+            ((_N,), (block_end,), _C, _END),
+            ((_N,), (block,), _P, _END),
+            ((_N, _A), ("<function=",), _N, _RESTART),
+        ),
+        params=ParamTags(
+            opens=("<parameter=",),
+            closes=(">",),
+            value_open=None,
+            value_close="</parameter>",
+            open_ends_value=True,
+            trim_newlines=True,
+            strip_key=False,
+        ),
+        check_names=False,
+    )
+
+
+_QWEN = _qwen("<tool_call>", "</tool_call>")
 _INVOKES = ('<invoke name="', "<invoke name='", "<invoke name=")
 _MINIMAX = Family(
     moves=_moves(
@@ -274,6 +283,20 @@ def _dsml(blocks: tuple[str, ...], block_end: str) -> Family:
     )
 
 
+# Mistral's current models (tokenizer v11+): `[TOOL_CALLS]NAME[ARGS]{...}` (or NAME{...}),
+# one marker per call, no closing marker.
+_MISTRAL = Family(
+    moves=_moves(
+        ((_C,), ("[TOOL_CALLS]",), _N, _START),
+        ((_N,), ("[ARGS]", "{"), _A, _NONE),
+        ((_A,), ("[TOOL_CALLS]",), _N, _RESTART),
+    ),
+    params=None,
+    check_names=False,
+    keep=frozenset({"{"}),
+    canon=True,
+)
+
 FAMILIES: dict[str, Family] = {
     "deepseek_v32": _dsml(("function_calls",), "function_calls"),
     "deepseek_v4": _dsml(("tool_calls", "toolcalls", "tool"), "tool_calls"),
@@ -281,8 +304,10 @@ FAMILIES: dict[str, Family] = {
     "glm47": _GLM,
     "kimi_k2": _KIMI_FAMILY,
     "minimax_m2": _MINIMAX,
+    "mistral": _MISTRAL,
     "qwen3_coder": _QWEN,
     "qwen3_xml": _QWEN,
+    "seed_oss": _qwen("<seed:tool_call>", "</seed:tool_call>"),
 }
 
 
@@ -374,7 +399,7 @@ def _text(family: Family, tools: list[ToolParams], s: MarkupState, text: str, ou
         s.name = (s.name + text)[:MAX_NAME]
     elif s.phase == Phase.ARGS and s.live:
         if family.params is None:
-            _json_args(s, text, out)
+            _json_args(family, s, text, out)
         else:
             _args(family.params, _types(tools, s.name), s, text, out)
 
@@ -424,7 +449,8 @@ def _end_call(
         _named(family, tools, s, out)
     if s.live:
         if family.params is None:
-            out.args("" if s.params else "{}")
+            tail = json_canon.finish(s.canon) if s.canon is not None else ""
+            out.args(tail if s.params else "{}")
         else:
             types = _types(tools, s.name)
             tag, s.tag = s.tag, ""
@@ -435,20 +461,29 @@ def _end_call(
         if not parallel:
             s.phase = Phase.DONE
     s.live, s.name, s.where, s.params, s.key, s.tag = False, "", Where.OUT, 0, "", ""
-    s.value, s.fresh = "", True
+    s.value, s.fresh, s.canon = "", True, None
 
 
 def _types(tools: list[ToolParams], name: str) -> Mapping[str, list[str]]:
     return next((t.types for t in tools if t.name == name), {})
 
 
-def _json_args(s: MarkupState, text: str, out: Sink) -> None:
-    """Arguments written as JSON go out as written, less the whitespace around them."""
+def _json_args(family: Family, s: MarkupState, text: str, out: Sink) -> None:
+    """Arguments written as JSON go out as written, less the whitespace around them (or as
+    Python's json writes them back, where vLLM's whole answer does)."""
     if s.fresh:
         text = text.lstrip()
         if not text:
             return
         s.fresh = False
+        if family.canon:
+            s.canon = CanonState()
+    if s.canon is not None:
+        piece = json_canon.step(s.canon, text)
+        if piece:
+            out.args(piece)
+            s.params = 1
+        return
     body = text.rstrip()
     if body:
         out.args(s.value + body)

@@ -36,6 +36,7 @@ from workers.derender.tool_markup import MarkupState
 from workers.derender.tool_pythonic import PyState
 
 CALL_ID_PREFIX = "chatcmpl-tool-"
+_ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 # the parsers of a Python list of calls, and the marker that may come before it
 _PYTHONIC = {"pythonic": None, "llama4_pythonic": tool_pythonic.PYTHON_START}
 
@@ -130,10 +131,14 @@ class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
     canon: CanonState | None = None
 
 
-def call_id(response_id: str, index: int) -> str:
-    """The same id for a call on every chunk, retry and worker."""
+def call_id(response_id: str, index: int, short: bool = False) -> str:
+    """The same id for a call on every chunk, retry and worker. `short`: nine letters and
+    digits, the only ids Mistral's templates take back in a later turn."""
     digest = hashlib.blake2b(f"{response_id}\x00{index}".encode(), digest_size=8)
-    return CALL_ID_PREFIX + digest.hexdigest()
+    if not short:
+        return CALL_ID_PREFIX + digest.hexdigest()
+    number = int.from_bytes(digest.digest(), "big")
+    return "".join(_ALNUM[(number >> (6 * k)) % len(_ALNUM)] for k in range(9))
 
 
 def start(ctx: ParseContext) -> ToolState | None:
@@ -168,7 +173,7 @@ def step(
     s = msgspec.structs.replace(state)
     if s.canon is not None:  # stepped in place: the caller's state stays as it was
         s.canon = msgspec.structs.replace(s.canon)
-    out = _Out()
+    out = _Out(ctx)
     choice = _reading(ctx)
     if choice == "named":
         if text:
@@ -190,7 +195,7 @@ def step(
         tool_pythonic.step(s.pythonic, text, _Sink(s, out), ctx.parallel_tool_calls, opener)
     elif choice == "auto" and (family := tool_markup.FAMILIES.get(ctx.tool_parser or "")):
         assert state.markup is not None
-        s.markup = msgspec.structs.replace(state.markup)
+        s.markup = _copied(state.markup)
         sink = _Sink(s, out)
         tool_markup.step(family, ctx.tools, s.markup, text, sink, ctx.parallel_tool_calls)
     else:
@@ -206,7 +211,7 @@ def finish(
 ) -> tuple[str, list[ToolCallDelta]]:
     """The end of output: release what was held (a tail that turned out not to be a marker)."""
     s = msgspec.structs.replace(state)
-    out = _Out()
+    out = _Out(ctx)
     if _reading(ctx) == "named":
         if not s.announced:  # a forced call is always reported, even on empty output
             _announce(s, out, ctx.tool_name or "")
@@ -215,7 +220,7 @@ def finish(
         tool_pythonic.finish(msgspec.structs.replace(s.pythonic), _Sink(s, out))
     elif s.markup is not None:
         family = tool_markup.FAMILIES[ctx.tool_parser or ""]
-        markup = msgspec.structs.replace(s.markup)
+        markup = _copied(s.markup)
         tool_markup.finish(family, ctx.tools, markup, _Sink(s, out))
     elif s.phase in (Phase.CONTENT, Phase.PLAIN):
         out.content.append(s.space + s.held)
@@ -264,9 +269,10 @@ def rewrites_finish(ctx: ParseContext, any_calls: bool) -> bool:
 class _Out:
     """Content pieces and, per call in order, its announcement and argument pieces."""
 
-    __slots__ = ("calls", "content")
+    __slots__ = ("calls", "content", "short")
 
-    def __init__(self) -> None:
+    def __init__(self, ctx: ParseContext) -> None:
+        self.short = ctx.tool_parser == "mistral"  # Mistral's nine-character call ids
         self.content: list[str] = []
         # (index, name when the call starts here, argument pieces, the model's own call id)
         self.calls: list[tuple[int, str | None, list[str], str | None]] = []
@@ -290,11 +296,19 @@ class _Out:
                 out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
                 continue
             head = FunctionDelta(name=name, arguments=args if forced else None)
-            cid = own or call_id(response_id, index)
+            cid = own or call_id(response_id, index, self.short)
             out.append(ToolCallDelta(index=index, id=cid, type="function", function=head))
             if args and not forced:
                 out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
         return out
+
+
+def _copied(markup: MarkupState) -> MarkupState:
+    """A markup state to step in place, the caller's left as it was."""
+    copy = msgspec.structs.replace(markup)
+    if copy.canon is not None:
+        copy.canon = msgspec.structs.replace(copy.canon)
+    return copy
 
 
 class _Sink:

@@ -274,6 +274,9 @@ ALL_CASES = [(p, CASES[p]) for p in CASES] + [
     ),
     ("glm47", "Text only, with <arg_key> and </tool_call> in it."),
     ("kimi_k2", KIMI),
+    ("mistral", "Look. [TOOL_CALLS]search[ARGS]{ \"query\" : \"a\\u00e9\" }[TOOL_CALLS]x{}"),
+    ("seed_oss", "<seed:tool_call>\n<function=search>\n<parameter=query>\nq\n</parameter>\n"
+     "</function>\n</seed:tool_call>"),
     ("kimi_k2", "  \n<|tool_calls_section_begin|>" + kimi_call("search", 0, '{"q": "}"}  ')),
     ("deepseek_v4", "<｜DSML｜tool>" + dsml_call("search", query=('a"b', False))),
     # the JSON parsers (tools.py) hold the same property
@@ -305,3 +308,24 @@ def test_one_character_at_a_time_equals_the_whole(parser: str, text: str) -> Non
 def test_any_cut_equals_the_whole(case: tuple[str, str], points: list[int]) -> None:
     parser, text = case
     assert run(ctx(parser), cut(text, points)) == run(ctx(parser), [text])
+
+
+def mistral_call(name: str, args: str, sep: str = "[ARGS]") -> str:
+    return f"[TOOL_CALLS]{name}{sep}{args}"
+
+
+def test_mistral_calls_one_marker_each_arguments_as_vllm_writes_them_back() -> None:
+    """`[TOOL_CALLS]NAME[ARGS]{...}` (or NAME{...}) per call, no closing marker; arguments
+    loaded and dumped again; ids of nine letters and digits (Mistral's templates refuse
+    others in a later turn)."""
+    text = "I will look.\n" + mistral_call("get_weather", '{"city":"San Francisco","days":3}')
+    text += mistral_call("search", '{"query": "東京"}', sep="")
+    c = ctx("mistral")
+    assert run(c, [text]) == ("I will look.", [
+        {"name": "get_weather", "arguments": '{"city": "San Francisco", "days": 3}'},
+        {"name": "search", "arguments": '{"query": "東京"}'},
+    ])  # fmt: skip
+    _, deltas, _ = tools.step(c, tools.start(c), text, "chatcmpl-1")
+    ids = [d.id for d in deltas if d.id]
+    assert len(ids) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert ids[0] != ids[1]
