@@ -14,6 +14,10 @@ from tokenway.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 # (what the template spells, the tool parser), first match wins: the more specific first
 _TOOLS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("<seed:tool_call>",), "seed_oss"),
+    (("[TOOL_CALLS]",), "mistral"),
+    (("<|python_start|>",), "llama4_pythonic"),
+    (("<|python_tag|>",), "llama3_json"),
     (("<minimax:tool_call>",), "minimax_m2"),
     (("<|tool_calls_section_begin|>",), "kimi_k2"),
     (("｜DSML｜function_calls",), "deepseek_v32"),

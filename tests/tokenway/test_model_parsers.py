@@ -25,6 +25,9 @@ KIMI = "<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_sectio
 GLM = "[gMASK]<sop><|assistant|><think></think><tool_call>{{ name }}<arg_key>k</arg_key>"
 MINIMAX = "]~b]ai\n<think>\n</think>\n<minimax:tool_call>\n<invoke name="
 DSML_V4 = "<｜Assistant｜><think></think><｜DSML｜tool_calls>"
+MISTRAL = "[INST]{{ m }}[/INST][THINK]{{ r }}[/THINK][TOOL_CALLS]{{ name }}[ARGS]{{ args }}"
+SEED = "<seed:bos>assistant\n<seed:think>{{ r }}</seed:think><seed:tool_call>\n<function="
+LLAMA4 = "<|header_start|>assistant<|header_end|>\n\n<|python_start|>[{{ name }}()]"
 
 
 def model_dir(tmp_path: Path, template: str, how: str = "config") -> Path:
@@ -56,6 +59,9 @@ def model_dir(tmp_path: Path, template: str, how: str = "config") -> Path:
         (KIMI, ("kimi_k2", "kimi_k2")),
         (MINIMAX, ("minimax_m2", "minimax_m2")),
         (DSML_V4, ("deepseek_v3", "deepseek_v4")),
+        (MISTRAL, ("mistral", "mistral")),
+        (SEED, ("seed_oss", "seed_oss")),
+        (LLAMA4, (None, "llama4_pythonic")),
         ("{{ messages[0].content }}", (None, None)),
     ],
 )
