@@ -25,6 +25,7 @@ not one of the request's tools, is dropped with its arguments.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -376,11 +377,18 @@ def _first(text: str, i: int, markers: tuple[str, ...]) -> tuple[int, str | None
 
 def _tail(text: str, i: int, markers: tuple[str, ...]) -> int:
     """Where the longest tail of `text[i:]` that may start one of `markers` begins."""
-    longest = max(len(m) for m in markers)
+    firsts, longest = _shape(markers)
     for p in range(max(i, len(text) - longest + 1), len(text)):
-        if any(m.startswith(text[p:]) for m in markers):
+        if text[p] in firsts and any(m.startswith(text[p:]) for m in markers):
             return p
     return len(text)
+
+
+@functools.cache
+def _shape(markers: tuple[str, ...]) -> tuple[frozenset[str], int]:
+    """The characters `markers` start with (a tail starting otherwise is text), and the
+    longest's length."""
+    return frozenset(m[0] for m in markers), max(len(m) for m in markers)
 
 
 def _longer(marker: str, markers: tuple[str, ...]) -> bool:
