@@ -5,7 +5,9 @@
 
 - `TOKENWAY_TEST_VLLM_PYTHON`: the vLLM venv's python (vLLM never loads into this process);
 - `TOKENWAY_TEST_VLLM_MODEL`: the tiny model directory (`tests/vllm/make_tiny_model.py`);
-- `TOKENWAY_TEST_VLLM_LOG` (optional): where the server's output goes.
+- `TOKENWAY_TEST_VLLM_LOG` (optional): where the server's output goes;
+- `TOKENWAY_TEST_VLLM_QWEN_MODEL` (optional): a Qwen3.6 model directory with Qwen's real
+  tokenizer (`tests/vllm/make_qwen_model.py`; test_qwen_family.py builds it when unset).
 
 Without the first two, every test marked `vllm` is skipped and nothing is started.
 """
@@ -92,10 +94,12 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
 
 @contextlib.contextmanager
 def render_server(
-    tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str
+    tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str, model: Path | None = None
 ) -> Iterator[VllmServer]:
-    """vLLM's GPU-less render server (`vllm launch render`) on the tiny model, with `flags`."""
-    python, model = _require_vllm()
+    """vLLM's GPU-less render server (`vllm launch render`) on the tiny model (or `model`),
+    with `flags`."""
+    python, tiny = _require_vllm()
+    model = model or tiny
     port = free_port()
     command = [
         str(python), "-m", "vllm.entrypoints.launchers.render.entry",
