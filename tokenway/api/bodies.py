@@ -12,6 +12,7 @@ from tokenway.api.openai import (
     OpenAIRequest,
     check_depth,
     decoded,
+    with_effort,
 )
 from tokenway.errors import InvalidRequest
 from tokenway.limits import DEFAULT_LIMITS, RequestLimits, check_decoded, check_text
@@ -28,7 +29,7 @@ def decode_body(api: str, body: bytes, bounds: RequestLimits = DEFAULT_LIMITS) -
             req = responses.to_chat(decoded(responses.ResponsesDecoder, body))
         check_depth(req)  # its tool schemas and inputs, as chat carries them
     elif api == "chat":
-        req = decoded(ChatDecoder, body)
+        req = with_effort(decoded(ChatDecoder, body))
     else:
         req = decoded(CompletionDecoder, body)
     check_decoded(api, req, bounds)

@@ -154,6 +154,9 @@ class _Common(Sampling, kw_only=True):
     guided_whitespace_pattern: str | None = None
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     max_tokens: PosInt | None = None
@@ -168,6 +171,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's effort; the template gets it (and, unless the client set it, the thinking
+    # switch it implies): `with_effort`
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
     thinking_token_budget: NonNegInt | None = None  # enforced by the engine, as vLLM's
 
@@ -184,6 +190,21 @@ class CompletionRequest(_Common, kw_only=True):
     suffix: str | None = None
     best_of: PosInt | None = None
     add_special_tokens: bool = True
+
+
+def with_effort(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """A chat request's `reasoning_effort` in its template kwargs, as vLLM 0.33 puts it
+    there: as itself, and as `enable_thinking` (off for "none") unless the client set that;
+    the reasoning parsers read the same kwargs."""
+    effort = req.reasoning_effort
+    if effort is None:
+        return req
+    kwargs = dict(req.chat_template_kwargs or {})
+    if "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = effort != "none"
+    kwargs["reasoning_effort"] = effort
+    req.chat_template_kwargs = kwargs
+    return req
 
 
 def thinking_switch(on: bool) -> dict[str, Any]:

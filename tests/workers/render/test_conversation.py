@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from tokenway.api.bodies import decode_body
 from tokenway.api.openai import ChatCompletionRequest
 from tokenway.errors import InvalidRequest
 from workers.render.chat import conversation
@@ -72,3 +73,31 @@ def test_what_is_not_text_is_refused() -> None:
     req = chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
     with pytest.raises(InvalidRequest, match="image_url"):
         conversation(req)
+
+
+@pytest.mark.parametrize(
+    ("body", "kwargs"),
+    [
+        ({"reasoning_effort": "high"}, {"reasoning_effort": "high", "enable_thinking": True}),
+        ({"reasoning_effort": "none"}, {"reasoning_effort": "none", "enable_thinking": False}),
+        # the client's own switch stands; the effort still reaches the template
+        ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+         {"enable_thinking": False, "reasoning_effort": "low"}),
+        ({}, None),
+    ],
+)  # fmt: skip
+def test_reasoning_effort_reaches_the_template_and_the_thinking_switch(
+    body: dict[str, Any], kwargs: dict[str, Any] | None
+) -> None:
+    """As vLLM 0.33 builds a chat's template kwargs: `reasoning_effort` passes as itself and,
+    unless the client set it, as `enable_thinking` (off for "none"), which the reasoning
+    parsers read too. It was silently dropped."""
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], **body})
+    assert decode_body("chat", raw.encode()).chat_template_kwargs == kwargs
+
+
+def test_an_unknown_reasoning_effort_is_a_400() -> None:
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                      "reasoning_effort": "extreme"})  # fmt: skip
+    with pytest.raises(InvalidRequest, match="reasoning_effort"):
+        decode_body("chat", raw.encode())
