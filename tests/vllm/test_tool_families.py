@@ -12,14 +12,17 @@ here, as vLLM 0.33 says it; 0.32 says `stop`."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer, render_server
+from tests.vllm.conftest import MAX_MODEL_LEN, MODEL_ENV, SERVED_NAME, VllmServer, render_server
 from tokenway.model import load_model_info
 from tokenway.parsers import ParserFlags
 from workers.derender.backend import LocalBackend
@@ -297,4 +300,34 @@ async def test_a_python_list_of_calls(pythonic: Any) -> None:
     plain = "I would call get_weather(city='Paris')."
     theirs, ours, streams = await _both(pythonic, plain, finish="length")
     assert ours == theirs == (plain, [], "length")
+    assert all(s == ours for s in streams)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
+    """The tiny model's tokenizer with Mistral's control tokens added as special tokens
+    ([THINK], [/THINK], [TOOL_CALLS], [ARGS]: vLLM's mistral parser refuses a vocabulary
+    without them), on vLLM's render server and tokenway's derender core."""
+    tiny = Path(os.environ[MODEL_ENV])
+    model = tmp_path_factory.mktemp("mistral") / "model"
+    shutil.copytree(tiny, model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens(["[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"])
+    tokenizer.save(str(model / "tokenizer.json"))
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    with render_server(tmp_path_factory, "tools-mistral", *flags, model=model) as server:
+        info = load_model_info(model, max_model_len=MAX_MODEL_LEN)
+        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, "mistral", True))
+        yield "mistral", (server, renderer, LocalBackend(model))
+
+
+async def test_mistral_calls(mistral: Any) -> None:
+    """One [TOOL_CALLS] per call, arguments as the model wrote them up to the end of their
+    first JSON value, the text before them stripped; whole and streamed."""
+    args = '{"city":"São Paulo","days":3,"opts":{"unit":"c","hours":[6,12]}}'
+    query = json.dumps({"query": QUERY}, ensure_ascii=False)
+    text = f"I will look it up. [TOOL_CALLS]get_weather[ARGS]{args} done[TOOL_CALLS]search{query}"
+    theirs, ours, streams = await _both(mistral, text, finish="length")
+    assert ours[:2] == ("I will look it up.", [("get_weather", args), ("search", query)])
+    assert theirs[:2] == ours[:2]
     assert all(s == ours for s in streams)

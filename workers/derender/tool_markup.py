@@ -37,8 +37,6 @@ from msgspec import Meta
 
 from tokenway.tool_params import streams_as_text, typed
 from tokenway.wire import ToolParams
-from workers.derender import json_canon
-from workers.derender.json_canon import CanonState
 
 MAX_NAME = 512  # as tools.py: a longer name is not a function name
 MAX_KEY = 256
@@ -93,7 +91,11 @@ class MarkupState(msgspec.Struct, array_like=True, omit_defaults=True):
     typed: bool = False  # the value is held for conversion (else streams as a string)
     # a typed value so far; JSON arguments: whitespace held back at their end
     value: Annotated[str, Meta(max_length=MAX_TYPED)] = ""
-    canon: CanonState | None = None  # JSON arguments rewritten as vLLM writes them back
+    # JSON arguments' first value: its nesting, and whether it ended (the rest is dropped)
+    depth: Annotated[int, Meta(ge=0)] = 0
+    in_string: bool = False
+    escape: bool = False
+    ended: bool = False
     fresh: bool = True  # nothing of the value seen yet (a leading newline is markup)
     newline: bool = False  # a newline held back (a trailing one is markup)
 
@@ -140,7 +142,7 @@ class Family:
     # markers whose text goes on into the phase they lead to (GLM's first `<arg_key>`)
     keep: frozenset[str] = frozenset()
     strip: bool = True  # content before a call loses its whitespace at the end
-    canon: bool = False  # JSON arguments are written back as Python's json writes them
+    first_value: bool = False  # JSON arguments end with their first value (text after it goes)
     # a call's name (and the model's own id for it) from the text that names it
     header: Callable[[str], tuple[str, str | None] | None] = _plain
     markers: tuple[str, ...] = field(init=False)
@@ -156,6 +158,7 @@ def _moves(*rows: tuple[tuple[Phase, ...], tuple[str, ...], Phase, Act]) -> dict
 
 _C, _P, _N, _A, _B = Phase.CONTENT, Phase.PREAMBLE, Phase.NAME, Phase.ARGS, Phase.BETWEEN
 _START, _END, _RESTART, _NONE = Act.START, Act.END, Act.RESTART, Act.NONE
+
 
 def _qwen(block: str, block_end: str) -> Family:
     """Qwen3-Coder's XML calls in a block (`<tool_call>`; Seed-OSS: `<seed:tool_call>`)."""
@@ -295,7 +298,7 @@ _MISTRAL = Family(
     params=None,
     check_names=False,
     keep=frozenset({"{"}),
-    canon=True,
+    first_value=True,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -457,8 +460,7 @@ def _end_call(
         _named(family, tools, s, out)
     if s.live:
         if family.params is None:
-            tail = json_canon.finish(s.canon) if s.canon is not None else ""
-            out.args(tail if s.params else "{}")
+            out.args("" if s.params else "{}")
         else:
             types = _types(tools, s.name)
             tag, s.tag = s.tag, ""
@@ -469,7 +471,7 @@ def _end_call(
         if not parallel:
             s.phase = Phase.DONE
     s.live, s.name, s.where, s.params, s.key, s.tag = False, "", Where.OUT, 0, "", ""
-    s.value, s.fresh, s.canon = "", True, None
+    s.value, s.fresh, s.depth, s.in_string, s.escape, s.ended = "", True, 0, False, False, False
 
 
 def _types(tools: list[ToolParams], name: str) -> Mapping[str, list[str]]:
@@ -477,21 +479,17 @@ def _types(tools: list[ToolParams], name: str) -> Mapping[str, list[str]]:
 
 
 def _json_args(family: Family, s: MarkupState, text: str, out: Sink) -> None:
-    """Arguments written as JSON go out as written, less the whitespace around them (or as
-    Python's json writes them back, where vLLM's whole answer does)."""
+    """Arguments written as JSON go out as written, less the whitespace around them (and,
+    for Mistral's, whatever follows their first value, as vLLM's whole answer drops it)."""
+    if s.ended:
+        return
     if s.fresh:
         text = text.lstrip()
         if not text:
             return
         s.fresh = False
-        if family.canon:
-            s.canon = CanonState()
-    if s.canon is not None:
-        piece = json_canon.step(s.canon, text)
-        if piece:
-            out.args(piece)
-            s.params = 1
-        return
+    if family.first_value and (end := _value_end(s, text)) is not None:
+        text, s.ended = text[:end], True
     body = text.rstrip()
     if body:
         out.args(s.value + body)
@@ -500,6 +498,30 @@ def _json_args(family: Family, s: MarkupState, text: str, out: Sink) -> None:
     if len(s.value) > MAX_SPACE:
         out.args(s.value)
         s.value = ""
+
+
+def _value_end(s: MarkupState, text: str) -> int | None:
+    """Where the arguments' first JSON object, array or string ends in `text`; None while
+    it goes on."""
+    for i, ch in enumerate(text):
+        if s.in_string:
+            if s.escape:
+                s.escape = False
+            elif ch == "\\":
+                s.escape = True
+            elif ch == '"':
+                s.in_string = False
+                if not s.depth:
+                    return i + 1
+        elif ch == '"':
+            s.in_string = True
+        elif ch in "{[":
+            s.depth += 1
+        elif ch in "}]" and s.depth:
+            s.depth -= 1
+            if not s.depth:
+                return i + 1
+    return None
 
 
 # -- arguments written as tags -------------------------------------------------------------------

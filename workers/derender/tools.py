@@ -195,7 +195,7 @@ def step(
         tool_pythonic.step(s.pythonic, text, _Sink(s, out), ctx.parallel_tool_calls, opener)
     elif choice == "auto" and (family := tool_markup.FAMILIES.get(ctx.tool_parser or "")):
         assert state.markup is not None
-        s.markup = _copied(state.markup)
+        s.markup = msgspec.structs.replace(state.markup)
         sink = _Sink(s, out)
         tool_markup.step(family, ctx.tools, s.markup, text, sink, ctx.parallel_tool_calls)
     else:
@@ -220,7 +220,7 @@ def finish(
         tool_pythonic.finish(msgspec.structs.replace(s.pythonic), _Sink(s, out))
     elif s.markup is not None:
         family = tool_markup.FAMILIES[ctx.tool_parser or ""]
-        markup = _copied(s.markup)
+        markup = msgspec.structs.replace(s.markup)
         tool_markup.finish(family, ctx.tools, markup, _Sink(s, out))
     elif s.phase in (Phase.CONTENT, Phase.PLAIN):
         out.content.append(s.space + s.held)
@@ -301,14 +301,6 @@ class _Out:
             if args and not forced:
                 out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=args)))
         return out
-
-
-def _copied(markup: MarkupState) -> MarkupState:
-    """A markup state to step in place, the caller's left as it was."""
-    copy = msgspec.structs.replace(markup)
-    if copy.canon is not None:
-        copy.canon = msgspec.structs.replace(copy.canon)
-    return copy
 
 
 class _Sink:

@@ -314,16 +314,17 @@ def mistral_call(name: str, args: str, sep: str = "[ARGS]") -> str:
     return f"[TOOL_CALLS]{name}{sep}{args}"
 
 
-def test_mistral_calls_one_marker_each_arguments_as_vllm_writes_them_back() -> None:
+def test_mistral_calls_one_marker_each_arguments_as_written() -> None:
     """`[TOOL_CALLS]NAME[ARGS]{...}` (or NAME{...}) per call, no closing marker; arguments
-    loaded and dumped again; ids of nine letters and digits (Mistral's templates refuse
-    others in a later turn)."""
-    text = "I will look.\n" + mistral_call("get_weather", '{"city":"San Francisco","days":3}')
-    text += mistral_call("search", '{"query": "東京"}', sep="")
+    as the model wrote them, up to the end of their first JSON value (vLLM's whole answer
+    drops text after it); ids of nine letters and digits (Mistral's templates refuse others
+    in a later turn)."""
+    text = "I will look.\n" + mistral_call("get_weather", ' {"city":"San Francisco","days":3} ok')
+    text += mistral_call("search", '{"query": "東京 }"}', sep="")
     c = ctx("mistral")
     assert run(c, [text]) == ("I will look.", [
-        {"name": "get_weather", "arguments": '{"city": "San Francisco", "days": 3}'},
-        {"name": "search", "arguments": '{"query": "東京"}'},
+        {"name": "get_weather", "arguments": '{"city":"San Francisco","days":3}'},
+        {"name": "search", "arguments": '{"query": "東京 }"}'},
     ])  # fmt: skip
     _, deltas, _ = tools.step(c, tools.start(c), text, "chatcmpl-1")
     ids = [d.id for d in deltas if d.id]

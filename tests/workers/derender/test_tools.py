@@ -439,6 +439,8 @@ def intended(fmt: str, content: str, calls: list[Call]) -> tuple[str, list[Call]
         return "", [("get_weather", calls[0][1] if calls else {})]
     if fmt == "required":
         return "", calls
+    if calls and not content.strip():  # whitespace alone before calls is no content
+        return "", calls
     return content, calls
 
 
