@@ -276,31 +276,31 @@ def prompt_ends_reasoning(
     fmt = reasoning_format(parser)
     if mode == "off" or not fmt.parses_content:
         return mode != "open"
-    end = vocab.get(fmt.end)
-    ends = set() if end is None else {end, *(vocab[t] for t in fmt.implicit_ends if t in vocab)}
-    start = vocab.get(fmt.start)
-    boundaries = {vocab[t] for t in fmt.turn_boundaries if t in vocab}
-    for token in reversed(prompt_token_ids):
-        if token in ends:
-            return True
-        if token == start or token in boundaries:
-            return False
-    return False
+    return _ended_this_turn(fmt, prompt_token_ids, vocab)
 
 
 def _closed_this_turn(
     fmt: ReasoningFormat, prompt_token_ids: Sequence[int], vocab: Mapping[str, int]
 ) -> bool:
     """Whether the prompt's turn closed reasoning already (continue_final_message, a template
-    that closes an empty block): an end token after the turn's last start token. The end
-    tokens are the end marker's and, with it, the implicit ends' that are tokens; without
-    boundary tokens vLLM cannot tell this turn from an earlier one and does not look."""
-    boundaries = {vocab[t] for t in fmt.turn_boundaries if t in vocab}
+    that closes an empty block), as the whole answer reads it: without boundary tokens vLLM
+    cannot tell this turn from an earlier one and does not look."""
+    if not any(t in vocab for t in fmt.turn_boundaries):
+        return False
+    return _ended_this_turn(fmt, prompt_token_ids, vocab)
+
+
+def _ended_this_turn(
+    fmt: ReasoningFormat, prompt_token_ids: Sequence[int], vocab: Mapping[str, int]
+) -> bool:
+    """An end token (the end marker's and, with it, the implicit ends' that are tokens)
+    after the turn's last start token, reading back to the turn's start."""
     end = vocab.get(fmt.end)
-    if not boundaries or end is None:
+    if end is None:
         return False
     ends = {end, *(vocab[t] for t in fmt.implicit_ends if t in vocab)}
     start = vocab.get(fmt.start)
+    boundaries = {vocab[t] for t in fmt.turn_boundaries if t in vocab}
     for token in reversed(prompt_token_ids):
         if token in ends:
             return True

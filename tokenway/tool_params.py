@@ -4,7 +4,7 @@ Markup call syntaxes (Qwen3-Coder's `<parameter=…>`, MiniMax-M2's and GLM's ta
 every argument as bare text. vLLM 0.33 turns each into JSON by the tool's schema: the types
 a parameter's schema allows (`type`, an `enum`'s values, `anyOf`/`oneOf`/`allOf`), then the
 first that the text reads as, in the order null, integer, number, boolean, object, array,
-string. Render reads the types (`params_of`); derender converts (`coerce`).
+string. Render reads the types (`types_of`); derender converts (`coerce`, `typed`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import json
 import math
 from collections.abc import Sequence
 from typing import Any
-
-from tokenway.api.openai import Tool
-from tokenway.wire import ToolParams
 
 # The tool parsers that read calls as markup (workers/derender/tool_markup.py): render hands
 # them the request's tools' parameter types.
@@ -78,17 +75,6 @@ def types_of(schema: Any) -> list[str]:
             for choice in choices:
                 found.update(types_of(choice))
     return sorted(found) or ["string"]
-
-
-def params_of(tools: Sequence[Tool]) -> list[ToolParams]:
-    """Each function tool's parameter types, as a markup parser reads its calls."""
-    out = []
-    for tool in tools:
-        params = tool.function.parameters or {}
-        props = params.get("properties") if isinstance(params, dict) else None
-        types = {k: types_of(v) for k, v in props.items()} if isinstance(props, dict) else {}
-        out.append(ToolParams(name=tool.function.name, types=types))
-    return out
 
 
 def streams_as_text(types: Sequence[str] | None) -> bool:

@@ -41,12 +41,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.vllm import derendering
 from tests.vllm.conftest import MAX_MODEL_LEN, PYTHON_ENV, SERVED_NAME, VllmServer, render_server
 from tokenway.model import load_model_info, tokenizer_of
 from tokenway.parsers import ParserFlags
 from tokenway.wire import RenderRequest
 from workers.derender.backend import LocalBackend
-from workers.render import derender_routes
 from workers.render.core import Renderer
 
 pytestmark = [pytest.mark.vllm]  # async tests run in the session loop (pyproject)
@@ -184,20 +184,6 @@ def _message(doc: Any) -> Message:
     return message.get("reasoning"), message["content"], calls, choice["finish_reason"]
 
 
-async def _vllm(server: VllmServer, call: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
-        resp = await http.post("/v1/chat/completions/derender", json=call)
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-
-async def _ours(parts: Any, call: dict[str, Any]) -> Any:
-    _, renderer, derenderer = parts
-    body = json.dumps(call).encode()
-    answer = await derender_routes.answer(renderer, derenderer, "chat_derender", body)
-    return json.loads(json.dumps(answer))
-
-
 def _request(thinking: bool) -> dict[str, Any]:
     kwargs = {} if thinking else {"chat_template_kwargs": {"enable_thinking": False}}
     return {"model": SERVED_NAME, "messages": ASK, "tools": TOOLS, **kwargs}
@@ -231,7 +217,7 @@ async def _stream(
         call = {"stream": True, "stream_state": state, "chat_request": request,
                 "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
                 "prompt_token_ids": prompt}  # fmt: skip
-        answer = await _ours(parts, call)
+        answer = await derendering.ours(parts, call)
         state = answer["stream_state"]
         (delta_choice,) = answer["chunk"]["choices"]
         delta = delta_choice["delta"]
@@ -256,8 +242,8 @@ async def _both(
     if finish == "stop":  # an engine's output that stops ends in the model's end of turn
         ids += _ids(model_dir, "<|im_end|>")
     prompt, request = _prompt(model_dir, thinking), _request(thinking)
-    theirs = _message(await _vllm(parts[0], _whole_call(ids, finish, prompt, request)))
-    ours = _message(await _ours(parts, _whole_call(ids, finish, prompt, request)))
+    theirs = _message(await derendering.theirs(parts[0], _whole_call(ids, finish, prompt, request)))
+    ours = _message(await derendering.ours(parts, _whole_call(ids, finish, prompt, request)))
     for step in (1, 3, 7):
         assert await _stream(parts, ids, step, finish, prompt, request) == ours, step
     return theirs, ours

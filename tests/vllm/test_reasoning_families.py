@@ -14,19 +14,17 @@ text by both parsers. mistral cannot run here: vLLM refuses a tokenizer without
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, VllmServer, render_server
+from tests.vllm import derendering
+from tests.vllm.conftest import MAX_MODEL_LEN, SERVED_NAME, render_server
 from tokenway.model import load_model_info
 from tokenway.parsers import ParserFlags
 from workers.derender.backend import LocalBackend
-from workers.render import derender_routes
 from workers.render.core import Renderer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -125,20 +123,6 @@ def _request(kwargs: dict[str, Any]) -> dict[str, Any]:
     return body | ({"chat_template_kwargs": kwargs} if kwargs else {})
 
 
-async def _vllm(server: VllmServer, call: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
-        resp = await http.post("/v1/chat/completions/derender", json=call)
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-
-async def _ours(parts: Any, call: dict[str, Any]) -> Any:
-    _, renderer, derenderer = parts
-    body = json.dumps(call).encode()
-    answer = await derender_routes.answer(renderer, derenderer, "chat_derender", body)
-    return json.loads(json.dumps(answer))
-
-
 def _whole_call(ids: list[int], request: dict[str, Any]) -> dict[str, Any]:
     whole = {"request_id": "generate-tokens-r", "output_mode": "tokens",
              "choices": [{"index": 0, "finish_reason": "length", "token_ids": ids}]}  # fmt: skip
@@ -181,10 +165,10 @@ async def _all(
     server = parts[0]
 
     async def theirs(call: dict[str, Any]) -> Any:
-        return await _vllm(server, call)
+        return await derendering.theirs(server, call)
 
     async def ours(call: dict[str, Any]) -> Any:
-        return await _ours(parts, call)
+        return await derendering.ours(parts, call)
 
     their_whole = _message(await theirs(_whole_call(ids, request)))
     our_whole = _message(await ours(_whole_call(ids, request)))

@@ -18,15 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.vllm.conftest import MAX_MODEL_LEN, MODEL_ENV, SERVED_NAME, VllmServer, render_server
+from tests.vllm import derendering
+from tests.vllm.conftest import MAX_MODEL_LEN, MODEL_ENV, SERVED_NAME, render_server
 from tokenway.model import load_model_info
 from tokenway.parsers import ParserFlags
 from workers.derender.backend import LocalBackend
-from workers.render import derender_routes
 from workers.render.core import Renderer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -139,21 +138,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tu
         yield parser, (server, renderer, LocalBackend(server.model_dir))
 
 
-async def _vllm(server: VllmServer, call: dict[str, Any]) -> Any:
-    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
-        resp = await http.post("/v1/chat/completions/derender", json=call)
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-
-async def _ours(parts: Any, call: dict[str, Any]) -> Any:
-    _, renderer, derenderer = parts
-    body = json.dumps(call).encode()
-    return json.loads(
-        json.dumps(await derender_routes.answer(renderer, derenderer, "chat_derender", body))
-    )
-
-
 def _whole_call(ids: list[int], finish: str) -> dict[str, Any]:
     whole = {"request_id": "generate-tokens-f", "output_mode": "tokens",
              "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
@@ -177,7 +161,7 @@ async def _stream(parts: Any, ids: list[int], step: int, finish: str) -> tuple[A
         call = {"stream": True, "stream_state": state, "chat_request": REQUEST,
                 "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
                 "prompt_token_ids": [1, 2]}  # fmt: skip
-        answer = await _ours(parts, call)
+        answer = await derendering.ours(parts, call)
         state = answer["stream_state"]
         (delta_choice,) = answer["chunk"]["choices"]
         delta = delta_choice["delta"]
@@ -201,8 +185,8 @@ async def _both(family: tuple[str, Any], text: str, finish: str = "stop") -> tup
     )
     if finish == "stop":  # an engine's output that stops ends in the model's end token
         ids.append(load_model_info(model_dir).eos_token_ids[0])
-    theirs = _message(await _vllm(parts[0], _whole_call(ids, finish)))
-    ours = _message(await _ours(parts, _whole_call(ids, finish)))
+    theirs = _message(await derendering.theirs(parts[0], _whole_call(ids, finish)))
+    ours = _message(await derendering.ours(parts, _whole_call(ids, finish)))
     streams = [await _stream(parts, ids, step, finish) for step in (1, 3, 7)]
     return theirs, ours, streams
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from tokenway import parsers
-from tokenway.api.openai import ChatCompletionRequest, NamedToolChoice
+from tokenway.api.openai import ChatCompletionRequest, NamedToolChoice, Tool
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import ParserFlags
-from tokenway.tool_params import MARKUP_PARSERS, params_of
-from tokenway.wire import ParseContext, StructuredOutputs
+from tokenway.tool_params import MARKUP_PARSERS, types_of
+from tokenway.wire import ParseContext, StructuredOutputs, ToolParams
 from workers.render import tool_tags
 from workers.render.structured import ToolTags
 
@@ -51,6 +51,17 @@ def keeps_special_tokens(req: ChatCompletionRequest, flags: ParserFlags) -> bool
     if parser in _ENGINE_TOOLS:
         return calls or flags.reasoning_parser is not None
     return parser in _WITH_TOOLS and calls
+
+
+def params_of(tools: Sequence[Tool]) -> list[ToolParams]:
+    """Each function tool's parameter types, as a markup parser reads its calls."""
+    out = []
+    for tool in tools:
+        params = tool.function.parameters or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        types = {k: types_of(v) for k, v in props.items()} if isinstance(props, dict) else {}
+        out.append(ToolParams(name=tool.function.name, types=types))
+    return out
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
