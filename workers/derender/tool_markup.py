@@ -1,25 +1,29 @@
 """Tool calls written as markup, parsed as pure incremental steps.
 
-Qwen3-Coder (`qwen3_coder`, `qwen3_xml`), MiniMax-M2 (`minimax_m2`) and GLM-4.5/4.7 (`glm45`,
-`glm47`) write a call as tags around its name and each argument, arguments as bare text:
+Most open model families write a call as markers around its name and its arguments:
 
-    <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>
-    <minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter></invoke>…
-    <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call>
+    qwen3_coder, qwen3_xml   <tool_call><function=NAME><parameter=K>V</parameter></function>…
+    seed_oss                 the same XML in <seed:tool_call> blocks
+    minimax_m2               <minimax:tool_call><invoke name="NAME"><parameter name="K">V…
+    glm45, glm47             <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…
+    deepseek_v32, _v4        <｜DSML｜invoke name="NAME"><｜DSML｜parameter name="K" string="…">V…
+    kimi_k2                  <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{…}
+    mistral                  [TOOL_CALLS]NAME[ARGS]{…}
 
 Each family is a table (`Family`): its markers, and how each moves the parser from one phase
 to the next (vLLM 0.33 describes these formats as such tables too; read its `vllm/parser`
 for the behaviour). A step finds the earliest marker in the new text, holding back a tail
 that may be the start of one, so markers split across deltas are found and nothing emitted
-is taken back. Argument text goes through a second, smaller scanner (`ParamTags`) that finds
-keys and values; a value is turned into JSON as the tool's schema types it
+is taken back. Arguments written as tags go through a second, smaller scanner (`ParamTags`)
+that finds keys and values; a value is turned into JSON as the tool's schema types it
 (`tokenway.tool_params`): a string value streams as it arrives, any other is held until it
-ends (at most `MAX_TYPED` characters; longer, it streams as a string).
+ends (at most `MAX_TYPED` characters; longer, it streams as a string). Arguments written as
+JSON (Kimi's, Mistral's) pass as written.
 
 What the whole answer holds, for every chunking: content is the text before the first call
-(whitespace-only content before a call is dropped, as is whitespace just before a call);
-text after a call is dropped; a call whose name is empty, or (where the family checks)
-not one of the request's tools, is dropped with its arguments.
+(whitespace alone before a call is dropped, and, where the family strips it, whitespace
+just before one); text after a call is dropped; a call whose name is empty, or (where the
+family checks) not one of the request's tools, is dropped with its arguments.
 """
 
 from __future__ import annotations
