@@ -85,6 +85,9 @@ CASES: list[tuple[str, str, dict[str, Any], Split]] = [
      ("Plan.", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
                "</parameter>\n</function>\n</tool_call>")),
     ("qwen3", "<think>x</think>y", {"enable_thinking": False}, (None, "<think>x</think>y")),
+    # all of the output reasoning (cut while thinking): the message's content is null
+    ("qwen3", "Still thinking about rivers", {}, ("Still thinking about rivers", None)),
+    ("glm45", "Still thinking about rivers", {}, ("Still thinking about rivers", None)),
 ]  # fmt: skip
 
 # Where vLLM's stream is not its whole answer: once a chunk has ended reasoning, it passes

@@ -173,11 +173,20 @@ def _chat_delta(index: int, out: Out) -> ChatChunkChoice:
     )
 
 
-def _chat_choice(index: int, out: Out) -> ChatChoice:
-    """A whole chat response's choice; `out.tool_calls` assembled."""
+def _chat_choice(ctx: OutputContext, index: int, out: Out) -> ChatChoice:
+    """A whole chat response's choice; `out.tool_calls` assembled. No content is null where
+    a reasoning parser took the output or an auto call has no text, "" under a forced tool
+    choice or where nothing parsed the output (as vLLM's chat serving builds the message)."""
+    parse = ctx.parse
+    if out.text or (parse is not None and parse.tool_choice in ("required", "named")):
+        content: str | None = out.text
+    elif out.tool_calls or (parse is not None and parse.reasoning_start == "open"):
+        content = None
+    else:
+        content = ""
     message = ChatMessage(
         role="assistant",
-        content=out.text if out.text or not out.tool_calls else None,
+        content=content,
         reasoning=out.reasoning or None,
         tool_calls=out.tool_calls,
     )
@@ -237,7 +246,7 @@ def response(ctx: OutputContext, index: int, out: Out, completion_tokens: int) -
     """A complete non-streaming response."""
     usage_ = usage(ctx, completion_tokens)
     if ctx.api == "chat":
-        return _envelope(ctx, CHAT, [_chat_choice(index, out)], usage_, out.prompt_token_ids)
+        return _envelope(ctx, CHAT, [_chat_choice(ctx, index, out)], usage_, out.prompt_token_ids)
     return _envelope(ctx, COMPLETION, [_completion_choice(index, out)], usage_)
 
 

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -209,3 +210,30 @@ def test_logprobs_come_with_each_chunk_in_both_shapes(
     offsets = [o for s in shaped for o in s["text_offset"]]
     assert offsets == sorted(offsets) and offsets[0] == 0
     assert "".join(t for s in shaped for t in s["tokens"]) == "Hi there"
+
+
+FORCED = ParseContext(tool_choice="named", tool_name="get_weather")
+PLAIN_TOOLS = ParseContext(tool_choice="auto", tool_parser="deepseek_v31")
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "content"),
+    [
+        (THINK_OPEN, "Still thinking", None),  # all reasoning: no content (vLLM's null)
+        (FORCED, '{"city": "Oslo"}', ""),  # a forced call: content "" (vLLM: content or "")
+        (PLAIN_TOOLS, CALL, None),  # an auto call without text: null
+        (None, "", ""),  # no parser: the text, empty
+    ],
+    ids=["all-reasoning", "forced-call", "auto-call", "no-parser"],
+)
+def test_a_whole_message_says_no_content_as_vllm_does(
+    detok: Detokenizer, tokenizer: Tokenizer, parse: ParseContext | None, text: str,
+    content: str | None,
+) -> None:  # fmt: skip
+    """As vLLM 0.32/0.33's chat serving builds the message: content is null where a
+    reasoning parser took all the output or an auto call has no text, "" under a forced
+    tool choice and where nothing parses the (empty) output."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    context = ctx(parse=parse) if parse is not None else ctx()
+    docs, _ = run(detok, context, [ids], finish="length")
+    assert docs[0]["choices"][0]["message"]["content"] == content
