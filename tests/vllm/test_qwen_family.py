@@ -204,33 +204,6 @@ def _whole_call(
     return {"generate_response": whole, "prompt_token_ids": prompt, "chat_request": request}
 
 
-async def _stream(
-    parts: Any, ids: list[int], step: int, finish: str, prompt: list[int], request: dict
-) -> Message:
-    """tokenway's stream of `ids`, `step` at a time with its state carried, assembled."""
-    state, thought, text, last = None, "", "", None
-    calls: dict[int, tuple[str, str]] = {}
-    for start in range(0, len(ids), step):
-        end = start + step >= len(ids)
-        choice = {"index": 0, "token_ids": ids[start : start + step],
-                  "finish_reason": finish if end else None}  # fmt: skip
-        call = {"stream": True, "stream_state": state, "chat_request": request,
-                "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
-                "prompt_token_ids": prompt}  # fmt: skip
-        answer = await derendering.ours(parts, call)
-        state = answer["stream_state"]
-        (delta_choice,) = answer["chunk"]["choices"]
-        delta = delta_choice["delta"]
-        thought += delta.get("reasoning") or ""
-        text += delta.get("content") or ""
-        for t in delta.get("tool_calls") or []:
-            name, args = calls.get(t["index"], ("", ""))
-            calls[t["index"]] = (name + (t["function"].get("name") or ""),
-                                 args + (t["function"].get("arguments") or ""))  # fmt: skip
-        last = delta_choice["finish_reason"] or last
-    return thought or None, text or None, [calls[i] for i in sorted(calls)], last
-
-
 async def _both(
     family: tuple[str, Any], output: str, finish: str = "stop", thinking: bool = True
 ) -> tuple[Message, Message]:
@@ -245,7 +218,11 @@ async def _both(
     theirs = _message(await derendering.theirs(parts[0], _whole_call(ids, finish, prompt, request)))
     ours = _message(await derendering.ours(parts, _whole_call(ids, finish, prompt, request)))
     for step in (1, 3, 7):
-        assert await _stream(parts, ids, step, finish, prompt, request) == ours, step
+        got = await derendering.streamed(
+            lambda call: derendering.ours(parts, call), ids, step,
+            finish=finish, request=request, prompt=prompt,
+        )  # fmt: skip
+        assert (got.reasoning, got.content, got.calls, got.finish) == ours, step
     return theirs, ours
 
 

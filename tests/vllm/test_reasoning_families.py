@@ -137,22 +137,10 @@ def _message(doc: Any) -> Split:
     return choice["message"].get("reasoning"), choice["message"]["content"]
 
 
-async def _stream(ask: Any, ids: list[int], step: int, request: dict[str, Any]) -> Split:
-    """A server's stream of `ids`, `step` at a time with its state carried, assembled."""
-    state, thought, text = None, "", ""
-    for start in range(0, len(ids), step):
-        end = start + step >= len(ids)
-        choice = {"index": 0, "token_ids": ids[start : start + step],
-                  "finish_reason": "length" if end else None}  # fmt: skip
-        call = {"stream": True, "stream_state": state, "chat_request": request,
-                "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
-                "prompt_token_ids": PROMPT}  # fmt: skip
-        answer = await ask(call)
-        state = answer["stream_state"]
-        (delta_choice,) = answer["chunk"]["choices"]
-        thought += delta_choice["delta"].get("reasoning") or ""
-        text += delta_choice["delta"].get("content") or ""
-    return thought or None, text or None
+async def _split(ask: Any, ids: list[int], step: int, request: dict[str, Any]) -> Split:
+    got = await derendering.streamed(ask, ids, step, finish="length", request=request,
+                                     prompt=PROMPT)  # fmt: skip
+    return got.reasoning, got.content
 
 
 def _ids(model_dir: Any, *texts: str) -> list[int]:
@@ -176,8 +164,8 @@ async def _all(
     their_whole = _message(await theirs(_whole_call(ids, request)))
     our_whole = _message(await ours(_whole_call(ids, request)))
     steps = (1, 3, 7)
-    their_streams = [await _stream(theirs, ids, step, request) for step in steps]
-    our_streams = [await _stream(ours, ids, step, request) for step in steps]
+    their_streams = [await _split(theirs, ids, step, request) for step in steps]
+    our_streams = [await _split(ours, ids, step, request) for step in steps]
     return their_whole, our_whole, their_streams, our_streams
 
 

@@ -151,29 +151,6 @@ def _message(doc: Any) -> tuple[Any, list[tuple[str, str]], str]:
     return choice["message"]["content"], calls, choice["finish_reason"]
 
 
-async def _stream(parts: Any, ids: list[int], step: int, finish: str) -> tuple[Any, list, str]:
-    """tokenway's stream of `ids`, `step` at a time, assembled."""
-    state, text, calls, last = None, "", {}, None
-    for start in range(0, len(ids), step):
-        end = start + step >= len(ids)
-        choice = {"index": 0, "token_ids": ids[start : start + step],
-                  "finish_reason": finish if end else None}  # fmt: skip
-        call = {"stream": True, "stream_state": state, "chat_request": REQUEST,
-                "generate_chunk": {"request_id": "generate-tokens-s", "choices": [choice]},
-                "prompt_token_ids": [1, 2]}  # fmt: skip
-        answer = await derendering.ours(parts, call)
-        state = answer["stream_state"]
-        (delta_choice,) = answer["chunk"]["choices"]
-        delta = delta_choice["delta"]
-        text += delta.get("content") or ""
-        for t in delta.get("tool_calls") or []:
-            name, args = calls.get(t["index"], ("", ""))
-            calls[t["index"]] = (name + (t["function"].get("name") or ""),
-                                 args + (t["function"].get("arguments") or ""))  # fmt: skip
-        last = delta_choice["finish_reason"] or last
-    return text or None, [calls[i] for i in sorted(calls)], last
-
-
 async def _both(family: tuple[str, Any], text: str, finish: str = "stop") -> tuple[Any, Any, list]:
     """vLLM's whole message, tokenway's, and tokenway's streams at 1/3/7 tokens per event."""
     _, parts = family
@@ -187,7 +164,13 @@ async def _both(family: tuple[str, Any], text: str, finish: str = "stop") -> tup
         ids.append(load_model_info(model_dir).eos_token_ids[0])
     theirs = _message(await derendering.theirs(parts[0], _whole_call(ids, finish)))
     ours = _message(await derendering.ours(parts, _whole_call(ids, finish)))
-    streams = [await _stream(parts, ids, step, finish) for step in (1, 3, 7)]
+    streams = []
+    for step in (1, 3, 7):
+        got = await derendering.streamed(
+            lambda call: derendering.ours(parts, call), ids, step,
+            finish=finish, request=REQUEST, prompt=[1, 2],
+        )  # fmt: skip
+        streams.append((got.content, got.calls, got.finish))
     return theirs, ours, streams
 
 
