@@ -17,6 +17,7 @@ max_model_len=32768. …", "type": "BadRequestError", "param": "max_tokens", "co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -275,15 +276,25 @@ def json_tools(
 ) -> Iterator[tuple[VllmServer, Renderer]]:
     """A render server with that template, and tokenway's renderer of a model directory that
     has it as its own."""
-    folder = tmp_path_factory.mktemp("json-tools")
-    (folder / "tools.jinja").write_text(JSON_TOOLS)
+    with _templated(vllm_render_server, tmp_path_factory, "json-tools", JSON_TOOLS) as both:
+        yield both
+
+
+@contextlib.contextmanager
+def _templated(
+    base: VllmServer, tmp_path_factory: pytest.TempPathFactory, name: str, template: str
+) -> Iterator[tuple[VllmServer, Renderer]]:
+    """A render server given `template` as its chat template, and tokenway's renderer of a
+    copy of its model directory that has it as its own."""
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "template.jinja").write_text(template)
     model = folder / "model"
-    shutil.copytree(vllm_render_server.model_dir, model)
+    shutil.copytree(base.model_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": JSON_TOOLS}))
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
     renderer = Renderer(load_model_info(model, MAX_MODEL_LEN), SERVED_NAME)
-    flags = ("--chat-template", str(folder / "tools.jinja"))
-    with render_server(tmp_path_factory, "render-json-tools", *flags) as server:
+    flags = ("--chat-template", str(folder / "template.jinja"))
+    with render_server(tmp_path_factory, f"render-{name}", *flags) as server:
         yield server, renderer
 
 
@@ -348,16 +359,9 @@ def json_messages(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[VllmServer, Renderer]]:
     template = JSON_MESSAGES if request.param == "plain" else DEVELOPER_AWARE
-    folder = tmp_path_factory.mktemp(f"json-messages-{request.param}")
-    (folder / "messages.jinja").write_text(template)
-    model = folder / "model"
-    shutil.copytree(vllm_render_server.model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
-    renderer = Renderer(load_model_info(model, MAX_MODEL_LEN), SERVED_NAME)
-    flags = ("--chat-template", str(folder / "messages.jinja"))
-    with render_server(tmp_path_factory, f"render-json-{request.param}", *flags) as server:
-        yield server, renderer
+    name = f"json-messages-{request.param}"
+    with _templated(vllm_render_server, tmp_path_factory, name, template) as both:
+        yield both
 
 
 async def test_a_conversation_reaches_the_template_as_vllm_hands_it(

@@ -11,6 +11,7 @@ here, as vLLM 0.33 says it; 0.32 says `stop`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,16 +127,25 @@ def _before_call(parser: str, text: str) -> str:
     return text.rstrip() if parser in STRIPPED else text
 
 
+@contextlib.contextmanager
+def _served(
+    tmp_path_factory: Any, parser: str, model: Path | None = None
+) -> Iterator[derendering.Parts]:
+    """vLLM's render server with `parser` as its tool parser, and tokenway's renderer and
+    derender core with the same flags, on the tiny model (or `model`)."""
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    with render_server(tmp_path_factory, f"tools-{parser}", *flags, model=model) as server:
+        info = load_model_info(server.model_dir, max_model_len=MAX_MODEL_LEN)
+        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, parser, True))
+        yield server, renderer, LocalBackend(server.model_dir)
+
+
 @pytest.fixture(scope="module", params=PARSERS)
 def family(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
     """vLLM's render server with the family's tool parser, and tokenway's derender core with
     the same flags."""
-    parser = request.param
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
-    with render_server(tmp_path_factory, f"tools-{parser}", *flags) as server:
-        info = load_model_info(server.model_dir, max_model_len=MAX_MODEL_LEN)
-        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, parser, True))
-        yield parser, (server, renderer, LocalBackend(server.model_dir))
+    with _served(tmp_path_factory, request.param) as parts:
+        yield request.param, parts
 
 
 def _whole_call(ids: list[int], finish: str) -> dict[str, Any]:
@@ -240,12 +250,8 @@ PY_CALLS = (
 
 @pytest.fixture(scope="module", params=["pythonic", "llama4_pythonic"])
 def pythonic(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
-    parser = request.param
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
-    with render_server(tmp_path_factory, f"tools-{parser}", *flags) as server:
-        info = load_model_info(server.model_dir, max_model_len=MAX_MODEL_LEN)
-        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, parser, True))
-        yield parser, (server, renderer, LocalBackend(server.model_dir))
+    with _served(tmp_path_factory, request.param) as parts:
+        yield request.param, parts
 
 
 async def test_a_python_list_of_calls(pythonic: Any) -> None:
@@ -281,11 +287,8 @@ def mistral(tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     tokenizer.add_special_tokens(["[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"])
     tokenizer.save(str(model / "tokenizer.json"))
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
-    with render_server(tmp_path_factory, "tools-mistral", *flags, model=model) as server:
-        info = load_model_info(model, max_model_len=MAX_MODEL_LEN)
-        renderer = Renderer(info, SERVED_NAME, ParserFlags(None, "mistral", True))
-        yield "mistral", (server, renderer, LocalBackend(model))
+    with _served(tmp_path_factory, "mistral", model) as parts:
+        yield "mistral", parts
 
 
 async def test_mistral_calls(mistral: Any) -> None:

@@ -126,11 +126,11 @@ class ParamTags:
     trim_newlines: bool  # one leading and one trailing newline of a value are markup
     strip_key: bool
     attrs: bool = False  # attributes follow the key up to ">" (DSML)
+    enders: tuple[str, ...] = field(init=False)  # what ends a value
 
-    @property
-    def enders(self) -> tuple[str, ...]:
-        """What ends a value."""
-        return (self.value_close, *self.opens) if self.open_ends_value else (self.value_close,)
+    def __post_init__(self) -> None:
+        ends = (self.value_close, *self.opens) if self.open_ends_value else (self.value_close,)
+        object.__setattr__(self, "enders", ends)
 
 
 def _plain(header: str) -> tuple[str, str | None] | None:
