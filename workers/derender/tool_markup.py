@@ -44,7 +44,9 @@ from tokenway.wire import ToolParams
 
 MAX_NAME = 512  # as tools.py: a longer name is not a function name
 MAX_KEY = 256
-MAX_TYPED = 4096  # a typed value held for conversion; past it, it streams as a string
+# a typed value held for conversion; past it, it streams as a string. At most 4 bytes a
+# character, it keeps the state well within what a chunk may carry (stream_state, 12 KiB).
+MAX_TYPED = 1024
 MAX_SPACE = 256  # whitespace held back before a possible call; past it, it is content
 
 

@@ -9,10 +9,11 @@ before a number); positional arguments are ignored. Any other output is content.
 
 Here a step reads only the new text (what a reader cannot decide yet, a few characters, is
 held for the next). A string argument streams as it arrives, its escapes decoded and written
-as JSON; any other value is held until it ends (at most `MAX_LITERAL` characters) and read
-with Python's own parser. vLLM's whole answer turns the entire output into content when any
-part of it does not read; a stream that has sent calls cannot, so here a value that is no
-literal comes out as its text (a JSON string), and text after the list is dropped.
+as JSON; any other value is held until it ends and read with Python's own parser (past
+`MAX_LITERAL` characters it streams as a string of its text). vLLM's whole answer turns the
+entire output into content when any part of it does not read; a stream that has sent calls
+cannot, so here a value that is no literal comes out as its text (a JSON string), and text
+after the list is dropped.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from msgspec import Meta
 
 PYTHON_START = "<|python_start|>"
 MAX_NAME = 512
-MAX_LITERAL = 4096
+MAX_LITERAL = 1024  # as tool_markup.MAX_TYPED: the state stays within stream_state's bound
 _SEPARATORS = re.compile(r"[\s,]*")
 _NAME = re.compile(r"[\w.]+")
 _KEYWORD = re.compile(r"([A-Za-z_]\w*)\s*(=?)")
@@ -64,6 +65,7 @@ class PyState(msgspec.Struct, array_like=True, omit_defaults=True):
     # a held value: its text, and its brackets and open string so far
     literal: Annotated[str, Meta(max_length=MAX_LITERAL)] = ""
     held_value: bool = False
+    spilled: bool = False  # the held value grew past MAX_LITERAL: it goes on as a string
     depth: Annotated[int, Meta(ge=0)] = 0
     inner: str = ""
     inner_escape: bool = False
@@ -111,6 +113,8 @@ def finish(s: PyState, out: Sink) -> None:
             _called(s, out)
         if s.live and s.phase == Phase.VALUE:
             if s.quote:
+                out.args(_json(held) + '"')
+            elif s.spilled:
                 out.args(_json(held) + '"')
             elif s.held_value or held.strip():
                 out.args(_dumped(s.literal + held))
@@ -177,7 +181,8 @@ def _key(s: PyState, text: str, i: int, out: Sink, parallel: bool) -> int | None
     m = _KEYWORD.match(text, i)
     if m is not None and m.end() + 1 > len(text) and len(text) - i <= MAX_NAME:
         return None  # the name, its `=`, or a second `=` may follow
-    s.literal, s.held_value, s.depth, s.inner, s.inner_escape = "", False, 0, "", False
+    s.literal, s.held_value, s.spilled, s.depth = "", False, False, 0
+    s.inner, s.inner_escape = "", False
     if m is None or not m.group(2) or text.startswith("==", m.end() - 1):
         s.phase = Phase.SKIP
         return i
@@ -311,13 +316,27 @@ def _literal_text(s: PyState, text: str, i: int, out: Sink) -> int:
             break
         i += 1
     if s.phase == Phase.VALUE:
-        s.literal = (s.literal + text[start:i])[:MAX_LITERAL]
+        _hold_literal(s, text[start:i], out)
     if i >= n:
         return n
     if s.phase == Phase.VALUE and s.live:
-        out.args(_dumped(s.literal))
-    s.literal, s.held_value, s.phase = "", False, Phase.ARGS
+        out.args('"' if s.spilled else _dumped(s.literal))
+    s.literal, s.held_value, s.spilled, s.phase = "", False, False, Phase.ARGS
     return i
+
+
+def _hold_literal(s: PyState, piece: str, out: Sink) -> None:
+    """More of a held value's text; past MAX_LITERAL, the value goes on as a string of its
+    text (nothing of it is lost)."""
+    if s.spilled:
+        if s.live:
+            out.args(_json(piece))
+    elif len(s.literal) + len(piece) > MAX_LITERAL:
+        if s.live:
+            out.args('"' + _json(s.literal + piece))
+        s.literal, s.spilled = "", True
+    else:
+        s.literal += piece
 
 
 def _skip(s: PyState, text: str, i: int, out: Sink, parallel: bool) -> int | None:
@@ -328,7 +347,8 @@ def _end_call(s: PyState, out: Sink, parallel: bool) -> None:
     if s.live:
         out.args("}" if s.params else "{}")
     s.phase = Phase.LIST if parallel or not s.live else Phase.DONE
-    s.live, s.name, s.params, s.quote, s.literal, s.held_value = False, "", 0, "", "", False
+    s.live, s.name, s.params, s.quote, s.literal = False, "", 0, "", ""
+    s.held_value = s.spilled = False
 
 
 _READERS = {

@@ -9,11 +9,16 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
+from tests.workers.derender.test_parsing import assemble
+from tests.workers.derender.test_parsing import ctx as chat_context
+from tests.workers.derender.test_parsing import run as derender_run
 from tokenway.parsers import TOOL_PARSERS
 from tokenway.tool_params import MARKUP_PARSERS, coerce, types_of
 from tokenway.wire import ParseContext, ToolParams
 from workers.derender import tool_markup, tools
+from workers.derender.detok import Detokenizer
 
 WEATHER = ToolParams(
     name="get_weather",
@@ -330,3 +335,24 @@ def test_mistral_calls_one_marker_each_arguments_as_written() -> None:
     ids = [d.id for d in deltas if d.id]
     assert len(ids) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)
     assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "pythonic"])
+def test_a_long_held_value_of_wide_characters_keeps_the_state_within_its_bound(
+    detok: Detokenizer, tokenizer: Tokenizer, parser: str
+) -> None:
+    """A value held for conversion (an object-typed parameter; a pythonic list) of CJK text,
+    three bytes a character: the stream's state must stay within what a chunk may carry
+    (stream_state's 12 KiB), or the next chunk is refused and the request fails midway
+    (4,076 such characters did). Past the hold's bound the value streams as a string."""
+    body = json.dumps({"note": "東" * 4076}, ensure_ascii=False)
+    if parser == "pythonic":
+        text = f"[get_weather(opts={body})]"
+    else:
+        text = qwen_call("get_weather", opts=body)
+    context = chat_context(stream=True, parse=ctx(parser))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    docs, _ = derender_run(detok, context, [ids[i : i + 16] for i in range(0, len(ids), 16)])
+    (call,) = assemble(docs)["calls"].values()
+    value = json.loads(call["arguments"])["opts"]
+    assert value == body or value == json.loads(body)  # past the bound: its text

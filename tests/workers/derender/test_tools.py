@@ -687,3 +687,13 @@ def test_pythonic_output_that_is_no_list_is_content() -> None:
     assert [c["function"]["arguments"] for c in tools.merge(r.deltas)] == [
         '{"x": "compute(3)", "y": [1, 2]}'
     ]
+
+
+def test_a_pythonic_value_too_long_to_hold_comes_whole_as_its_text() -> None:
+    """Past the hold's bound a value streams as a string of its text: nothing of it is lost
+    (it was cut at the bound)."""
+    numbers = "[" + ", ".join(str(i) for i in range(600)) + "]"
+    text = f"[f(x={numbers}, y=2)]"
+    for chunks in ([text], cut(text, [7])):
+        (call,) = tools.merge(run(PYTHONIC, chunks).deltas)
+        assert json.loads(call["function"]["arguments"]) == {"x": numbers, "y": 2}
