@@ -33,6 +33,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 # everything or was never held up. A prompt exit takes well under a second.
 BELOW_THE_DRAIN_HANG = 15.0
 
+# Heartbeats one every 200 s (a third of the TTL): an entry no stall of the machine expires.
+SLOW_BEATS_TTL = 600.0
+
 
 async def test_an_ingress_a_resumed_client_left_exits_on_sigterm_without_a_drain_timeout(
     stack: Stack, tmp_path: Path
@@ -102,31 +105,34 @@ async def streamed_across(
 
 
 async def test_an_engine_that_stops_on_purpose_is_logged_as_left_not_as_silent(
-    nats_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The engine running a stream stops gracefully: its owner relays the stream to another
     engine and says the engine left (stopped), not that it stopped heartbeating (what a
-    lost engine is told by)."""
+    lost engine is told by). On a bus of its own whose entries outlive any stall of a
+    loaded machine: under the session's 3 s TTL, a loop held up that long let the entry
+    expire first, and an engine silent for a TTL is rightly told lost."""
     caplog.set_level(logging.INFO)
-    settings = make_settings(tmp_path, served_model_name=f"leave-{uuid.uuid4().hex[:8]}",
-                             sim_itl=0.01)  # fmt: skip
-    front = await start_stack(nats_url, settings, ["ingress", "render", "schedule"])
-    first = await start_stack(nats_url, settings, ["sim"])
-    await wait_engines(front.ingress.registry, 1)
-    second = None
+    async with provisioned_bus(tmp_path / "bus", engine_ttl=SLOW_BEATS_TTL) as own:
+        settings = make_settings(tmp_path, served_model_name=f"leave-{uuid.uuid4().hex[:8]}",
+                                 engine_ttl=SLOW_BEATS_TTL, sim_itl=0.01)  # fmt: skip
+        front = await start_stack(own.url, settings, ["ingress", "render", "schedule"])
+        first = await start_stack(own.url, settings, ["sim"])
+        await wait_engines(front.ingress.registry, 1)
+        second = None
 
-    async def swap() -> None:
-        nonlocal second
-        second = await start_stack(nats_url, settings, ["sim"])
-        await wait_engines(front.ingress.registry, 2)
-        await first.close()
+        async def swap() -> None:
+            nonlocal second
+            second = await start_stack(own.url, settings, ["sim"])
+            await wait_engines(front.ingress.registry, 2)
+            await first.close()
 
-    try:
-        (out,) = await streamed_across(front, swap, 400)
-    finally:
-        for stack in (second, front):
-            if stack is not None:
-                await stack.close()
+        try:
+            (out,) = await streamed_across(front, swap, 400)
+        finally:
+            for stack in (second, front):
+                if stack is not None:
+                    await stack.close()
     assert out.done == 1 and '"error"' not in out.raw.decode()
     gone = first.by_name["engine"][0].id
     said = [r.getMessage() for r in caplog.records if gone in r.getMessage()]
@@ -169,10 +175,6 @@ async def test_a_draining_schedule_worker_hands_its_stream_to_a_peer_and_says_so
     assert any(line.startswith(handed) for line in said[:taken]), said
     assert "taken over as its last owner handed it over" in said[taken], said[taken]
     assert f"schedule {owner} stopped: 1 request handed over" in said, said
-
-
-# The engine registry's heartbeats in the test below: one every 200 s (a third of the TTL).
-SLOW_BEATS_TTL = 600.0
 
 
 async def test_a_hand_over_onto_a_full_engine_relays_without_waiting_for_its_next_beat(

@@ -120,6 +120,7 @@ async def test_a_tenant_at_its_limit_on_one_ingress_is_refused_there_before_rend
     one, _ = ingresses
     nc = await nats.connect(one.observer)
     queued = await nc.subscribe(bus.render_subject(bus.ANY))
+    await nc.flush()  # the server holds the subscription before anything is published
     try:
         async with _running(one, FLOOD, ENDLESS), _running(one, FLOOD, ENDLESS):
             async with _http(one, FLOOD) as http:
