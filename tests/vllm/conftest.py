@@ -7,7 +7,9 @@
 - `TOKENWAY_TEST_VLLM_MODEL`: the tiny model directory (`tests/vllm/make_tiny_model.py`);
 - `TOKENWAY_TEST_VLLM_LOG` (optional): where the server's output goes;
 - `TOKENWAY_TEST_VLLM_QWEN_MODEL` (optional): a Qwen3.6 model directory with Qwen's real
-  tokenizer (`tests/vllm/make_qwen_model.py`; test_qwen_family.py builds it when unset).
+  tokenizer (`tests/vllm/make_qwen_model.py`; test_qwen_family.py builds it when unset);
+- `TOKENWAY_TEST_VLLM_GPTOSS_MODEL` (optional): a gpt-oss model directory with gpt-oss's
+  tokenizer, rebuilt from the harmony package vLLM installs (`tests/vllm/make_gptoss_model.py`).
 
 Without the first two, every test marked `vllm` is skipped and nothing is started.
 """
