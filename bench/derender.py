@@ -5,7 +5,8 @@ token per chunk and eight per chunk, threading `stream_state` between chunks as 
 does, for:
 
 - plain text;
-- each reasoning parser in `REASONING_PARSERS`: half reasoning, its end marker, then content;
+- each reasoning parser in `REASONING_PARSERS`: half reasoning, its end marker, then content
+  (gpt-oss's: an analysis message, then a final one);
 - each tool parser in `TOOL_PARSERS`: a sentence of content (none for the Llama and pythonic
   parsers, whose output is calls only when it opens with one), then one `write_file` call in
   the parser's own syntax whose `content` string argument is nearly all of the output,
@@ -42,7 +43,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from tokenway.model import default_model_dir
-from tokenway.parsers import REASONING_PARSERS, TOOL_PARSERS, reasoning_format
+from tokenway.parsers import HARMONY_REASONING, REASONING_PARSERS, TOOL_PARSERS, reasoning_format
 from tokenway.wire import DerenderEntry, OutputContext, ParseContext, ToolParams
 from workers.derender.core import derender
 from workers.derender.detok import Detokenizer
@@ -58,7 +59,10 @@ WRITE_FILE = ToolParams(
 )
 PREAMBLE = "I will write the file.\n\n"  # content before the call
 # an output is these parsers' calls only if it opens with one: no content before it
-OPENS_WITH_CALL = frozenset({"llama3_json", "llama4_json", "llama4_pythonic", "pythonic"})
+OPENS_WITH_CALL = frozenset({"llama3_json", "llama4_json", "llama4_pythonic", "openai", "pythonic"})
+# gpt-oss's harmony: where its output's reasoning opens, and what ends it and opens the answer
+ANALYSIS = "<|channel|>analysis<|message|>"
+FINAL = "<|end|><|start|>assistant<|channel|>final<|message|>"
 
 
 def _json_args(content: str) -> str:
@@ -111,6 +115,13 @@ def _qwen(block: str) -> Callable[[str], str]:
     return call
 
 
+def _harmony(content: str) -> str:
+    return (
+        "<|channel|>commentary to=functions.write_file <|constrain|>json<|message|>"
+        f"{_json_args(content)}<|call|>"
+    )
+
+
 def _mistral(content: str) -> str:
     return f"[TOOL_CALLS]write_file[ARGS]{_json_args(content)}"
 
@@ -159,6 +170,7 @@ CALLS: dict[str, Callable[[str], str]] = {
     "llama4_pythonic": _pythonic("<|python_start|>"),
     "minimax_m2": _minimax,
     "mistral": _mistral,
+    "openai": _harmony,
     "pythonic": _pythonic(""),
     "qwen3_coder": _qwen("tool_call"),
     "qwen3_xml": _qwen("tool_call"),
@@ -196,9 +208,12 @@ def outputs(tokenizer: Tokenizer, n: int) -> list[Output]:
     file_text = lines * (2 * n // len(lines) + 2)
     rows = [Output("plain", "", PLAIN, plain)]
     for parser in REASONING_PARSERS:
-        end = tokenizer.encode(reasoning_format(parser).end, add_special_tokens=False).ids
+        harmony = parser == HARMONY_REASONING
+        opens = tokenizer.encode(ANALYSIS, add_special_tokens=False).ids if harmony else []
+        end_text = FINAL if harmony else reasoning_format(parser).end
+        end = tokenizer.encode(end_text, add_special_tokens=False).ids
         parse = ParseContext(reasoning_parser=parser, reasoning_start="open")
-        ids = plain[: n // 2] + end + plain[: n - n // 2 - len(end)]
+        ids = opens + plain[: n // 2] + end + plain[: n - n // 2 - len(end) - len(opens)]
         rows.append(Output("reasoning", parser, _with(parse), ids))
     for parser in TOOL_PARSERS:
         if parser not in CALLS:  # unwritten(): reported, not measured

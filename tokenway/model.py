@@ -45,6 +45,8 @@ class ModelInfo:
     eos_token_ids: list[int]
     bos_token_id: int | None
     vocab_size: int
+    # gpt-oss (config.json's model_type `gpt_oss`): prompts are harmony's, not a template's
+    harmony: bool = False
 
 
 @functools.lru_cache(maxsize=8)  # a process serves a few models, tests a few model dirs
@@ -124,6 +126,7 @@ def load_model_info(model_dir: Path, max_model_len: int | None = None) -> ModelI
         eos_token_ids=[int(eos)] if isinstance(eos, int) else [int(i) for i in eos],
         bos_token_id=None if bos is None else int(bos),
         vocab_size=int(vocab_size),
+        harmony=config.get("model_type") == "gpt_oss",
     )
 
 

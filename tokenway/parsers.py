@@ -27,6 +27,7 @@ TOOL_PARSERS: tuple[str, ...] = (
     "llama4_pythonic",
     "minimax_m2",
     "mistral",
+    "openai",
     "pythonic",
     "qwen3_coder",
     "qwen3_xml",
@@ -64,6 +65,12 @@ class ParserFlags:
             )
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        others = {self.reasoning_parser, self.tool_call_parser} - {None, *HARMONY}
+        if is_harmony(self.reasoning_parser, self.tool_call_parser) and others:
+            raise ValueError(
+                f"harmony's parsers ({', '.join(HARMONY)}) read gpt-oss's channels and go "
+                f"with no other parser, not with {others.pop()!r}"
+            )
 
 
 # How a request's chat_template_kwargs switch a parser's reasoning on (vLLM reads them when it
@@ -194,11 +201,24 @@ _FORMATS: dict[str, ReasoningFormat] = {
         turn_boundaries=("<seed:bos>", "<seed:eos>"),
     ),
 }
-REASONING_PARSERS: tuple[str, ...] = tuple(_FORMATS)
+# gpt-oss's harmony format: vLLM names its one parser twice, as the tool parser `openai` and
+# the reasoning parser `openai_gptoss`; either reads the output's channels (derender's
+# harmony.py), which no marker table describes.
+HARMONY_TOOLS = "openai"
+HARMONY_REASONING = "openai_gptoss"
+HARMONY = (HARMONY_REASONING, HARMONY_TOOLS)
+MARKER_REASONING_PARSERS: tuple[str, ...] = tuple(_FORMATS)  # those a ReasoningFormat reads
+REASONING_PARSERS: tuple[str, ...] = (*MARKER_REASONING_PARSERS, HARMONY_REASONING)
+
+
+def is_harmony(reasoning_parser: str | None, tool_parser: str | None) -> bool:
+    """Whether output is read as harmony's channels (either of its parsers named)."""
+    return reasoning_parser == HARMONY_REASONING or tool_parser == HARMONY_TOOLS
 
 
 def reasoning_format(parser: str) -> ReasoningFormat:
-    """The reasoning parser's format; ValueError for a parser we do not know."""
+    """The reasoning parser's format; ValueError for a parser we do not know (or harmony's,
+    which has none)."""
     found = _FORMATS.get(parser)
     if found is None:
         raise ValueError(
@@ -230,8 +250,11 @@ def start_mode(
 
     Decided once, by render, from the rendered prompt, as vLLM's whole (non-streaming) answer
     decides it. Raises ValueError for an unknown parser, or for a model whose vocabulary
-    lacks the tokens the parser needs.
+    lacks the tokens the parser needs. Harmony's output is read by its channels: "off" for
+    the marker parsers.
     """
+    if parser == HARMONY_REASONING:
+        return "off"
     fmt = reasoning_format(parser)
     if not _thinking(fmt.switch, chat_template_kwargs):
         return "off"
@@ -271,7 +294,10 @@ def prompt_ends_reasoning(
     engine reads back to the turn's start: an end token (or a call's start that is a
     token) says reasoning ended, a start token that it is open; none, that the engine
     still waits for reasoning, which is not the start the engine's whole answer takes for
-    Kimi, MiniMax and Mistral."""
+    Kimi, MiniMax and Mistral. Harmony's always says so (its structural tag holds the
+    channels)."""
+    if parser == HARMONY_REASONING:
+        return True
     mode = start_mode(parser, prompt_token_ids, chat_template_kwargs, vocab)
     fmt = reasoning_format(parser)
     if mode == "off" or not fmt.parses_content:

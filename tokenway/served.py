@@ -11,7 +11,7 @@ from tokenway.config import Settings
 from tokenway.model import DEFAULT_MODEL_NAME, ModelInfo, default_model_dir, load_model_info
 from tokenway.model_parsers import picked
 from tokenway.obfuscation import ObfuscationError, Permutation, load_key
-from tokenway.parsers import ParserFlags
+from tokenway.parsers import HARMONY, HARMONY_REASONING, HARMONY_TOOLS, ParserFlags
 
 # The bundled DeepSeek-V4 tokenizer's template speaks DeepSeek-V3.1's formats.
 DEFAULT_PARSERS = ParserFlags(
@@ -94,6 +94,8 @@ def _base(model: ServedModel) -> ParserFlags:
     parser)."""
     if model.bundled:
         return DEFAULT_PARSERS
+    if model.info.harmony:
+        return ParserFlags(HARMONY_REASONING, HARMONY_TOOLS, enable_auto_tool_choice=True)
     reasoning, tools = picked(model.info.path)
     return ParserFlags(reasoning, tools, enable_auto_tool_choice=tools is not None)
 
@@ -114,6 +116,14 @@ def parser_flags(s: Settings, model: ServedModel) -> ParserFlags:
         flags.check()
     except ValueError as exc:
         raise SystemExit(f"tokenway: {exc}") from exc
+    other = next((p for p in (flags.reasoning_parser, flags.tool_call_parser)
+                  if p is not None and p not in HARMONY), None)  # fmt: skip
+    if model.info.harmony and other is not None:
+        raise SystemExit(
+            f"tokenway: model {model.name!r} is gpt-oss (its config's model_type): its output "
+            f"is harmony's, read by --reasoning-parser {HARMONY_REASONING} and "
+            f"--tool-call-parser {HARMONY_TOOLS}, not {other}"
+        )
     return flags
 
 
@@ -121,6 +131,8 @@ def parsers_said(s: Settings, model: ServedModel) -> str:
     """The start-up line that says how a model's output is parsed, and where that came from."""
     flags, base = parser_flags(s, model), _base(model)
     source = "the bundled tokenizer's" if model.bundled else "its chat template's"
+    if model.info.harmony:
+        source = "gpt-oss's, its config says"
 
     def one(kind: str, name: str | None, given: str | None) -> str:
         if name is None:

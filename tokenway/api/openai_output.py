@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
+from tokenway.parsers import is_harmony
 from tokenway.wire import OutputContext
 
 CHAT_CHUNK = "chat.completion.chunk"
@@ -175,12 +176,18 @@ def _chat_delta(index: int, out: Out) -> ChatChunkChoice:
 
 def _chat_choice(ctx: OutputContext, index: int, out: Out) -> ChatChoice:
     """A whole chat response's choice; `out.tool_calls` assembled. No content is null where
-    a reasoning parser took the output or an auto call has no text, "" under a forced tool
-    choice or where nothing parsed the output (as vLLM's chat serving builds the message)."""
+    a reasoning parser took the output, an auto call has no text or harmony's channels hold
+    no answer, "" under a forced tool choice or where nothing parsed the output (as vLLM's
+    chat serving builds the message)."""
     parse = ctx.parse
     if out.text or (parse is not None and parse.tool_choice in ("required", "named")):
         content: str | None = out.text
-    elif out.tool_calls or (parse is not None and parse.reasoning_start == "open"):
+    elif out.tool_calls or (
+        parse is not None
+        and (
+            parse.reasoning_start == "open" or is_harmony(parse.reasoning_parser, parse.tool_parser)
+        )
+    ):
         content = None
     else:
         content = ""

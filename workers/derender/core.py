@@ -19,6 +19,7 @@ import msgspec
 from tokenway.api import openai_output
 from tokenway.api.openai_output import Out
 from tokenway.errors import InvalidRequest, TokenwayError, internal
+from tokenway.parsers import is_harmony
 from tokenway.wire import (
     Api,
     Derendered,
@@ -30,7 +31,16 @@ from tokenway.wire import (
     OutputContext,
     responses_of,
 )
-from workers.derender import generate, logprobs, messages, reasoning, responses, stops, tools
+from workers.derender import (
+    generate,
+    harmony,
+    logprobs,
+    messages,
+    reasoning,
+    responses,
+    stops,
+    tools,
+)
 from workers.derender import state as states
 from workers.derender.detok import Detokenizer, seed
 from workers.derender.state import Opened, StreamState
@@ -51,6 +61,13 @@ CHATS = ("chat", "messages", "responses")
 
 def initial_state(ctx: OutputContext) -> StreamState:
     parse = ctx.parse if ctx.api in CHATS else None
+    if parse is not None and is_harmony(parse.reasoning_parser, parse.tool_parser):
+        return StreamState(
+            detok=seed(ctx.prompt_tail),
+            stop=stops.StopState() if ctx.stop else None,
+            harmony=harmony.HarmonyState(),
+            logprobs=logprobs.LogprobState() if ctx.logprobs is not None else None,
+        )
     return StreamState(
         detok=seed(ctx.prompt_tail),
         stop=stops.StopState() if ctx.stop else None,
@@ -94,6 +111,9 @@ def _parse(ctx: OutputContext, state: StreamState, text: str, done: bool, out: O
     parse = ctx.parse
     assert parse is not None
     content = text
+    if state.harmony is not None:
+        _channels(ctx, state, text, done, out)
+        return
     if state.reasoning is not None:
         assert parse.reasoning_parser is not None
         thought, content, state.reasoning = reasoning.step(
@@ -111,6 +131,22 @@ def _parse(ctx: OutputContext, state: StreamState, text: str, done: bool, out: O
             content, calls = content + more_content, calls + more_calls
         out.tool_calls = calls
         state.tools_called = state.tools_called or bool(calls)
+    out.text = content
+
+
+def _channels(ctx: OutputContext, state: StreamState, text: str, done: bool, out: Out) -> None:
+    """Harmony's messages: reasoning, content and calls by channel and recipient."""
+    parse = ctx.parse
+    assert parse is not None and state.harmony is not None
+    rid = ctx.response_id
+    thought, content, calls, state.harmony = harmony.step(parse, state.harmony, text, rid)
+    if done:
+        more_thought, more_content, more_calls = harmony.finish(parse, state.harmony, rid)
+        thought, content, calls = thought + more_thought, content + more_content, calls + more_calls
+    if parse.include_reasoning:
+        out.reasoning = thought
+    out.tool_calls = calls
+    state.tools_called = state.tools_called or bool(calls)
     out.text = content
 
 
@@ -313,6 +349,8 @@ def _reasoning_tokens(ctx: OutputContext, pieces: Sequence[str]) -> int:
     parse = ctx.parse
     if parse is None or parse.reasoning_parser is None:
         return 0
+    if is_harmony(parse.reasoning_parser, parse.tool_parser):
+        return harmony.count(parse, pieces)
     return reasoning.count(parse.reasoning_parser, parse.reasoning_start, pieces)
 
 

@@ -1,5 +1,5 @@
 """JSON text rewritten, as it streams, the way `json.dumps(json.loads(text), ensure_ascii=False)`
-writes it.
+writes it (or, `ascii`, `json.dumps(json.loads(text))`).
 
 Where vLLM's whole answer re-serializes a model's JSON (hermes' and llama3_json's call
 arguments, a "required" call's parameters), a stream of the model's raw text would end as
@@ -44,6 +44,8 @@ class CanonState(msgspec.Struct, array_like=True, omit_defaults=True):
     in_string: bool = False
     escape: Annotated[str, Meta(max_length=12)] = ""  # an escape not yet complete
     atom: Annotated[str, Meta(max_length=MAX_ATOM)] = ""  # a number or literal so far
+    # json.dumps's own default: every character past ASCII escaped (harmony's arguments)
+    ascii: bool = False
 
 
 def step(s: CanonState, text: str) -> str:
@@ -100,12 +102,12 @@ def _string(s: CanonState, text: str, i: int, out: list[str]) -> int:
         s.escape += text[i : i + take]
         i += take
         if len(s.escape) == need:
-            out.append(_escaped(_decode_escape(s.escape)))
+            out.append(_escaped(_decode_escape(s.escape), s.ascii))
             s.escape = ""
         return i
     m = _STRING_STOP.search(text, i)
     end = n if m is None else m.start()
-    out.append(_escaped(text[i:end]))
+    out.append(_escaped(text[i:end], s.ascii))
     if m is None:
         return n
     if m.group() == '"':
@@ -145,7 +147,9 @@ def _decode_escape(esc: str) -> str:
         return esc
 
 
-def _escaped(text: str) -> str:
+def _escaped(text: str, ascii: bool) -> str:
+    if ascii and not text.isascii():
+        return json.dumps(text)[1:-1]
     if not _NEEDS_ESCAPE.search(text):
         return text
     return _NEEDS_ESCAPE.sub(lambda m: _SHORT.get(m.group(), f"\\u{ord(m.group()):04x}"), text)

@@ -12,8 +12,10 @@ import msgspec
 from msgspec import Struct
 
 from tokenway.errors import InvalidRequest
+from tokenway.parsers import is_harmony
 from tokenway.wire import OutputContext
 from workers.derender import logprobs, reasoning, stops
+from workers.derender.harmony import HarmonyState
 from workers.derender.logprobs import LogprobState
 from workers.derender.reasoning import ReasoningState
 from workers.derender.stops import StopState
@@ -58,6 +60,7 @@ class StreamState(Struct, array_like=True, omit_defaults=True):
     tools_called: bool = False  # any tool call streamed: finish "stop" becomes "tool_calls"
     logprobs: LogprobState | None = None
     opened: Opened | None = None  # a Messages or Responses stream's open part
+    harmony: HarmonyState | None = None  # gpt-oss's channels (reasoning and tools both)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -109,6 +112,10 @@ def _problem(state: StreamState, vocab_size: int) -> str | None:
 def _parts_problem(state: StreamState, ctx: OutputContext) -> str | None:
     """Each stage's own check of its part of the state."""
     parse = ctx.parse
+    if state.harmony is not None and not (
+        parse is not None and is_harmony(parse.reasoning_parser, parse.tool_parser)
+    ):
+        return "stream_state has harmony state for a request whose output is not harmony's"
     if state.reasoning is not None:
         if parse is None or parse.reasoning_parser is None:
             return "stream_state has reasoning state for a request without a reasoning parser"

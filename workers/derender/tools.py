@@ -173,7 +173,7 @@ def step(
     s = msgspec.structs.replace(state)
     if s.canon is not None:  # stepped in place: the caller's state stays as it was
         s.canon = msgspec.structs.replace(s.canon)
-    out = _Out(ctx)
+    out = Emitted(ctx)
     choice = _reading(ctx)
     if choice == "named":
         if text:
@@ -211,7 +211,7 @@ def finish(
 ) -> tuple[str, list[ToolCallDelta]]:
     """The end of output: release what was held (a tail that turned out not to be a marker)."""
     s = msgspec.structs.replace(state)
-    out = _Out(ctx)
+    out = Emitted(ctx)
     if _reading(ctx) == "named":
         if not s.announced:  # a forced call is always reported, even on empty output
             _announce(s, out, ctx.tool_name or "")
@@ -266,7 +266,7 @@ def rewrites_finish(ctx: ParseContext, any_calls: bool) -> bool:
 # -- what a step emits ----------------------------------------------------------------------
 
 
-class _Out:
+class Emitted:
     """Content pieces and, per call in order, its announcement and argument pieces."""
 
     __slots__ = ("calls", "content", "short")
@@ -308,7 +308,7 @@ class _Sink:
 
     __slots__ = ("content", "out", "s")
 
-    def __init__(self, s: ToolState, out: _Out) -> None:
+    def __init__(self, s: ToolState, out: Emitted) -> None:
         self.s, self.out, self.content = s, out, out.content
 
     def call(self, name: str, cid: str | None = None) -> None:
@@ -344,7 +344,7 @@ _REQUIRED = _Format(("parameters",), eager=False, after=Phase.BETWEEN)
 _LLAMA = _Format(("arguments", "parameters"), eager=True, after=Phase.BETWEEN)
 
 
-def _announce(s: ToolState, out: _Out, name: str) -> None:
+def _announce(s: ToolState, out: Emitted, name: str) -> None:
     out.announce(s.calls, name)
     s.calls += 1
     s.announced, s.name = True, ""
@@ -353,7 +353,7 @@ def _announce(s: ToolState, out: _Out, name: str) -> None:
         s.pending = ""
 
 
-def _args(s: ToolState, out: _Out, piece: str) -> None:
+def _args(s: ToolState, out: Emitted, piece: str) -> None:
     if not piece:
         return
     s.has_args = True
@@ -365,7 +365,7 @@ def _args(s: ToolState, out: _Out, piece: str) -> None:
         s.pending += piece
 
 
-def _close(s: ToolState, out: _Out, parallel: bool, after: Phase) -> None:
+def _close(s: ToolState, out: Emitted, parallel: bool, after: Phase) -> None:
     """A call ends: one with a name is reported (arguments `{}` when it had none)."""
     if not s.announced and s.name_done:
         _announce(s, out, s.name)
@@ -413,7 +413,7 @@ _NAME_MARKERS = (DS_SEP, DS_CALL_END, DS_CALLS_END)
 _ARGS_MARKERS = (DS_CALL_END, DS_CALLS_END)
 
 
-def _content_until(s: ToolState, text: str, i: int, out: _Out, marker: str, then: Phase) -> int:
+def _content_until(s: ToolState, text: str, i: int, out: Emitted, marker: str, then: Phase) -> int:
     """Content up to `marker` (holding back a partial one); where parsing goes on, or -1."""
     j = text.find(marker, i)
     if j < 0:
@@ -424,7 +424,7 @@ def _content_until(s: ToolState, text: str, i: int, out: _Out, marker: str, then
     return j + len(marker)
 
 
-def _say(s: ToolState, out: _Out, piece: str) -> None:
+def _say(s: ToolState, out: Emitted, piece: str) -> None:
     """Content; while it is whitespace alone it is held (a call may follow)."""
     if s.spoke:
         out.content.append(piece)
@@ -435,7 +435,7 @@ def _say(s: ToolState, out: _Out, piece: str) -> None:
         s.space += piece
 
 
-def _deepseek(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+def _deepseek(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
     """`<｜tool▁calls▁begin｜>` then calls `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
     <｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>` (vLLM's DeepSeekV31ToolParser)."""
     text, s.held = s.held + text, ""
@@ -479,7 +479,7 @@ def _deepseek(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
 # -- hermes -----------------------------------------------------------------------------------
 
 
-def _hermes(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+def _hermes(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated (vLLM's
     Hermes2ProToolParser); the arguments value's raw text streams as it arrives."""
     text, s.held = s.held + text, ""
@@ -517,7 +517,7 @@ def _hermes(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
 PYTHON_TAG = "<|python_tag|>"
 
 
-def _llama(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+def _llama(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
     """Llama 3/4's JSON calls: an output that opens with `<|python_tag|>` or `{` is
     `{"name": ..., "parameters": {...}}` objects (`arguments` too), `;` between them; any
     other output is content (vLLM's streaming rule: its whole answer also finds calls after
@@ -553,7 +553,7 @@ _LIST_OPEN = re.compile(r"[\[{]")
 _LIST_LEVEL = re.compile(r'[\[\]{}"]')
 
 
-def _required(s: ToolState, text: str, out: _Out, parallel: bool) -> None:
+def _required(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
     """A JSON list of `{"name": ..., "parameters": {...}}` (vLLM's required-tool-call scan:
     text before the list and after it is ignored; a list item that is not an object ends it)."""
     i = 0
@@ -613,7 +613,7 @@ def _string_end(s: ToolState, text: str, i: int) -> tuple[int, bool]:
         s.escape, i = True, m.end()
 
 
-def _object(s: ToolState, text: str, i: int, out: _Out, parallel: bool, fmt: _Format) -> int:
+def _object(s: ToolState, text: str, i: int, out: Emitted, parallel: bool, fmt: _Format) -> int:
     """Read a call object from `text[i:]` until it closes or the text ends; return where.
 
     Only the object's own level is interpreted (vLLM's scan does the same): keys, and the
@@ -675,7 +675,7 @@ def _role(s: ToolState, key: str, fmt: _Format) -> Role:
     return Role.OTHER
 
 
-def _value(s: ToolState, text: str, i: int, out: _Out, fmt: _Format) -> int:
+def _value(s: ToolState, text: str, i: int, out: Emitted, fmt: _Format) -> int:
     """Read the value being read up to its end or the text's; return where."""
     n = len(text)
     while i < n:
@@ -713,14 +713,14 @@ def _value(s: ToolState, text: str, i: int, out: _Out, fmt: _Format) -> int:
     return i
 
 
-def _piece(s: ToolState, out: _Out, piece: str) -> None:
+def _piece(s: ToolState, out: Emitted, piece: str) -> None:
     if s.role == Role.ARGS:
         _args(s, out, piece if s.canon is None else json_canon.step(s.canon, piece))
     elif s.role == Role.NAME:
         s.name = (s.name + piece)[:MAX_NAME]
 
 
-def _end_value(s: ToolState, out: _Out, fmt: _Format) -> None:
+def _end_value(s: ToolState, out: Emitted, fmt: _Format) -> None:
     if s.role == Role.ARGS and s.canon is not None:
         _args(s, out, json_canon.finish(s.canon))
         s.canon = None

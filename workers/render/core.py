@@ -44,7 +44,7 @@ from tokenway.wire import (
     StreamOptions,
     StructuredOutputs,
 )
-from workers.render import structured
+from workers.render import harmony, structured
 from workers.render.chat import apply_template
 from workers.render.parse import call_tags, check_tool_choice, keeps_special_tokens, parse_context
 from workers.render.sampling import (
@@ -357,10 +357,15 @@ class Renderer:
         self.tokenizer, self.vocab = hf_tokenizer(Path(model.path))
         self.vocab_size = len(self.tokenizer)
         self.floor = TokenFloor(self.tokenizer.backend_tokenizer)
+        self.harmony = model.harmony
+        if self.harmony:
+            harmony.check_vocabulary(self.vocab)
 
     def prompt_ids(self, req: OpenAIRequest, api: Api | None = None) -> list[list[int]]:
         """Token IDs per prompt: one for chat, one or several for completions (`api`: the
         client's, for the name of the parameter an error is about)."""
+        if isinstance(req, ChatCompletionRequest) and self.harmony:
+            return [harmony.prompt_ids(req)]
         if isinstance(req, ChatCompletionRequest):
             text = apply_template(self.tokenizer, req)
             self._fits(text, _param(api or "chat", "messages"))

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from tokenway.api.openai import (
+    ChatCompletionRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeResponse,
@@ -28,7 +29,7 @@ from tokenway.errors import (
     internal,
 )
 from tokenway.wire import Api, RenderRequest, TokenizeAnswer, TokenizeCall
-from workers.render import derender_routes
+from workers.render import derender_routes, harmony
 from workers.render.backend import worked
 from workers.render.chat import apply_template
 from workers.render.core import Renderer
@@ -91,17 +92,18 @@ def tokenize(
         return DetokenizeResponse(prompt=tok.decode(req.tokens))  # type: ignore[arg-type]
     body = decode_tokenize(call.body, renderer.builder.limits)
     check_model(body.model, renderer.builder.model)
-    if isinstance(body, TokenizeChatRequest):
-        text = apply_template(tok, body)
+    if isinstance(body, TokenizeChatRequest) and renderer.harmony:  # as the chat route
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
+        tokens = harmony.prompt_ids(chat)
     else:
-        text = body.prompt
-    ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
+        text = apply_template(tok, body) if isinstance(body, TokenizeChatRequest) else body.prompt
+        tokens = tok.encode(text, add_special_tokens=body.add_special_tokens)
     return TokenizeResponse(
-        count=len(ids),
+        count=len(tokens),
         max_model_len=renderer.builder.info.context_length,
-        tokens=ids,
+        tokens=tokens,
         # typed `str | list[str]`: a list of ids converts to a list of tokens
-        token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,  # type: ignore[arg-type]
+        token_strs=tok.convert_ids_to_tokens(tokens) if body.return_token_strs else None,  # type: ignore[arg-type]
     )
 
 

@@ -19,7 +19,7 @@ from tests.workers.derender.texts import END_THINK, THINK, encode
 from tokenway import parsers
 from tokenway.api.bodies import decode_body
 from tokenway.api.openai import ChatCompletionRequest
-from tokenway.parsers import REASONING_PARSERS, THINK_END, THINK_START
+from tokenway.parsers import MARKER_REASONING_PARSERS, THINK_END, THINK_START
 from tokenway.wire import ParseContext, ReasoningStart
 from workers.derender import reasoning
 from workers.derender.detok import Detokenizer, seed
@@ -442,7 +442,7 @@ def engine_oracle(parser: str, mode: ReasoningStart, text: str) -> tuple[str, st
     return joined.rstrip() if fmt.strips_whitespace else joined, "".join(answer)
 
 
-ENGINE_PARSERS = [p for p in REASONING_PARSERS if p not in THINK_PARSERS]
+ENGINE_PARSERS = [p for p in MARKER_REASONING_PARSERS if p not in THINK_PARSERS]
 
 
 @pytest.mark.parametrize(("parser", "mode", "output", "thought", "answer"), ENGINE_GOLDEN)
@@ -516,14 +516,14 @@ _TEXT = ["a", "b c", " ", "\n", " \n\t", "\u3000", "思"]
 
 @st.composite
 def family_outputs(draw: st.DrawFn) -> tuple[str, ReasoningStart, str]:
-    parser = draw(st.sampled_from(REASONING_PARSERS))
+    parser = draw(st.sampled_from(MARKER_REASONING_PARSERS))
     pieces = _FAMILY_PIECES[_FAMILY[parser]] + _FAMILY_PIECES["<think>"] + _TEXT
     output = "".join(draw(st.lists(st.sampled_from(pieces), max_size=30)))
     return parser, draw(st.sampled_from(["open", "closed"])), output
 
 
 def test_every_parser_has_a_family_of_pieces() -> None:
-    assert set(_FAMILY) == set(REASONING_PARSERS)
+    assert set(_FAMILY) == set(MARKER_REASONING_PARSERS)
 
 
 @PROPERTY
@@ -680,7 +680,7 @@ def test_states_engine_parser_steps_produce_are_accepted(
 def test_no_marker_a_parser_reads_is_a_prefix_of_another_it_reads_there() -> None:
     """Then the leftmost marker is the only one there, as in vLLM's lexer (which waits when a
     complete terminal could still grow into a longer one)."""
-    for parser in REASONING_PARSERS:
+    for parser in MARKER_REASONING_PARSERS:
         for in_reasoning in (True, False):
             read = [m for m, _ in reasoning._markers(parser, in_reasoning)]
             for a in read:
@@ -799,7 +799,7 @@ def test_a_rendered_prompt_that_closed_reasoning_leaves_engine_parsers_open(
 
 
 def test_every_reasoning_parser_is_a_flag_value() -> None:
-    for parser in REASONING_PARSERS:
+    for parser in MARKER_REASONING_PARSERS:
         parsers.ParserFlags(reasoning_parser=parser).check()
     with pytest.raises(ValueError, match=r"known: deepseek_r1, .*, seed_oss"):
         parsers.ParserFlags(reasoning_parser="granite").check()
