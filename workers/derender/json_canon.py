@@ -148,7 +148,7 @@ def _decode_escape(esc: str) -> str:
 
 
 def _escaped(text: str, ascii: bool) -> str:
-    if ascii and not text.isascii():
+    if ascii:  # past printable ASCII (DEL too), \uXXXX as json writes it
         return json.dumps(text)[1:-1]
     if not _NEEDS_ESCAPE.search(text):
         return text
