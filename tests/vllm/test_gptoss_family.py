@@ -40,11 +40,15 @@ from tokenizers import Tokenizer
 
 from tests.vllm import derendering
 from tests.vllm.conftest import MAX_MODEL_LEN, PYTHON_ENV, SERVED_NAME, render_server
+from tests.vllm.test_tool_tags_families import ASKS
+from tests.vllm.test_tool_tags_families import TOOLS as TAGGED_TOOLS
 from tokenway.api.openai import ChatCompletionRequest
 from tokenway.model import load_model_info
 from tokenway.parsers import ParserFlags
+from tokenway.wire import TokenizeCall
 from workers.derender.backend import LocalBackend
 from workers.render.core import Renderer
+from workers.render.tokenize import tokenize
 
 pytestmark = [pytest.mark.vllm]  # async tests run in the session loop (pyproject)
 
@@ -147,6 +151,40 @@ async def test_a_conversation_renders_to_vllms_prompt(served: Any, case: str) ->
 async def test_the_reasoning_effort_and_no_tools_render_as_vllm(served: Any, effort: str) -> None:
     body = {"model": SERVED_NAME, "messages": ASK, "reasoning_effort": effort}
     theirs, ours = await _prompts(served, body)
+    assert ours == theirs
+
+
+# -- constraints --------------------------------------------------------------------------------
+
+# a request's own constraint, without tools: held to the final answer
+ANSWERS: dict[str, dict[str, Any]] = {
+    "json-schema": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": {"type": "object", "properties": {"t": {"type": "number"}}}}}},
+    "json-object": {"response_format": {"type": "json_object"}},
+    "regex": {"structured_outputs": {"regex": "[a-z]+"}},
+    "choice": {"structured_outputs": {"choice": ["yes", "no"]}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("ask", [*ASKS, *ANSWERS, "auto-none-strict"])
+async def test_harmonys_structural_tag_is_vllms(served: Any, ask: str) -> None:
+    """Forced and strict calls, and a request's own constraint, held to harmony's channels
+    by the tag vLLM builds, byte for byte (the prompt and every sampling parameter too)."""
+    server, renderer, _ = served
+    tools: dict[str, Any] = {} if ask in ANSWERS else {"tools": TAGGED_TOOLS}
+    if ask == "auto-none-strict":
+        tools = {"tools": [t for t in TAGGED_TOOLS if not t["function"].get("strict")]}
+    body = {"model": SERVED_NAME, "messages": ASK, "max_tokens": 20, **tools,
+            **ASKS.get(ask, ANSWERS.get(ask, {}))}  # fmt: skip
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
+        resp = await http.post("/v1/chat/completions/render", json=body)
+    assert resp.status_code == 200, resp.text
+    call = TokenizeCall(route="chat_render", body=json.dumps(body).encode(), rid="r")
+    theirs, ours = resp.json(), msgspec.to_builtins(tokenize(renderer, call))
+    for doc in (theirs, ours):  # vLLM's server adds template kwargs of its own (documented)
+        del doc["request_id"], doc["reasoning_parser_kwargs"]
+    tag = ours["sampling_params"].get("structured_outputs")
+    assert (tag is None) is (ask == "auto-none-strict")
     assert ours == theirs
 
 

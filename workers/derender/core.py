@@ -231,8 +231,10 @@ def derender(detok: Detokenizer, entry: DerenderEntry) -> Derendered:
     if ids and _stop_terminated(ending.finish, ending.stop_reason):
         if not ctx.include_stop_str_in_output:
             visible = ids[:-1]
+    # harmony's markers are special tokens, read where vLLM reads its token IDs
+    skip = ctx.skip_special_tokens and state.harmony is None
     try:
-        pieces, state.detok = detok.pieces(state.detok, visible, ctx.skip_special_tokens)
+        pieces, state.detok = detok.pieces(state.detok, visible, skip)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="token_ids") from exc
     text = _text_and_stops(ctx, state, pieces, ending)

@@ -47,8 +47,6 @@ def keeps_special_tokens(req: ChatCompletionRequest, flags: ParserFlags) -> bool
     calls = bool(req.tools) and req.tool_choice != "none"
     if flags.reasoning_parser in _ENGINE_REASONING:
         return True
-    if parsers.is_harmony(flags.reasoning_parser, flags.tool_call_parser):
-        return True  # harmony's markers are special tokens
     parser = flags.tool_call_parser
     if parser in _ENGINE_TOOLS:
         return calls or flags.reasoning_parser is not None
@@ -146,14 +144,6 @@ def parse_context(
             flags.reasoning_parser, prompt_ids, req.chat_template_kwargs or {}, vocab
         )
     if parsers.is_harmony(flags.reasoning_parser, flags.tool_call_parser):
-        if plan.tool_choice in ("named", "required"):
-            # vLLM holds gpt-oss to a call with its harmony structural tag; a JSON schema
-            # would keep the model from writing its channels
-            raise InvalidRequest(
-                "a forced tool_choice (\"required\" or a named function) is not supported "
-                "for gpt-oss's harmony format yet; use \"auto\"",
-                param="tool_choice",
-            )
         plan.tool_parser = flags.tool_call_parser  # channels are read whatever the choice
         return plan
     if plan.reasoning_start == "off" and plan.tool_choice == "none":

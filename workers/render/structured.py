@@ -43,11 +43,14 @@ _GUIDED = ("json", "regex", "choice", "grammar")  # the kinds of vLLM's older gu
 
 
 def constraint(
-    req: ChatCompletionRequest | CompletionRequest, tags: ToolTags | None = None
+    req: ChatCompletionRequest | CompletionRequest,
+    tags: ToolTags | None = None,
+    harmony: bool = False,
 ) -> StructuredOutputs | None:
     """The request's constraint, checked, or None; `InvalidRequest` naming the parameter
     that asks for it wrongly. With `tags`, a tool-calling request gets the structural tag
-    of the tool parser's syntax (`tool_tags`) instead of the tools' JSON schema."""
+    of the tool parser's syntax (`tool_tags`) instead of the tools' JSON schema. `harmony`
+    (gpt-oss): a chat's own constraint holds its final answer (`tool_tags.harmony_answer`)."""
     if isinstance(req, ChatCompletionRequest):
         so = req.structured_outputs
         named = isinstance(req.tool_choice, NamedToolChoice)
@@ -62,6 +65,8 @@ def constraint(
     own = _own(req)
     if own is not None:  # checked before a tool tag reads it
         check(own, _own_param(req))
+    if isinstance(req, ChatCompletionRequest) and harmony and own is not None:
+        own = tool_tags.harmony_answer(own)
     if isinstance(req, ChatCompletionRequest) and tags is not None:
         tagged = tool_tags.structural_tag(req, tags.parser, tags.level, own)
         if tagged is not None:

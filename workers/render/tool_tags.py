@@ -132,7 +132,7 @@ def _schema(schema: object, style: str = "json") -> Format:
     }
 
 
-def _tag(begin: str, content: Format, end: str) -> Format:
+def _tag(begin: str, content: Format, end: str | list[str]) -> Format:
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
@@ -324,6 +324,62 @@ def _glm_value(prop: object) -> Format:
     return _schema({"type": kind})
 
 
+# gpt-oss's harmony: a message's end, or (as "") one of harmony's stop tokens, which a
+# grammar may not hold; a call's header after `<|start|>assistant`, in either order, each
+# content type, on any channel; the final answer's header
+HARMONY_END = ["<|end|>", ""]
+HARMONY_HEADERS = (" to=functions.{name}{channel}{constrain}<|message|>",
+                   "{channel} to=functions.{name}{constrain}<|message|>")  # fmt: skip
+HARMONY_CONSTRAINS = (" json", " <|constrain|>json")
+HARMONY_CHANNELS = ("<|channel|>commentary", "<|channel|>analysis", "<|channel|>final")
+HARMONY_FINAL = "<|channel|>final{}<|message|>"
+
+
+def _harmony_after(commentary: bool, content: Format) -> Format:
+    """`content` after an optional analysis message (and, for calls, a commentary one), each
+    followed by the next message's start."""
+    return _sequence(
+        *(
+            {"type": "optional", "content": _sequence(
+                _tag(f"<|channel|>{channel}<|message|>", _any_text([]), "<|end|>"),
+                _const("<|start|>assistant"))}
+            for channel in ("analysis", "commentary")[: 2 if commentary else 1]
+        ),
+        content,
+    )  # fmt: skip
+
+
+def _harmony(calls: Sequence[Call], mode: Mode) -> Format:
+    tags = [
+        _tag(header.format(name=c.name, channel=channel, constrain=constrain),
+             _schema(c.arguments), HARMONY_END)
+        for c in calls
+        for header in HARMONY_HEADERS
+        for constrain in HARMONY_CONSTRAINS
+        for channel in HARMONY_CHANNELS
+    ]  # fmt: skip
+    if mode == "auto":  # or an answer
+        tags += [_tag(HARMONY_FINAL.format(constrain), _any_text([]), HARMONY_END)
+                 for constrain in (*HARMONY_CONSTRAINS, "")]  # fmt: skip
+    return _harmony_after(True, {"type": "or", "elements": tags})
+
+
+def harmony_answer(so: StructuredOutputs | None) -> StructuredOutputs | None:
+    """A request's own constraint for gpt-oss, as vLLM's harmony parser adjusts it: on the
+    final answer, after an optional analysis message (a JSON schema under either JSON
+    content type). A grammar stands as given (vLLM converts it to EBNF to wrap it)."""
+    fmt = None if so is None else _format_of(so)
+    if fmt is None:
+        return so
+    if fmt.get("type") == "json_schema":
+        answer = {"type": "or", "elements": [_tag(HARMONY_FINAL.format(constrain), fmt, HARMONY_END)
+                                             for constrain in HARMONY_CONSTRAINS]}  # fmt: skip
+    else:
+        answer = _tag(HARMONY_FINAL.format(""), fmt, HARMONY_END)
+    tag = {"type": "structural_tag", "format": _harmony_after(False, answer)}
+    return StructuredOutputs(structural_tag=json.dumps(tag))
+
+
 # the tool parsers with a structural tag, and how each tags its calls
 BUILDERS: dict[str, Callable[[Sequence[Call], Mode], Format]] = {
     "deepseek_v31": _deepseek,
@@ -336,6 +392,7 @@ BUILDERS: dict[str, Callable[[Sequence[Call], Mode], Format]] = {
     "kimi_k2": _kimi,
     "deepseek_v32": _dsml("function_calls"),
     "deepseek_v4": _dsml("tool_calls"),
+    "openai": _harmony,
 }
 PARSERS = tuple(BUILDERS)
 

@@ -17,9 +17,9 @@ from tokenway.api.openai import ChatCompletionRequest
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import ParserFlags
 from tokenway.served import parser_flags, parsers_said, served_models
-from workers.render import harmony
+from workers.render import harmony, structured
 from workers.render.core import Renderer
-from workers.render.parse import parse_context
+from workers.render.parse import call_tags, parse_context
 
 DAY = datetime.date(2026, 12, 6)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -99,11 +99,23 @@ def test_a_part_that_is_not_text_is_refused_not_rendered_as_nothing() -> None:
         harmony.prompt_ids(chat(image))
 
 
-def test_a_forced_tool_choice_is_refused_until_harmonys_tag_is_built() -> None:
+def test_a_forced_call_and_an_answers_format_are_held_to_harmonys_channels() -> None:
+    """The tag vLLM builds (held to it byte for byte on the tier): a call's header in either
+    order after optional analysis and commentary; a format on the final answer."""
     req = chat({"role": "user", "content": "x"}, tools=TOOLS, tool_choice="required")
-    with pytest.raises(InvalidRequest, match="harmony") as err:
-        parse_context(req, [], HARMONY, {})
-    assert err.value.param == "tool_choice"
+    tag = json.loads(structured.constraint(req, call_tags(HARMONY), True).structural_tag)
+    analysis, commentary, calls = tag["format"]["elements"]
+    assert analysis["type"] == commentary["type"] == "optional"
+    begins = [t["begin"] for t in calls["elements"]]
+    assert " to=functions.get_weather<|channel|>commentary json<|message|>" in begins
+    assert "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" in begins
+    assert not any("final<|message|>" in b for b in begins)  # no answer instead of a call
+    plan = parse_context(req, [], HARMONY, {})
+    assert plan is not None and plan.tool_choice == "required"  # read as harmony's calls
+    answer = chat({"role": "user", "content": "x"}, response_format={"type": "json_object"})
+    tag = json.loads(structured.constraint(answer, call_tags(HARMONY), True).structural_tag)
+    finals = [t["begin"] for t in tag["format"]["elements"][-1]["elements"]]
+    assert finals == [f"<|channel|>final{c}<|message|>" for c in (" json", " <|constrain|>json")]
     plan = parse_context(chat({"role": "user", "content": "x"}), [], HARMONY, {})
     assert plan is not None and plan.tool_choice == "none"  # channels are read even so
 
