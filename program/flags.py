@@ -205,15 +205,16 @@ def parsers(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reasoning-parser",
         help="deepseek_r1, deepseek_v3, qwen3, glm45, glm47, kimi_k2, minimax_m2, "
-        "minimax_m2_append_think, mistral or seed_oss (bundled model: deepseek_v3; a model "
-        "directory: what its chat template speaks)",
+        "minimax_m2_append_think, mistral, seed_oss or openai_gptoss (bundled model: "
+        "deepseek_v3; a model directory: what its chat template speaks, gpt-oss's harmony "
+        "where its config says gpt_oss)",
     )
     g.add_argument(
         "--tool-call-parser",
         help="deepseek_v31, deepseek_v32, deepseek_v4, glm45, glm47, hermes, kimi_k2, "
-        "llama3_json, llama4_json, llama4_pythonic, minimax_m2, mistral, pythonic, "
+        "llama3_json, llama4_json, llama4_pythonic, minimax_m2, mistral, openai, pythonic, "
         "qwen3_coder, qwen3_xml or seed_oss (bundled model: deepseek_v31; a model directory: "
-        "what its chat template speaks)",
+        "what its chat template speaks, or openai for gpt-oss)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",
