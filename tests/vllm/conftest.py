@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+# A model builder's (make_*_model.py) exit status when the package it reads is not installed,
+# and how long a build may take.
+NO_PACKAGE = 3
+BUILD_TIMEOUT = 600
+
+
+def built_model(env: str, builder: Path) -> Path:
+    """A model directory the tier builds: `$env` (`.ci/vllm-tier` exports it), else `builder`
+    run with the vLLM venv's python into the tier's cache; a skip without the package."""
+    configured = os.environ.get(env)
+    if configured:
+        return Path(configured)
+    python = os.environ.get(PYTHON_ENV)
+    if not python:
+        pytest.skip(f"no real vLLM: {PYTHON_ENV} is unset")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenway"
+    built = subprocess.run(
+        [python, str(builder), "--models-dir", str(cache / "models")],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    if built.returncode == NO_PACKAGE:
+        pytest.skip(f"no model directory from {builder.name}: {built.stderr.strip()}")
+    assert built.returncode == 0, built.stderr
+    return Path(built.stdout.strip().splitlines()[-1])
 
 
 def _log_path(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:

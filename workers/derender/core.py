@@ -61,18 +61,15 @@ CHATS = ("chat", "messages", "responses")
 
 def initial_state(ctx: OutputContext) -> StreamState:
     parse = ctx.parse if ctx.api in CHATS else None
-    if parse is not None and is_harmony(parse.reasoning_parser, parse.tool_parser):
-        return StreamState(
-            detok=seed(ctx.prompt_tail),
-            stop=stops.StopState() if ctx.stop else None,
-            harmony=harmony.HarmonyState(),
-            logprobs=logprobs.LogprobState() if ctx.logprobs is not None else None,
-        )
+    # harmony's channels hold reasoning and calls both: one parser, not the two stages
+    channels = parse is not None and is_harmony(parse.reasoning_parser, parse.tool_parser)
+    staged = parse if not channels else None
     return StreamState(
         detok=seed(ctx.prompt_tail),
         stop=stops.StopState() if ctx.stop else None,
-        reasoning=reasoning.start(parse.reasoning_start) if parse else None,
-        tools=tools.start(parse) if parse else None,
+        reasoning=reasoning.start(staged.reasoning_start) if staged else None,
+        tools=tools.start(staged) if staged else None,
+        harmony=harmony.HarmonyState() if channels else None,
         logprobs=logprobs.LogprobState() if ctx.logprobs is not None else None,
     )
 

@@ -79,6 +79,14 @@ class Kind(enum.IntEnum):
     CALL = 3
 
 
+# what ends each phase's text
+_ENDING: dict[Phase, tuple[str, ...]] = {
+    Phase.HEADER: (MESSAGE,),
+    Phase.CONTENT: ENDS,
+    Phase.BETWEEN: (START,),
+}
+
+
 class HarmonyState(msgspec.Struct, array_like=True, omit_defaults=True):
     phase: Phase = Phase.HEADER
     held: Annotated[str, Meta(max_length=MAX_HELD)] = ""  # may be the start of a marker
@@ -102,12 +110,12 @@ def _keeps_calls(ctx: ParseContext) -> bool:
 class _Step:
     """One step's output: reasoning and content pieces, and the calls."""
 
-    __slots__ = ("calls", "ctx", "thought")
+    __slots__ = ("calls", "content", "thought")
 
     def __init__(self, ctx: ParseContext) -> None:
-        self.ctx = ctx
         self.thought: list[str] = []
         self.calls = Emitted(ctx)
+        self.content = self.calls.content
 
     def text(self, s: HarmonyState, kind: Kind, piece: str) -> None:
         """A piece of the current message's text; a newline first where an earlier message
@@ -124,19 +132,16 @@ class _Step:
             piece = "\n" + piece
         s.spoke = True
         s.said |= bit
-        (self.thought if kind == Kind.REASONING else self.calls.content).append(piece)
+        (self.thought if kind == Kind.REASONING else self.content).append(piece)
 
 
 def step(
     ctx: ParseContext, state: HarmonyState, text: str, response_id: str
 ) -> tuple[str, str, list[ToolCallDelta], HarmonyState]:
     """The next piece of output: (reasoning, content, call deltas, next state)."""
-    s = msgspec.structs.replace(state)
-    if s.canon is not None:
-        s.canon = msgspec.structs.replace(s.canon)
-    out = _Step(ctx)
+    s, out = _copy(state), _Step(ctx)
     _read(ctx, s, s.held + text, out)
-    return "".join(out.thought), "".join(out.calls.content), out.calls.deltas(response_id, False), s
+    return "".join(out.thought), "".join(out.content), out.calls.deltas(response_id, False), s
 
 
 def finish(
@@ -144,17 +149,22 @@ def finish(
 ) -> tuple[str, str, list[ToolCallDelta]]:
     """The end of the output: the held tail, the last message closed, or a header the output
     ended in given back as content."""
-    s = msgspec.structs.replace(state)
-    if s.canon is not None:
-        s.canon = msgspec.structs.replace(s.canon)
-    out = _Step(ctx)
+    s, out = _copy(state), _Step(ctx)
     held, s.held = s.held, ""
     if s.phase in (Phase.CONTENT, Phase.RAW):
         out.text(s, s.kind, held)
         _close(s, out)
     elif s.phase == Phase.HEADER:
         out.text(s, Kind.CONTENT, (START if s.started else "") + s.header + held)
-    return "".join(out.thought), "".join(out.calls.content), out.calls.deltas(response_id, False)
+    return "".join(out.thought), "".join(out.content), out.calls.deltas(response_id, False)
+
+
+def _copy(state: HarmonyState) -> HarmonyState:
+    """A state to step in place: the caller's stays as it was."""
+    s = msgspec.structs.replace(state)
+    if s.canon is not None:
+        s.canon = msgspec.structs.replace(s.canon)
+    return s
 
 
 def _read(ctx: ParseContext, s: HarmonyState, text: str, out: _Step) -> None:
@@ -164,9 +174,7 @@ def _read(ctx: ParseContext, s: HarmonyState, text: str, out: _Step) -> None:
         if s.phase == Phase.RAW:
             out.text(s, s.kind, text[i:])
             return
-        markers: tuple[str, ...] = (MESSAGE,) if s.phase == Phase.HEADER else (START,)
-        if s.phase == Phase.CONTENT:
-            markers = ENDS
+        markers = _ENDING[s.phase]
         at, marker = _find(text, i, markers)
         if marker is None:  # up to a tail that may begin one of them
             end = _tail_start(text, i, markers)

@@ -145,8 +145,8 @@ class RequestBuilder:
             if keeps_special_tokens(req, self.flags):
                 req.skip_special_tokens = False
         try:
-            harmony = parsers.is_harmony(self.flags.reasoning_parser, self.flags.tool_call_parser)
-            return Parsed(req, structured.constraint(req, call_tags(self.flags), harmony))
+            channels = parsers.is_harmony(self.flags.reasoning_parser, self.flags.tool_call_parser)
+            return Parsed(req, structured.constraint(req, call_tags(self.flags), channels))
         except InvalidRequest as exc:
             exc.param = exc.param and _param(request.api, exc.param)
             raise
