@@ -138,6 +138,67 @@ async def test_the_reasoning_effort_and_no_tools_render_as_vllm(served: Any, eff
     assert ours == theirs
 
 
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "W.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
+MESSAGES_TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "W.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
+# The other APIs' requests, as their routes render them (through the chat request each is)
+OTHER_APIS: dict[str, tuple[str, dict[str, Any]]] = {
+    "responses, items of a tool loop": ("responses", {
+        "instructions": "Be brief.", "tools": RESPONSES_TOOLS, "input": [
+            {"type": "message", "role": "user", "content": "Weather in Oslo?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "Need the tool."}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "Thanks"}]}]}),
+    "responses, an answered turn and an effort": ("responses", {
+        "reasoning": {"effort": "high"}, "input": [{"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]}),
+    "messages, a tool loop with thinking": ("messages", {
+        "max_tokens": 50, "system": [{"type": "text", "text": "Be brief."}],
+        "tools": MESSAGES_TOOLS, "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Need the tool.", "signature": "x"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "t1", "name": "get_weather",
+                 "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_APIS))
+async def test_a_responses_or_messages_request_renders_to_vllms_prompt(
+    served: Any, case: str
+) -> None:
+    """vLLM renders a Responses request for gpt-oss from its items natively; tokenway from
+    the chat request it is. The same prompt (found here: a Responses request's effort was
+    lost)."""
+    server, renderer, _ = served
+    api, fields = OTHER_APIS[case]
+    body = {"model": SERVED_NAME, **fields}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
+        resp = await http.post(f"/v1/{api}/render", json=body)
+    assert resp.status_code == 200, resp.text
+    call = TokenizeCall(route=f"{api}_render", body=json.dumps(body).encode(), rid="r")
+    assert msgspec.to_builtins(tokenize(renderer, call))["token_ids"] == resp.json()["token_ids"]
+
+
 # -- constraints --------------------------------------------------------------------------------
 
 # a request's own constraint, without tools: held to the final answer

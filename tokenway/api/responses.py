@@ -55,6 +55,7 @@ CHAT_PARAMS = {
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "response_format.json_schema.schema": "text.format.schema",
+    "reasoning_effort": "reasoning.effort",
 }
 COMPLETED = "response.completed"  # a Responses stream's last event, holding the response
 
@@ -475,6 +476,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_format=_format(req.text),
         chat_template_kwargs=_thinking(req),
+        # harmony's system message says it (a template reads the switch above)
+        reasoning_effort=req.reasoning.effort if req.reasoning else None,  # type: ignore[arg-type]
         include_reasoning=req.include_reasoning,
         user=req.user,
         **sampling_of(req),

@@ -366,7 +366,11 @@ class Renderer:
         """Token IDs per prompt: one for chat, one or several for completions (`api`: the
         client's, for the name of the parameter an error is about)."""
         if isinstance(req, ChatCompletionRequest) and self.harmony:
-            return [harmony.prompt_ids(req)]
+            try:
+                return [harmony.prompt_ids(req)]
+            except InvalidRequest as exc:
+                exc.param = exc.param and _param(api or "chat", exc.param)
+                raise
         if isinstance(req, ChatCompletionRequest):
             text = apply_template(self.tokenizer, req)
             self._fits(text, _param(api or "chat", "messages"))

@@ -13,7 +13,9 @@ import msgspec
 import pytest
 
 from tests.conftest import make_settings
+from tokenway.api import responses
 from tokenway.api.openai import ChatCompletionRequest
+from tokenway.api.responses import ResponsesRequest
 from tokenway.errors import InvalidRequest
 from tokenway.parsers import ParserFlags
 from tokenway.served import parser_flags, parsers_said, served_models
@@ -141,3 +143,16 @@ def test_a_gpt_oss_directory_picks_harmonys_parsers_and_refuses_others(
     others = make_settings(tmp_path, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
     with pytest.raises(SystemExit, match=r"is gpt-oss .*harmony's, read by"):
         parser_flags(others, model)
+
+
+def test_a_responses_requests_effort_reaches_the_system_message() -> None:
+    """Found holding tokenway's Responses render to vLLM's for gpt-oss: `reasoning.effort`
+    set only the template's thinking switch, which harmony does not read."""
+    body = {"model": "m", "input": "Hi", "reasoning": {"effort": "high"}}
+    req = responses.to_chat(msgspec.json.decode(json.dumps(body).encode(), type=ResponsesRequest))
+    assert "Reasoning: high" in rendered(req)
+    body["reasoning"] = {"effort": "minimal"}
+    req = responses.to_chat(msgspec.json.decode(json.dumps(body).encode(), type=ResponsesRequest))
+    with pytest.raises(InvalidRequest) as err:
+        harmony.prompt_ids(req)
+    assert responses.CHAT_PARAMS[err.value.param or ""] == "reasoning.effort"
