@@ -301,3 +301,48 @@ async def test_mistral_calls(mistral: Any) -> None:
     assert ours[:2] == ("I will look it up.", [("get_weather", args), ("search", query)])
     assert theirs[:2] == ours[:2]
     assert all(s == ours for s in streams)
+
+
+@pytest.fixture(scope="module", params=["llama3_json", "llama4_json"])
+def llama(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
+    """The tiny model's tokenizer with Llama's `<|python_tag|>` added as a special token
+    (vLLM's llama parsers refuse a vocabulary without it)."""
+    tiny = Path(os.environ[MODEL_ENV])
+    model = tmp_path_factory.mktemp("llama") / "model"
+    shutil.copytree(tiny, model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|python_tag|>"])
+    tokenizer.save(str(model / "tokenizer.json"))
+    with _served(tmp_path_factory, request.param, model) as parts:
+        yield request.param, parts
+
+
+async def test_llama_json_calls(llama: Any) -> None:
+    """Calls after `<|python_tag|>` or opening the output, `;` between them, `parameters` or
+    `arguments`; arguments as vLLM's whole answer dumps them; other text is content."""
+    weather = '{"city":"São Paulo",  "days":3,"opts":{"unit":"c","hours":[6,12]}}'
+    query = json.dumps({"query": QUERY}, ensure_ascii=False)
+    two = (f'<|python_tag|>{{"name": "get_weather", "parameters": {weather}}}; '
+           f'{{"name": "search", "arguments": {query}}}')  # fmt: skip
+    theirs, ours, streams = await _both(llama, two)
+    assert ours == (None, CALLS, "tool_calls")
+    assert theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+    theirs, ours, streams = await _both(llama, f'{{"name": "search", "parameters": {query}}}')
+    assert ours == (None, CALLS[1:], "tool_calls") and theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+    plain = "No call needed: {braces} stay."
+    theirs, ours, streams = await _both(llama, plain, finish="length")
+    assert ours == (plain, [], "length") and theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+
+
+async def test_a_llama_call_cut_by_max_tokens(llama: Any) -> None:
+    """Decided, as for hermes: the call with the arguments that came, as the model wrote
+    them (a stream cannot take back what it sent; `length` says it was cut); vLLM's whole
+    answer, whose JSON does not parse, gives the output back as content."""
+    text = '<|python_tag|>{"name": "search", "parameters": {"query": "weather in Os'
+    theirs, ours, streams = await _both(llama, text, finish="length")
+    assert ours == (None, [("search", '{"query": "weather in Os')], "length")
+    assert theirs[1] == [] and "weather in Os" in theirs[0]
+    assert all(s == ours for s in streams)
