@@ -107,6 +107,9 @@ class ParseContext(Struct, kw_only=True, omit_defaults=True):
     # a forced call ("named", "required") comes in `tool_parser`'s own syntax (a structural
     # tag constrained it), not as JSON: that parser reads it
     native_calls: bool = False
+    # Mistral before v11 (a vocabulary without [ARGS]): calls are a JSON list after
+    # [TOOL_CALLS], not NAME[ARGS]{...}
+    calls_listed: bool = False
     # the request's tools, for a tool parser whose calls are markup (values as raw text,
     # typed by the tool's schema; calls to tools not listed dropped): empty for the others
     tools: list[ToolParams] = []

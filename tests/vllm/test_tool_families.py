@@ -346,3 +346,38 @@ async def test_a_llama_call_cut_by_max_tokens(llama: Any) -> None:
     assert ours == (None, [("search", '{"query": "weather in Os')], "length")
     assert theirs[1] == [] and "weather in Os" in theirs[0]
     assert all(s == ours for s in streams)
+
+
+@pytest.fixture(scope="module")
+def mistral_before_v11(tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
+    """The tiny model's tokenizer with `[TOOL_CALLS]` but no `[ARGS]`: vLLM's mistral
+    parser reads such a vocabulary as one before v11 (Mistral Small 3.x, Devstral 1.0)."""
+    tiny = Path(os.environ[MODEL_ENV])
+    model = tmp_path_factory.mktemp("mistral-v7") / "model"
+    shutil.copytree(tiny, model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens(["[TOOL_CALLS]"])
+    tokenizer.save(str(model / "tokenizer.json"))
+    with _served(tmp_path_factory, "mistral", model) as parts:
+        yield "mistral", parts
+
+
+async def test_mistral_calls_before_v11_are_a_json_list(mistral_before_v11: Any) -> None:
+    """`[TOOL_CALLS]` then a JSON list of calls (or one call object), arguments as vLLM's
+    whole answer dumps them, the text before kept as written, what follows dropped."""
+    weather = '{"city":"São Paulo",  "days":3,"opts":{"unit":"c","hours":[6,12]}}'
+    query = json.dumps({"query": QUERY}, ensure_ascii=False)
+    listed = (f'I will look it up. [TOOL_CALLS][{{"name": "get_weather", "arguments": '
+              f'{weather}}}, {{"name": "search", "arguments": {query}}}] done')  # fmt: skip
+    theirs, ours, streams = await _both(mistral_before_v11, listed)
+    assert ours == ("I will look it up. ", CALLS, "tool_calls")
+    assert theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+    one = f'\n\n[TOOL_CALLS] {{"name": "search", "arguments": {query}}}'
+    theirs, ours, streams = await _both(mistral_before_v11, one)
+    assert ours == (None, CALLS[1:], "tool_calls") and theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)
+    plain = "No call: [brackets] and {braces} stay."
+    theirs, ours, streams = await _both(mistral_before_v11, plain, finish="length")
+    assert ours == (plain, [], "length") and theirs[:2] == ours[:2]
+    assert all(s == ours for s in streams)

@@ -48,6 +48,7 @@ DS_CALL_END = "<｜tool▁call▁end｜>"
 DS_SEP = "<｜tool▁sep｜>"
 HERMES_BEGIN = "<tool_call>"
 HERMES_END = "</tool_call>"
+MISTRAL_CALLS = "[TOOL_CALLS]"  # before v11: a JSON list of calls follows
 
 _MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 MAX_HELD = max(len(m) for m in (*_MARKERS, HERMES_BEGIN, HERMES_END)) - 1
@@ -129,6 +130,7 @@ class ToolState(msgspec.Struct, array_like=True, omit_defaults=True):
     spoke: bool = False  # content other than whitespace went out
     # a JSON call's arguments value, rewritten as vLLM's whole answer writes it back
     canon: CanonState | None = None
+    bare: bool = False  # Mistral before v11: one call object, not a list, after the marker
 
 
 def call_id(response_id: str, index: int, short: bool = False) -> str:
@@ -159,6 +161,8 @@ def start(ctx: ParseContext) -> ToolState | None:
             f"unknown tool parser {ctx.tool_parser!r}; known: {', '.join(TOOL_PARSERS)}",
             param="tool_parser",
         )
+    if ctx.tool_parser == "mistral" and ctx.calls_listed:
+        return ToolState()
     if ctx.tool_parser in tool_markup.FAMILIES:
         return ToolState(markup=MarkupState())
     if ctx.tool_parser in _PYTHONIC:
@@ -188,6 +192,8 @@ def step(
         _hermes(s, text, out, ctx.parallel_tool_calls)
     elif choice == "auto" and ctx.tool_parser in ("llama3_json", "llama4_json"):
         _llama(s, text, out, ctx.parallel_tool_calls)
+    elif choice == "auto" and ctx.tool_parser == "mistral" and ctx.calls_listed:
+        _mistral_list(s, text, out, ctx.parallel_tool_calls)
     elif choice == "auto" and ctx.tool_parser in _PYTHONIC:
         assert state.pythonic is not None
         s.pythonic = msgspec.structs.replace(state.pythonic)
@@ -393,15 +399,13 @@ def _first(text: str, i: int, markers: tuple[str, ...]) -> tuple[str | None, int
 def _hold(s: ToolState, text: str, i: int, markers: tuple[str, ...]) -> int:
     """Hold back a tail of `text[i:]` that may be the start of a marker; return where it starts.
 
-    Every marker starts with "<", so only a "<" in the last few characters can start one.
+    Only a marker's first character in the last few characters can start one.
     """
-    p = text.find("<", max(len(text) - MAX_HELD, i))
-    while p >= 0:
-        tail = text[p:]
-        if any(m.startswith(tail) for m in markers):
-            s.held = tail
+    firsts = {m[0] for m in markers}
+    for p in range(max(len(text) - MAX_HELD, i), len(text)):
+        if text[p] in firsts and any(m.startswith(text[p:]) for m in markers):
+            s.held = text[p:]
             return p
-        p = text.find("<", p + 1)
     s.held = ""
     return len(text)
 
@@ -545,6 +549,51 @@ def _llama(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
             i, s.phase, s.expect = j + 1, Phase.OBJECT, Expect.KEY
         else:
             i = _object(s, text, i, out, parallel, _LLAMA)
+
+
+# -- mistral before v11 -----------------------------------------------------------------------
+
+_MISTRAL_LIST = _Format(("arguments",), eager=True, after=Phase.BETWEEN)
+_MISTRAL_ONE = _Format(("arguments",), eager=True, after=Phase.DONE)
+_MISTRAL_ITEMS = re.compile(r'[\[\]{"]')
+
+
+def _mistral_list(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
+    """Mistral's calls before v11 (a vocabulary without `[ARGS]`): content, then
+    `[TOOL_CALLS]` and a JSON list of `{"name": ..., "arguments": {...}}` objects, or one
+    such object; what follows the list is dropped (vLLM's legacy extraction)."""
+    text, s.held = s.held + text, ""
+    i = 0
+    while i < len(text):
+        if s.phase == Phase.CONTENT:
+            i = _content_until(s, text, i, out, MISTRAL_CALLS, Phase.LIST)
+            if i < 0:
+                return
+        elif s.phase == Phase.LIST:
+            m = _NON_SPACE.search(text, i)
+            if m is None:
+                return
+            i, ch = m.end(), m.group()
+            s.bare = ch == "{"
+            s.phase = Phase.BETWEEN if ch == "[" else Phase.OBJECT if s.bare else Phase.DONE
+        elif s.phase == Phase.BETWEEN:
+            if s.in_string:  # an item that is no call: skipped
+                i, _ = _string_end(s, text, i)
+                continue
+            m = _MISTRAL_ITEMS.search(text, i)
+            if m is None:
+                return
+            i, ch = m.end(), m.group()
+            if ch == '"':
+                s.in_string = True
+            elif ch == "{":
+                s.phase, s.expect = Phase.OBJECT, Expect.KEY
+            else:
+                s.phase = Phase.DONE
+        elif s.phase == Phase.OBJECT:
+            i = _object(s, text, i, out, parallel, _MISTRAL_ONE if s.bare else _MISTRAL_LIST)
+        else:
+            return
 
 
 # -- required ---------------------------------------------------------------------------------

@@ -146,6 +146,8 @@ def parse_context(
     if parsers.is_harmony(flags.reasoning_parser, flags.tool_call_parser):
         plan.tool_parser = flags.tool_call_parser  # channels are read whatever the choice
         return plan
+    if plan.tool_parser == "mistral" and "[ARGS]" not in vocab:
+        plan.calls_listed = True  # vLLM's test of a tokenizer before v11
     if plan.reasoning_start == "off" and plan.tool_choice == "none":
         return None
     return plan

@@ -14,11 +14,13 @@ from tokenizers import Tokenizer
 from tests.workers.derender.test_parsing import assemble
 from tests.workers.derender.test_parsing import ctx as chat_context
 from tests.workers.derender.test_parsing import run as derender_run
-from tokenway.parsers import TOOL_PARSERS
+from tokenway.api.openai import ChatCompletionRequest, FunctionDef, Message, Tool
+from tokenway.parsers import TOOL_PARSERS, ParserFlags
 from tokenway.tool_params import MARKUP_PARSERS, coerce, types_of
 from tokenway.wire import ParseContext, ToolParams
 from workers.derender import tool_markup, tools
 from workers.derender.detok import Detokenizer
+from workers.render.parse import parse_context
 
 WEATHER = ToolParams(
     name="get_weather",
@@ -356,3 +358,52 @@ def test_a_long_held_value_of_wide_characters_keeps_the_state_within_its_bound(
     (call,) = assemble(docs)["calls"].values()
     value = json.loads(call["arguments"])["opts"]
     assert value == body or value == json.loads(body)  # past the bound: its text
+
+
+MISTRAL_LISTED = ParseContext(tool_choice="auto", tool_parser="mistral", calls_listed=True)
+LISTED = {
+    "text, then a list of two calls, then text dropped": (
+        'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city":  "Zürich"}}, '
+        '{"name": "search", "arguments": {"query": [1,2]}}] done',
+        ("Checking. ", [("get_weather", '{"city": "Zürich"}'),
+                        ("search", '{"query": [1, 2]}')])),
+    "one call object, whitespace alone before it": (
+        '\n [TOOL_CALLS] {"name": "search", "arguments": {}} {"name": "not read"}',
+        (None, [("search", "{}")])),
+    "items that are no calls skipped, a call without arguments": (
+        '[TOOL_CALLS][{"name": "a"}, "junk", 3, {"name": "b", "arguments": {"x": null}}]',
+        (None, [("a", "{}"), ("b", '{"x": null}')])),
+    "brackets in text without the marker": ("[1, 2] and {x}", ("[1, 2] and {x}", [])),
+}  # fmt: skip
+
+
+def _listed(case: str) -> tuple[str, tuple[str | None, list[dict]]]:
+    text, (content, calls) = LISTED[case]
+    return text, (content, [{"name": n, "arguments": a} for n, a in calls])
+
+
+@pytest.mark.parametrize("case", sorted(LISTED))
+def test_mistral_calls_before_v11_are_a_json_list(case: str) -> None:
+    """A vocabulary without [ARGS] (Mistral Small 3.x): vLLM's legacy extraction, held to
+    vLLM's own on the tier (tests/vllm/test_tool_families.py)."""
+    text, expected = _listed(case)
+    assert run(MISTRAL_LISTED, [text]) == expected
+    assert run(MISTRAL_LISTED, list(text)) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(LISTED)), st.lists(st.integers(0, 300), max_size=10))
+def test_mistral_lists_read_the_same_at_any_cut(case: str, points: list[int]) -> None:
+    text, expected = _listed(case)
+    edges = [0, *sorted({p % (len(text) + 1) for p in points}), len(text)]
+    assert run(MISTRAL_LISTED, [text[a:b] for a, b in itertools.pairwise(edges)]) == expected
+
+
+def test_render_reads_a_vocabulary_without_args_as_mistral_before_v11() -> None:
+    req = ChatCompletionRequest(model="m", messages=[Message(role="user", content="x")],
+                                tools=[Tool(function=FunctionDef(name="f"))])  # fmt: skip
+    flags = ParserFlags(None, "mistral", True)
+    before = parse_context(req, [], flags, {"[TOOL_CALLS]": 5})
+    after = parse_context(req, [], flags, {"[TOOL_CALLS]": 5, "[ARGS]": 6})
+    assert before is not None and before.calls_listed
+    assert after is not None and not after.calls_listed
