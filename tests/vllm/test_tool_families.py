@@ -276,17 +276,24 @@ async def test_a_python_list_of_calls(pythonic: Any) -> None:
     assert all(s == ours for s in streams)
 
 
+def _with_tokens(tmp_path_factory: Any, name: str, tokens: list[str]) -> Path:
+    """The tiny model with `tokens` added to its tokenizer as special tokens."""
+    model = tmp_path_factory.mktemp(name) / "model"
+    shutil.copytree(Path(os.environ[MODEL_ENV]), model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens(tokens)
+    tokenizer.save(str(model / "tokenizer.json"))
+    return model
+
+
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
     """The tiny model's tokenizer with Mistral's control tokens added as special tokens
     ([THINK], [/THINK], [TOOL_CALLS], [ARGS]: vLLM's mistral parser refuses a vocabulary
     without them), on vLLM's render server and tokenway's derender core."""
-    tiny = Path(os.environ[MODEL_ENV])
-    model = tmp_path_factory.mktemp("mistral") / "model"
-    shutil.copytree(tiny, model)
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tokenizer.add_special_tokens(["[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"])
-    tokenizer.save(str(model / "tokenizer.json"))
+    model = _with_tokens(
+        tmp_path_factory, "mistral", ["[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"]
+    )
     with _served(tmp_path_factory, "mistral", model) as parts:
         yield "mistral", parts
 
@@ -307,12 +314,7 @@ async def test_mistral_calls(mistral: Any) -> None:
 def llama(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
     """The tiny model's tokenizer with Llama's `<|python_tag|>` added as a special token
     (vLLM's llama parsers refuse a vocabulary without it)."""
-    tiny = Path(os.environ[MODEL_ENV])
-    model = tmp_path_factory.mktemp("llama") / "model"
-    shutil.copytree(tiny, model)
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tokenizer.add_special_tokens(["<|python_tag|>"])
-    tokenizer.save(str(model / "tokenizer.json"))
+    model = _with_tokens(tmp_path_factory, "llama", ["<|python_tag|>"])
     with _served(tmp_path_factory, request.param, model) as parts:
         yield request.param, parts
 
@@ -352,12 +354,7 @@ async def test_a_llama_call_cut_by_max_tokens(llama: Any) -> None:
 def mistral_before_v11(tmp_path_factory: Any) -> Iterator[tuple[str, Any]]:
     """The tiny model's tokenizer with `[TOOL_CALLS]` but no `[ARGS]`: vLLM's mistral
     parser reads such a vocabulary as one before v11 (Mistral Small 3.x, Devstral 1.0)."""
-    tiny = Path(os.environ[MODEL_ENV])
-    model = tmp_path_factory.mktemp("mistral-v7") / "model"
-    shutil.copytree(tiny, model)
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tokenizer.add_special_tokens(["[TOOL_CALLS]"])
-    tokenizer.save(str(model / "tokenizer.json"))
+    model = _with_tokens(tmp_path_factory, "mistral-v7", ["[TOOL_CALLS]"])
     with _served(tmp_path_factory, "mistral", model) as parts:
         yield "mistral", parts
 

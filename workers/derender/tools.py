@@ -555,7 +555,6 @@ def _llama(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
 
 _MISTRAL_LIST = _Format(("arguments",), eager=True, after=Phase.BETWEEN)
 _MISTRAL_ONE = _Format(("arguments",), eager=True, after=Phase.DONE)
-_MISTRAL_ITEMS = re.compile(r'[\[\]{"]')
 
 
 def _mistral_list(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
@@ -577,19 +576,7 @@ def _mistral_list(s: ToolState, text: str, out: Emitted, parallel: bool) -> None
             s.bare = ch == "{"
             s.phase = Phase.BETWEEN if ch == "[" else Phase.OBJECT if s.bare else Phase.DONE
         elif s.phase == Phase.BETWEEN:
-            if s.in_string:  # an item that is no call: skipped
-                i, _ = _string_end(s, text, i)
-                continue
-            m = _MISTRAL_ITEMS.search(text, i)
-            if m is None:
-                return
-            i, ch = m.end(), m.group()
-            if ch == '"':
-                s.in_string = True
-            elif ch == "{":
-                s.phase, s.expect = Phase.OBJECT, Expect.KEY
-            else:
-                s.phase = Phase.DONE
+            i = _between_items(s, text, i)
         elif s.phase == Phase.OBJECT:
             i = _object(s, text, i, out, parallel, _MISTRAL_ONE if s.bare else _MISTRAL_LIST)
         else:
@@ -614,23 +601,29 @@ def _required(s: ToolState, text: str, out: Emitted, parallel: bool) -> None:
             i = m.end()
             s.phase = Phase.BETWEEN if m.group() == "[" else Phase.DONE
         elif s.phase == Phase.BETWEEN:
-            if s.in_string:  # a stray string item: skipped
-                i, _ = _string_end(s, text, i)
-                continue
-            m = _LIST_LEVEL.search(text, i)
-            if m is None:
-                return
-            i, ch = m.end(), m.group()
-            if ch == '"':
-                s.in_string = True
-            elif ch == "{":
-                s.phase, s.expect = Phase.OBJECT, Expect.KEY
-            else:
-                s.phase = Phase.DONE
+            i = _between_items(s, text, i)
         elif s.phase == Phase.OBJECT:
             i = _object(s, text, i, out, parallel, _REQUIRED)
         else:
             return
+
+
+def _between_items(s: ToolState, text: str, i: int) -> int:
+    """Between a list's items: a string item is skipped, an object opens a call, anything
+    else ends the list; where the scan stopped (the text's end: more is needed)."""
+    if s.in_string:
+        return _string_end(s, text, i)[0]
+    m = _LIST_LEVEL.search(text, i)
+    if m is None:
+        return len(text)
+    ch = m.group()
+    if ch == '"':
+        s.in_string = True
+    elif ch == "{":
+        s.phase, s.expect = Phase.OBJECT, Expect.KEY
+    else:
+        s.phase = Phase.DONE
+    return m.end()
 
 
 # -- a call's JSON object -------------------------------------------------------------------
