@@ -20,6 +20,18 @@ from workers.render.core import Renderer
 Parts = tuple[VllmServer, Renderer, LocalBackend]
 
 
+STEPS = (1, 3, 7)  # tokens per event of the streams held to a whole answer
+
+
+def whole_call(
+    ids: list[int], finish: str, request: dict[str, Any], prompt: list[int]
+) -> dict[str, Any]:
+    """A non-streaming derender call of `ids` (one choice) for the chat request `request`."""
+    whole = {"request_id": "generate-tokens-w", "output_mode": "tokens",
+             "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
+    return {"generate_response": whole, "prompt_token_ids": prompt, "chat_request": request}
+
+
 async def theirs(server: VllmServer, call: dict[str, Any]) -> Any:
     async with httpx.AsyncClient(base_url=server.url, timeout=60, trust_env=False) as http:
         resp = await http.post("/v1/chat/completions/derender", json=call)
@@ -77,3 +89,15 @@ async def streamed(
                                  args + (t["function"].get("arguments") or ""))  # fmt: skip
         last = delta_choice["finish_reason"] or last
     return Streamed(thought or None, text or None, [calls[i] for i in sorted(calls)], last)
+
+
+async def our_streams(
+    parts: Parts, ids: list[int], *, finish: str, request: dict[str, Any], prompt: list[int]
+) -> list[Streamed]:
+    """tokenway's streams of `ids` at each of STEPS tokens per event, assembled."""
+    return [
+        await streamed(
+            lambda call: ours(parts, call), ids, step, finish=finish, request=request, prompt=prompt
+        )
+        for step in STEPS
+    ]

@@ -31,15 +31,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
-import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from model_cli import main
+from model_cli import main, staged, write_json
 
 PACKAGE = "oss-harmony"
 NO_PACKAGE = 3  # exit status: the package is not installed in this python
@@ -268,16 +266,10 @@ def build(out: Path, harmony: Any) -> Path:
         "eos_token_id": [RETURN, END_OF_TEXT, CALL],
         "pad_token_id": END_OF_TEXT,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         (tmp / "tokenizer.json").write_text(_tokenizer_json(ranks, pattern, specials))
-        for name, doc in (
-            ("tokenizer_config.json", _tokenizer_config(specials)),
-            ("config.json", tiny_config()),
-            ("generation_config.json", generation),
-        ):
-            (tmp / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        docs = {"tokenizer_config.json": _tokenizer_config(specials), "config.json": tiny_config()}
+        write_json(tmp, docs | {"generation_config.json": generation})
         problems = [
             f"tiktoken encodes {text!r} otherwise"
             for text in CHECK_TEXTS
@@ -286,10 +278,6 @@ def build(out: Path, harmony: Any) -> Path:
         ] + check(tmp, harmony)
         if problems:
             raise RuntimeError("the converted tokenizer disagrees:\n" + "\n".join(problems[:20]))
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

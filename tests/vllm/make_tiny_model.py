@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from pathlib import Path
+
+from model_cli import staged
 
 SEED = 1234
 # Copied as they are: the tokenizer, its chat template (in tokenizer_config.json), EOS/BOS.
@@ -59,9 +60,7 @@ def build(tokenizer_dir: Path, out: Path) -> Path:
 
     source = json.loads((tokenizer_dir / "config.json").read_text())
     config = tiny_config(source["vocab_size"], source["bos_token_id"], source["eos_token_id"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32).eval()
         model.save_pretrained(tmp, safe_serialization=True)
@@ -70,10 +69,6 @@ def build(tokenizer_dir: Path, out: Path) -> Path:
         for name in COPIED:
             shutil.copyfile(tokenizer_dir / name, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

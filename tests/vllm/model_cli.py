@@ -1,5 +1,6 @@
-"""The command line the tier's model builders share (make_qwen_model.py, make_gptoss_model.py,
-each run as a script with the vLLM venv's python):
+"""What the tier's model builders share (make_qwen_model.py, make_gptoss_model.py,
+make_tiny_model.py, each run as a script with the vLLM venv's python): a directory built
+beside its place and renamed into it, and its JSON files; the first two, their command line
 
     --models-dir DIR   build `<name>-<package version>-<hash of the builder>` under DIR once,
                        and print it;
@@ -10,8 +11,12 @@ each run as a script with the vLLM venv's python):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
-from collections.abc import Callable
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,26 @@ def model_dir(models_dir: Path, name: str, version: str, builder: str) -> Path:
     """The directory for this package version and this builder (its file's hash)."""
     digest = hashlib.sha256(Path(builder).read_bytes()).hexdigest()[:12]
     return models_dir / f"{name}-{version}-{digest}"
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A directory beside `out` to build it in, renamed into place once the block ends
+    without an error (no process ever sees a partial one); removed otherwise."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(directory: Path, docs: dict[str, Any]) -> None:
+    """Each document as `directory/<name>`, indented JSON."""
+    for name, doc in docs.items():
+        (directory / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
 
 
 def main(

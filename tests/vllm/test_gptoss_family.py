@@ -251,19 +251,11 @@ async def _both(
     request = request or REQUEST
     tokenizer = Tokenizer.from_file(str(parts[0].model_dir / "tokenizer.json"))
     ids = tokenizer.encode(text, add_special_tokens=False).ids
-    whole = {"request_id": "generate-tokens-g", "output_mode": "tokens",
-             "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
-    call = {"generate_response": whole, "prompt_token_ids": [1, 2], "chat_request": request}
+    call = derendering.whole_call(ids, finish, request, [1, 2])
     theirs = _message(await derendering.theirs(parts[0], call))
     ours = _message(await derendering.ours(parts, call))
-    streams = []
-    for step in (1, 3, 7):
-        got = await derendering.streamed(
-            lambda c: derendering.ours(parts, c), ids, step,
-            finish=finish, request=request, prompt=[1, 2],
-        )  # fmt: skip
-        streams.append((got.reasoning, got.content, got.calls, got.finish))
-    return theirs, ours, streams
+    got = await derendering.our_streams(parts, ids, finish=finish, request=request, prompt=[1, 2])
+    return theirs, ours, [(g.reasoning, g.content, g.calls, g.finish) for g in got]
 
 
 def _analysis(text: str) -> str:

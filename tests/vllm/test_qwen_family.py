@@ -185,14 +185,6 @@ def _prompt(model_dir: Path, thinking: bool) -> list[int]:
     return _ids(model_dir, f"<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n{opened}")
 
 
-def _whole_call(
-    ids: list[int], finish: str, prompt: list[int], request: dict[str, Any]
-) -> dict[str, Any]:
-    whole = {"request_id": "generate-tokens-q", "output_mode": "tokens",
-             "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
-    return {"generate_response": whole, "prompt_token_ids": prompt, "chat_request": request}
-
-
 async def _both(
     family: tuple[str, Any], output: str, finish: str = "stop", thinking: bool = True
 ) -> tuple[Message, Message]:
@@ -204,14 +196,12 @@ async def _both(
     if finish == "stop":  # an engine's output that stops ends in the model's end of turn
         ids += _ids(model_dir, "<|im_end|>")
     prompt, request = _prompt(model_dir, thinking), _request(thinking)
-    theirs = _message(await derendering.theirs(parts[0], _whole_call(ids, finish, prompt, request)))
-    ours = _message(await derendering.ours(parts, _whole_call(ids, finish, prompt, request)))
-    for step in (1, 3, 7):
-        got = await derendering.streamed(
-            lambda call: derendering.ours(parts, call), ids, step,
-            finish=finish, request=request, prompt=prompt,
-        )  # fmt: skip
-        assert (got.reasoning, got.content, got.calls, got.finish) == ours, step
+    call = derendering.whole_call(ids, finish, request, prompt)
+    theirs = _message(await derendering.theirs(parts[0], call))
+    ours = _message(await derendering.ours(parts, call))
+    got = await derendering.our_streams(parts, ids, finish=finish, request=request, prompt=prompt)
+    for step, g in zip(derendering.STEPS, got, strict=True):
+        assert (g.reasoning, g.content, g.calls, g.finish) == ours, step
     return theirs, ours
 
 

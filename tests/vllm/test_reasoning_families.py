@@ -126,12 +126,6 @@ def _request(kwargs: dict[str, Any]) -> dict[str, Any]:
     return body | ({"chat_template_kwargs": kwargs} if kwargs else {})
 
 
-def _whole_call(ids: list[int], request: dict[str, Any]) -> dict[str, Any]:
-    whole = {"request_id": "generate-tokens-r", "output_mode": "tokens",
-             "choices": [{"index": 0, "finish_reason": "length", "token_ids": ids}]}  # fmt: skip
-    return {"generate_response": whole, "prompt_token_ids": PROMPT, "chat_request": request}
-
-
 def _message(doc: Any) -> Split:
     (choice,) = doc["choices"]
     return choice["message"].get("reasoning"), choice["message"]["content"]
@@ -161,11 +155,10 @@ async def _all(
     async def ours(call: dict[str, Any]) -> Any:
         return await derendering.ours(parts, call)
 
-    their_whole = _message(await theirs(_whole_call(ids, request)))
-    our_whole = _message(await ours(_whole_call(ids, request)))
-    steps = (1, 3, 7)
-    their_streams = [await _split(theirs, ids, step, request) for step in steps]
-    our_streams = [await _split(ours, ids, step, request) for step in steps]
+    call = derendering.whole_call(ids, "length", request, PROMPT)
+    their_whole, our_whole = _message(await theirs(call)), _message(await ours(call))
+    their_streams = [await _split(theirs, ids, step, request) for step in derendering.STEPS]
+    our_streams = [await _split(ours, ids, step, request) for step in derendering.STEPS]
     return their_whole, our_whole, their_streams, our_streams
 
 

@@ -148,12 +148,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[tu
         yield request.param, parts
 
 
-def _whole_call(ids: list[int], finish: str) -> dict[str, Any]:
-    whole = {"request_id": "generate-tokens-f", "output_mode": "tokens",
-             "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}  # fmt: skip
-    return {"generate_response": whole, "prompt_token_ids": [1, 2], "chat_request": REQUEST}
-
-
 def _message(doc: Any) -> tuple[Any, list[tuple[str, str]], str]:
     (choice,) = doc["choices"]
     calls = [(c["function"]["name"], c["function"]["arguments"])
@@ -172,16 +166,11 @@ async def _both(family: tuple[str, Any], text: str, finish: str = "stop") -> tup
     )
     if finish == "stop":  # an engine's output that stops ends in the model's end token
         ids.append(load_model_info(model_dir).eos_token_ids[0])
-    theirs = _message(await derendering.theirs(parts[0], _whole_call(ids, finish)))
-    ours = _message(await derendering.ours(parts, _whole_call(ids, finish)))
-    streams = []
-    for step in (1, 3, 7):
-        got = await derendering.streamed(
-            lambda call: derendering.ours(parts, call), ids, step,
-            finish=finish, request=REQUEST, prompt=[1, 2],
-        )  # fmt: skip
-        streams.append((got.content, got.calls, got.finish))
-    return theirs, ours, streams
+    call = derendering.whole_call(ids, finish, REQUEST, [1, 2])
+    theirs = _message(await derendering.theirs(parts[0], call))
+    ours = _message(await derendering.ours(parts, call))
+    got = await derendering.our_streams(parts, ids, finish=finish, request=REQUEST, prompt=[1, 2])
+    return theirs, ours, [(g.content, g.calls, g.finish) for g in got]
 
 
 async def test_text_then_two_calls_with_typed_nested_and_unicode_arguments(family: Any) -> None:
