@@ -59,16 +59,21 @@ def encoding() -> HarmonyEncoding:
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
 
 
+@functools.cache
+def _formatting_ids() -> dict[str, int]:
+    """Harmony's formatting tokens' ids, read once."""
+    enc = encoding()
+    return {token: enc.encode(token, allowed_special="all")[0] for token in FORMATTING}
+
+
 def check_vocabulary(vocab: Mapping[str, int]) -> None:
     """A gpt-oss model directory whose tokenizer gives harmony's tokens other ids would
     get prompts in another vocabulary than its own: refused when the renderer starts."""
-    enc = encoding()
-    for token in FORMATTING:
-        ours = enc.encode(token, allowed_special="all")
-        if vocab.get(token) is None or [vocab[token]] != ours:
+    for token, ours in _formatting_ids().items():
+        if vocab.get(token) != ours:
             raise ValueError(
                 f"the model's tokenizer has {token} at {vocab.get(token)}, harmony at "
-                f"{ours[0]}: a gpt_oss model directory needs gpt-oss's tokenizer"
+                f"{ours}: a gpt_oss model directory needs gpt-oss's tokenizer"
             )
 
 
@@ -211,10 +216,9 @@ def _trained_call_headers(ids: list[int]) -> list[int]:
     `<|start|>assistant<|channel|>commentary to=functions.X <|constrain|>json<|message|>`,
     which the model can echo with the recipient twice; vLLM writes them back as
     `<|start|>assistant to=functions.X<|channel|>commentary json<|message|>`."""
-    enc = encoding()
+    enc, ids_of = encoding(), _formatting_ids()
     start, channel, constrain, message = (
-        enc.encode(t, allowed_special="all")[0]
-        for t in ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
+        ids_of[t] for t in ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
     )
     out: list[int] = []
     i = 0
